@@ -1,0 +1,1 @@
+"""The wire format's single owner (numpy + msgpack, no vLLM): hand-off, tree and verdict frames."""

@@ -21,3 +21,8 @@ def tol(op: str, dtype: torch.dtype) -> dict[str, float]:
     """kwargs for torch.testing.assert_close / torch.allclose."""
     atol, rtol = TOLERANCES[(op, dtype)]
     return {"atol": atol, "rtol": rtol}
+
+# mobile_client drafters (float torch reference vs transformers on the same weights)
+TOLERANCES[("mtp_step", torch.float32)] = (1e-4, 1e-4)
+TOLERANCES[("slm_logits", torch.float32)] = (1e-3, 1e-4)
+TOLERANCES[("mtp_step_int8_kv", torch.float32)] = (0.25, 0.05)  # 8-bit K/V rows vs float rows, logits ~ +-30

@@ -1,0 +1,446 @@
+"""The phone's hybrid draft tree: paper Algorithm 3 (BuildTree) with decisions.md D3 and D5.
+
+A tree is a list of rows in insertion order. Row 0 is the root (the last committed token, the previous
+round's bonus token); every other row is a drafted node whose parent is an earlier row:
+
+    tokens[i]   token id of row i (full-vocabulary id)
+    parents[i]  row index of its parent; parents[0] == -1
+
+Scores (natural log) follow Algorithm 3, with ``a = ln(lam)`` (lam = 0.66, a ~ -0.4155):
+
+    chain node y_k            s = s(y_{k-1}) + a             (y_0 is the root, s(root) = 0)
+    runner-up y'_k (k <= D)   s = s(y_{k-1}) + 2a            only when y'_k != y_k
+    SLM candidate c of v      s = (s(v) + ln q(c|v)) + a     skipped when v already has a child c
+
+Worked example (paper Figure 2, K = 4, D = 2): root ``r``, chain ``[a1, a2, a3, a4]``, runner-ups
+``[b1, b2]`` plant 7 rows in insertion order ``r, a1, a2, a3, a4, b1, b2`` with scores
+``0, a, 2a, 3a, 4a, 2a, 3a``. The SLM frontier F is ordered by descending score, ties to the earlier row
+(D5): ``r, a1, a2, b1, a3, b2, a4``. Each frontier row proposes its 32 most likely tokens (ties to the lower
+id); the candidates join the tree in that order if they reach the B-th best score, and the tree is cut to
+the B best nodes (ties to the earlier row). Since every edge adds at most ``a < 0``, a node always scores
+below its parent, so the B best nodes are closed under ancestors.
+
+``build_tree`` is the pure function of issue 7; ``build_draft_tree`` returns the richer ``DraftTree``;
+``plant_tree`` + ``frontier_plan`` + ``grow_tree`` are the two-phase form a real SLM drafter drives (the
+plan says which rows its one forward computes, catch-up rows included). No vLLM here; torch is optional.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from vllm_hyco.errors import HycoError
+
+LAMBDA = 0.66  # per-edge acceptance factor (paper §3.1)
+BUDGET = 32  # B: drafted nodes per tree, root excluded
+TOPK = 32  # SLM candidates per frontier row
+_LOGQ_SLACK = 1e-3  # a log-probability above this is not one (logits passed by mistake)
+
+
+class TreeBuildError(HycoError, ValueError):
+    """Drafter outputs that cannot form a tree (wrong row count, NaN, logits instead of log-probs, ...)."""
+
+    code = "bad_draft_input"
+
+
+class Source(IntEnum):
+    """Which drafter planted a row (optional per-node label on the wire, D3); the same values as the
+    server's ``vllm_hyco.spec_decode.tree.NodeSource``."""
+
+    ROOT = 0
+    CHAIN = 1
+    RUNNER_UP = 2
+    SLM = 3
+    OTHER = 4
+
+
+@dataclass(frozen=True)
+class PaddedTree:
+    """A tree padded to a static row count by repeating its last row (the engine's and SLM graph's form).
+
+    Pad rows copy the last real row's token, parent, depth and ancestor-mask row, so they compute exactly
+    what that row computes; ``valid`` masks them out of acceptance and statistics.
+    """
+
+    tokens: np.ndarray  # [rows] int64
+    parents: np.ndarray  # [rows] int64, root -1
+    depths: np.ndarray  # [rows] int64, root 0
+    valid: np.ndarray  # [rows] bool, False on pad rows
+    ancestor_mask: np.ndarray  # [rows, rows] bool, [i, j] = row j is i or an ancestor of i
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """One drafted tree: rows in insertion order, the root first.
+
+    >>> t = DraftTree.make_dummy([7, 8, 9, 5], [-1, 0, 1, 0])
+    >>> t.num_nodes, t.depths()
+    (3, [0, 1, 2, 1])
+    """
+
+    tokens: tuple[int, ...]  # [n + 1]
+    parents: tuple[int, ...]  # [n + 1], parents[0] == -1, parents[i] < i
+    scores: tuple[float, ...]  # [n + 1], float64 log-scores, scores[0] == 0
+    sources: tuple[int, ...]  # [n + 1], Source values
+    budget: int = BUDGET  # the node budget this tree was built for (pads to budget + 1 rows)
+
+    @classmethod
+    def make_dummy(cls, tokens: Sequence[int], parents: Sequence[int], budget: int = BUDGET) -> DraftTree:
+        """A tree from plain lists (scores: one ``ln LAMBDA`` per edge; sources: CHAIN)."""
+        a = math.log(LAMBDA)
+        scores = [0.0]
+        for p in parents[1:]:
+            scores.append(scores[p] + a)
+        sources = [Source.ROOT] + [Source.CHAIN] * (len(tokens) - 1)
+        return cls(tuple(int(t) for t in tokens), tuple(int(p) for p in parents), tuple(scores),
+                   tuple(int(s) for s in sources), budget)
+
+    @property
+    def num_nodes(self) -> int:
+        """Drafted nodes, root excluded (the n <= B of D3)."""
+        return len(self.tokens) - 1
+
+    def depths(self) -> list[int]:
+        out = [0] * len(self.tokens)
+        for i in range(1, len(self.tokens)):
+            out[i] = out[self.parents[i]] + 1
+        return out
+
+    def path(self, row: int) -> list[int]:
+        """Rows from the root to ``row``, both included."""
+        rows = [row]
+        while self.parents[rows[-1]] >= 0:
+            rows.append(self.parents[rows[-1]])
+        return rows[::-1]
+
+    def children(self, row: int) -> list[int]:
+        return [i for i, p in enumerate(self.parents) if p == row]
+
+    def ancestor_mask(self) -> np.ndarray:
+        """[n + 1, n + 1] bool; ``[i, j]`` is True when row j is row i or one of its ancestors."""
+        n = len(self.tokens)
+        mask = np.zeros((n, n), dtype=bool)
+        for i in range(n):
+            if self.parents[i] >= 0:
+                mask[i] = mask[self.parents[i]]
+            mask[i, i] = True
+        return mask
+
+    def to_wire(self) -> tuple[list[int], list[int]]:
+        """(tokens, parents) with the root at row 0 and no padding, as D3 puts them on the wire."""
+        return list(self.tokens), list(self.parents)
+
+    def padded(self, rows: int | None = None) -> PaddedTree:
+        """The static form: ``rows`` (default budget + 1) rows, the last real row repeated."""
+        rows = self.budget + 1 if rows is None else rows
+        n = len(self.tokens)
+        if rows < n:
+            raise TreeBuildError(f"cannot pad a {n}-row tree to {rows} rows; build it with budget <= {rows - 1}")
+        take = np.minimum(np.arange(rows), n - 1)  # [rows] source row of each padded row
+        anc = self.ancestor_mask()  # [n, n]
+        mask = np.zeros((rows, rows), dtype=bool)
+        mask[:n, :n] = anc
+        mask[n:, :n] = anc[n - 1]
+        return PaddedTree(
+            tokens=np.asarray(self.tokens, dtype=np.int64)[take],
+            parents=np.asarray(self.parents, dtype=np.int64)[take],
+            depths=np.asarray(self.depths(), dtype=np.int64)[take],
+            valid=np.arange(rows) < n,
+            ancestor_mask=mask,
+        )
+
+
+@dataclass(frozen=True)
+class FrontierPlan:
+    """The rows one SLM forward computes (Algorithm 3 line 7-8, D5), in forward order.
+
+    Forward row ``i < len(catch_up)`` is a catch-up row: a committed token before the root that has no SLM
+    KV yet (oldest first). It is computed in the same pass and gets no candidates. The other forward rows
+    are the tree rows ``rows`` (indices into ``tokens``), by descending score, ties to the earlier row.
+    Position of forward row i = position of the root + ``positions()[i]`` (catch-up rows sit just before
+    the root). Every forward row attends to the SLM's committed window plus ``attend_mask()[i]``.
+    """
+
+    catch_up: tuple[int, ...]  # committed tokens before the root without SLM KV, oldest first
+    rows: tuple[int, ...]  # tree rows computed in this pass, forward order
+    tokens: tuple[int, ...]  # all tree rows so far (insertion order)
+    parents: tuple[int, ...]  # all tree rows so far
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.catch_up) + len(self.rows)
+
+    def forward_tokens(self) -> list[int]:
+        return list(self.catch_up) + [self.tokens[r] for r in self.rows]
+
+    def positions(self) -> list[int]:
+        """Offsets from the root's position: ``-c .. -1`` for catch-up rows, depth for tree rows."""
+        depth = DraftTree.make_dummy(self.tokens, self.parents).depths()
+        c = len(self.catch_up)
+        return list(range(-c, 0)) + [depth[r] for r in self.rows]
+
+    def attend_mask(self) -> np.ndarray:
+        """[num_rows, len(catch_up) + len(tokens)] bool over (catch-up tokens ++ all tree rows so far)."""
+        c = len(self.catch_up)
+        anc = DraftTree.make_dummy(self.tokens, self.parents).ancestor_mask()
+        mask = np.zeros((self.num_rows, c + len(self.tokens)), dtype=bool)
+        mask[:c, :c] = np.tril(np.ones((c, c), dtype=bool))
+        mask[c:, :c] = True
+        mask[c:, c:] = anc[list(self.rows)]
+        return mask
+
+    def row_paths(self) -> list[list[int]]:
+        """Each forward row's tokens from the first catch-up token to the row itself (for toy SLMs)."""
+        tree = DraftTree.make_dummy(self.tokens, self.parents)
+        out = [list(self.catch_up[: i + 1]) for i in range(len(self.catch_up))]
+        out += [list(self.catch_up) + [self.tokens[j] for j in tree.path(r)] for r in self.rows]
+        return out
+
+
+class _Nodes:
+    """Mutable rows while a tree grows (insertion order)."""
+
+    def __init__(self, tree: DraftTree):
+        self.tokens = list(tree.tokens)
+        self.parents = list(tree.parents)
+        self.scores = list(tree.scores)
+        self.sources = list(tree.sources)
+        self.kids: list[set[int]] = [set() for _ in self.tokens]
+        for i in range(1, len(self.tokens)):
+            self.kids[self.parents[i]].add(self.tokens[i])
+
+    def add(self, parent: int, token: int, score: float, source: Source) -> int:
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.scores.append(score)
+        self.sources.append(int(source))
+        self.kids.append(set())
+        self.kids[parent].add(token)
+        return len(self.tokens) - 1
+
+    def freeze(self, budget: int) -> DraftTree:
+        return DraftTree(tuple(self.tokens), tuple(self.parents), tuple(self.scores), tuple(self.sources),
+                         budget)
+
+
+def _log_lambda(lam: float) -> float:
+    if not 0.0 < lam <= 1.0:
+        raise TreeBuildError(f"lam must be in (0, 1], got {lam}; the paper uses 0.66")
+    return math.log(lam)
+
+
+def _check_token(t: Any, what: str) -> int:
+    if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)) or t < 0:
+        raise TreeBuildError(f"{what} must be a non-negative int token id, got {t!r}")
+    return int(t)
+
+
+def plant_tree(root: int, chain: Sequence[int], runner_ups: Sequence[int], *, lam: float = LAMBDA,
+               budget: int = BUDGET) -> DraftTree:
+    """Algorithm 3 lines 2-6: the root, the MTP chain and its runner-up siblings, with their scores."""
+    a = _log_lambda(lam)
+    if len(runner_ups) > len(chain):
+        raise TreeBuildError(f"{len(runner_ups)} runner-ups for a chain of {len(chain)}: need D <= K")
+    nodes = _Nodes(DraftTree((_check_token(root, "root"),), (-1,), (0.0,), (int(Source.ROOT),), budget))
+    u = [0]
+    for y in chain:
+        u.append(nodes.add(u[-1], _check_token(y, "chain token"), nodes.scores[u[-1]] + a, Source.CHAIN))
+    for k, y2 in enumerate(runner_ups, start=1):
+        if _check_token(y2, "runner-up") != int(chain[k - 1]):
+            nodes.add(u[k - 1], int(y2), nodes.scores[u[k - 1]] + 2 * a, Source.RUNNER_UP)
+    return nodes.freeze(budget)
+
+
+def frontier_order(scores: Sequence[float], rows: Sequence[int]) -> list[int]:
+    """``rows`` by descending score, ties to the earlier (lower) row (D5)."""
+    return sorted(rows, key=lambda r: (-scores[r], r))
+
+
+def frontier_plan(tree: DraftTree, rows: Sequence[int] | None = None, catch_up: Sequence[int] = ()) -> FrontierPlan:
+    """The plan of one SLM forward over ``rows`` (default: every row of ``tree``) after ``catch_up``."""
+    rows = range(len(tree.tokens)) if rows is None else rows
+    order = frontier_order(tree.scores, rows)
+    return FrontierPlan(tuple(int(t) for t in catch_up), tuple(order), tree.tokens, tree.parents)
+
+
+def _topk_rows(lp: Any, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The k largest entries of each row, descending: (values float64 [R, k], cols int64 [R, k])."""
+    if type(lp).__module__.startswith("torch"):
+        vals, cols = lp.detach().topk(k, dim=1)
+        return vals.double().cpu().numpy(), cols.cpu().numpy()
+    lp = np.asarray(lp)
+    V = lp.shape[1]
+    cols = np.argpartition(lp, V - k, axis=1)[:, V - k:]  # [R, k] unordered
+    vals = np.take_along_axis(lp, cols, axis=1).astype(np.float64)
+    order = np.argsort(-vals, axis=1, kind="stable")
+    return np.take_along_axis(vals, order, axis=1), np.take_along_axis(cols, order, axis=1).astype(np.int64)
+
+
+def _row_exact(row: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Slow path for one row whose k-th and (k+1)-th values tie: the k best, ties to the lower column."""
+    row = np.asarray(row, dtype=np.float64)
+    thr = np.partition(row, row.size - k)[row.size - k]
+    cols = np.nonzero(row >= thr)[0] if thr > -math.inf else np.nonzero(row > -math.inf)[0]
+    cols = cols[np.lexsort((cols, -row[cols]))][:k]
+    return row[cols], cols.astype(np.int64)
+
+
+def top_candidates(lp: Any, k: int, ids: Any = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each row's k most likely tokens, ties to the lower token id (D5); -inf entries are never proposed.
+
+    ``lp``: [R, V] log q (torch tensor or numpy array); ``ids``: [V] keep-set -> full-vocabulary id map
+    (sorted ascending), or None for the full vocabulary. Returns flat arrays ``(row, token, logq)``,
+    sorted by (row, -logq, token).
+
+    >>> r, t, q = top_candidates(np.log(np.array([[0.5, 0.25, 0.25]])), 2)
+    >>> r.tolist(), t.tolist()
+    ([0, 0], [0, 1])
+    """
+    R, V = lp.shape
+    k = min(k, V)
+    if R == 0 or k <= 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.float64)
+    vals, cols = _topk_rows(lp, min(k + 1, V))  # [R, k(+1)]
+    if np.isnan(vals).any():
+        raise TreeBuildError("SLM log-probabilities contain NaN")
+    if k < V:
+        ties = np.nonzero(vals[:, k] == vals[:, k - 1])[0]
+        vals, cols = vals[:, :k].copy(), cols[:, :k].copy()
+        for r in ties.tolist():
+            rv, rc = _row_exact(lp[r].detach().double().cpu().numpy() if hasattr(lp, "detach") else lp[r], k)
+            vals[r, :] = -math.inf
+            vals[r, : rv.size], cols[r, : rc.size] = rv, rc
+    if vals.max(initial=-math.inf) > _LOGQ_SLACK:
+        raise TreeBuildError(f"SLM rows must be log-probabilities (log_softmax), got a value {vals.max():.3g} > 0")
+    rows = np.repeat(np.arange(R, dtype=np.int64), k)
+    vals, cols = vals.reshape(-1), cols.reshape(-1)
+    tokens = cols if ids is None else np.asarray(ids, dtype=np.int64)[cols]
+    finite = vals > -math.inf
+    rows, tokens, vals = rows[finite], tokens[finite], vals[finite]
+    order = np.lexsort((tokens, -vals, rows))
+    return rows[order], tokens[order], vals[order]
+
+
+def _bth_highest(scores: np.ndarray, b: int) -> float:
+    """theta of Algorithm 3 line 14: the b-th highest score, -inf when fewer than b (inf when b == 0)."""
+    if b <= 0:
+        return math.inf
+    if scores.size < b:
+        return -math.inf
+    return float(np.partition(scores, scores.size - b)[scores.size - b])
+
+
+def _expand(nodes: _Nodes, rows: Sequence[int], lp: Any, ids: Any, *, topk: int, budget: int,
+            a: float) -> list[int]:
+    """Algorithm 3 lines 9-14 for one SLM pass: candidates under ``rows`` (F order, lp aligned), threshold,
+    insert. Returns the inserted rows."""
+    prow, tok, q = top_candidates(lp, topk, ids)
+    parent = np.asarray(rows, dtype=np.int64)[prow]
+    score = (np.asarray(nodes.scores, dtype=np.float64)[parent] + q) + a  # [n_cand] float64
+    fresh = np.array([t not in nodes.kids[p] for p, t in zip(parent.tolist(), tok.tolist())], dtype=bool)
+    parent, tok, score = parent[fresh], tok[fresh], score[fresh]
+    theta = _bth_highest(np.concatenate([np.asarray(nodes.scores[1:], dtype=np.float64), score]), budget)
+    sel = np.nonzero(score >= theta)[0]
+    return [nodes.add(int(parent[i]), int(tok[i]), float(score[i]), Source.SLM) for i in sel.tolist()]
+
+
+def trim(tree: DraftTree, budget: int) -> DraftTree:
+    """Algorithm 3 lines 16-17: the ``budget`` best nodes (ties to the earlier row) and their ancestors,
+    in insertion order, parents re-indexed."""
+    n = len(tree.tokens)
+    order = sorted(range(1, n), key=lambda r: (-tree.scores[r], r))[: max(budget, 0)]
+    keep = {0}
+    for r in order:
+        while r not in keep:
+            keep.add(r)
+            r = tree.parents[r]
+    kept = sorted(keep)
+    new_row = {r: i for i, r in enumerate(kept)}
+    return DraftTree(
+        tuple(tree.tokens[r] for r in kept),
+        tuple(-1 if r == 0 else new_row[tree.parents[r]] for r in kept),
+        tuple(tree.scores[r] for r in kept),
+        tuple(tree.sources[r] for r in kept),
+        tree.budget,
+    )
+
+
+def _logprob_rows(out: Any) -> tuple[Any, Any]:
+    """Accept a bare [rows, V] tensor/array or an object with ``.logprobs`` (and optional ``.ids``)."""
+    if hasattr(out, "logprobs"):
+        return out.logprobs, getattr(out, "ids", None)
+    return out, None
+
+
+def _candidate_rows(plan: FrontierPlan, lp: Any) -> Any:
+    """The tree-row part of an SLM output: all forward rows (catch-up first) or just the tree rows."""
+    if lp.shape[0] == plan.num_rows:
+        return lp[len(plan.catch_up):]
+    if lp.shape[0] == len(plan.rows):
+        return lp
+    raise TreeBuildError(f"SLM output has {lp.shape[0]} rows; the plan has {len(plan.catch_up)} catch-up and "
+                         f"{len(plan.rows)} tree rows")
+
+
+def grow_tree(planted: DraftTree, plan: FrontierPlan, slm_logprobs: Any, *, budget: int | None = None,
+              topk: int = TOPK, lam: float = LAMBDA, keep_ids: Any = None,
+              second_pass: Callable[[FrontierPlan], Any] | None = None) -> DraftTree:
+    """Algorithm 3 lines 9-17 on a planted tree, given the SLM output for ``plan`` (forward-row order).
+
+    ``slm_logprobs``: [plan.num_rows or len(plan.rows), V] log q over the keep set (``keep_ids`` maps
+    column -> full id) or the full vocabulary. ``second_pass`` (HyCo-2P, line 15) runs the SLM over a new
+    plan whose rows are the nodes the first pass added and returns their log q the same way.
+    """
+    budget = planted.budget if budget is None else budget
+    if budget < 0:
+        raise TreeBuildError(f"budget must be >= 0, got {budget}")
+    a = _log_lambda(lam)
+    nodes = _Nodes(planted)
+    lp, ids = _logprob_rows(slm_logprobs)
+    added = _expand(nodes, plan.rows, _candidate_rows(plan, lp), keep_ids if ids is None else ids,
+                    topk=topk, budget=budget, a=a)
+    if second_pass is not None and added:
+        plan2 = frontier_plan(nodes.freeze(budget), added)
+        lp2, ids2 = _logprob_rows(second_pass(plan2))
+        _expand(nodes, plan2.rows, _candidate_rows(plan2, lp2), keep_ids if ids2 is None else ids2,
+                topk=topk, budget=budget, a=a)
+    return trim(nodes.freeze(budget), budget)
+
+
+def build_draft_tree(root: int, chain: Sequence[int], runner_ups: Sequence[int], slm_logprobs: Any, *,
+                     budget: int = BUDGET, lam: float = LAMBDA, topk: int = TOPK, keep_ids: Any = None,
+                     second_pass: Callable[[FrontierPlan], Any] | None = None) -> DraftTree:
+    """``build_tree`` returning the whole ``DraftTree`` (scores, sources, padding, masks).
+
+    ``slm_logprobs``: [R, V] log q of the planted rows in insertion order (root, chain tokens, then each
+    planted runner-up), R = 1 + K + #planted runner-ups.
+    """
+    planted = plant_tree(root, chain, runner_ups, lam=lam, budget=budget)
+    lp, ids = _logprob_rows(slm_logprobs)
+    if lp.shape[0] != len(planted.tokens):
+        raise TreeBuildError(
+            f"slm_logprobs has {lp.shape[0]} rows; expected {len(planted.tokens)} (root, {len(chain)} chain "
+            f"tokens, {len(planted.tokens) - 1 - len(chain)} planted runner-ups, in insertion order)")
+    plan = frontier_plan(planted)
+    return grow_tree(planted, plan, lp[list(plan.rows)], budget=budget, topk=topk, lam=lam,
+                     keep_ids=keep_ids if ids is None else ids, second_pass=second_pass)
+
+
+def build_tree(root: int, chain: Sequence[int], runner_ups: Sequence[int], slm_logprobs: Any, *,
+               budget: int = BUDGET, lam: float = LAMBDA, topk: int = TOPK) -> tuple[list[int], list[int]]:
+    """Algorithm 3 (issue 7 item 1): the kept rows' ``(tokens, parents)`` in insertion order, unpadded.
+
+    Shape: slm_logprobs [1 + K + #planted runner-ups, V] over the full vocabulary.
+
+    >>> import math
+    >>> lp = np.full((2, 4), math.log(0.25))
+    >>> build_tree(5, [1], [], lp, budget=3)
+    ([5, 1, 0, 2], [-1, 0, 0, 0])
+    """
+    tree = build_draft_tree(root, chain, runner_ups, slm_logprobs, budget=budget, lam=lam, topk=topk)
+    return tree.to_wire()

@@ -1,0 +1,155 @@
+"""@triton.jit body of paged tree attention (launcher and layout notes: ``kernels/tree_attention.py``).
+
+One program = one request x one KV head x one block of BLOCK_Q query rows. The BLOCK_Q rows and the
+QPK_P query heads that share the KV head are packed into BLOCK_M = BLOCK_Q * QPK_P rows of one tile, so
+K/V tiles are read once per KV head (GQA). Keys are walked by cache index in tiles of TILE_N; a key's
+position is its index in the committed prefix and ``t + depth`` for the rows written this step.
+Written against the API common to Triton 3.6 and 3.9.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _softcap(s, cap):
+    # cap * tanh(s / cap), tanh through exp(-2|x|) so large |x| cannot overflow
+    x = s / cap
+    e = tl.exp(-2.0 * tl.abs(x))
+    th = (1.0 - e) / (1.0 + e)
+    return cap * tl.where(x < 0, -th, th)
+
+
+@triton.jit
+def tree_attention_kernel(
+    out_ptr,  # [num_rows, num_q_heads, head_dim]
+    q_ptr,  # [num_rows, num_q_heads, head_dim]
+    k_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim] (unused when K_EQ_V)
+    block_table_ptr,  # [num_reqs, max_blocks] int32
+    query_start_ptr,  # [num_reqs + 1] int32
+    seq_lens_ptr,  # [num_reqs] int32
+    mask_ptr,  # [num_rows] int64 ancestor bits (0: causal row)
+    depth_ptr,  # [num_rows] int32
+    scale,
+    softcap,
+    stride_qt, stride_qh,
+    stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_bt,
+    QPK: tl.constexpr,  # query heads per KV head
+    QPK_P: tl.constexpr,  # QPK rounded up to a power of two
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # paged-cache block size
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # BLOCK_Q * QPK_P
+    TILE_N: tl.constexpr,
+    WINDOW: tl.constexpr,  # sliding window (0: none)
+    USE_SOFTCAP: tl.constexpr,
+    K_EQ_V: tl.constexpr,
+    UPCAST: tl.constexpr,  # fp32 operands for tl.dot (interpreter bf16, P11)
+    DOT_PREC: tl.constexpr,  # "ieee" for fp32 operands, so fp32 stays exact (no tf32)
+):
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    q_block = tl.program_id(2)
+
+    q_start = tl.load(query_start_ptr + req)
+    n_rows = tl.load(query_start_ptr + req + 1) - q_start
+    if q_block * BLOCK_Q >= n_rows:
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    prefix = seq_len - n_rows  # t: rows of this step sit at cache indices t .. t + n - 1
+
+    m = tl.arange(0, BLOCK_M)
+    row = q_block * BLOCK_Q + m // QPK_P  # [BLOCK_M] row index inside the request
+    head = kv_head * QPK + m % QPK_P
+    row_ok = (row < n_rows) & (m % QPK_P < QPK)
+    d = tl.arange(0, HEAD_DIM_P)
+    d_ok = d < HEAD_DIM
+
+    row_mask = tl.load(mask_ptr + q_start + row, mask=row_ok, other=0)  # [BLOCK_M] int64
+    row_depth = tl.load(depth_ptr + q_start + row, mask=row_ok, other=0)
+    row_pos = prefix + row_depth
+
+    q = tl.load(
+        q_ptr + (q_start + row)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )  # [BLOCK_M, HEAD_DIM_P]
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    hi = tl.minimum(seq_len, prefix + (q_block + 1) * BLOCK_Q)
+    lo = 0
+    if WINDOW > 0:
+        min_pos = tl.min(tl.where(row_ok, row_pos, seq_len), axis=0)
+        lo = tl.maximum(min_pos - WINDOW + 1, 0)
+        any_tree = tl.max(tl.where(row_ok, row_mask, 0), axis=0) != 0
+        lo = tl.where(any_tree, tl.minimum(lo, prefix), lo)  # tree keys: index != position
+        lo = (lo // TILE_N) * TILE_N
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_P], tl.float32)
+
+    for start in range(lo, hi, TILE_N):
+        kidx = start + tl.arange(0, TILE_N)  # [TILE_N] cache index
+        k_ok = kidx < hi
+        blk = tl.load(block_table_ptr + req * stride_bt + kidx // BLOCK_SIZE, mask=k_ok, other=0)
+        slot_off = (kidx % BLOCK_SIZE).to(tl.int64)
+        blk = blk.to(tl.int64)
+        kt = tl.load(
+            k_ptr + blk[None, :] * stride_kb + slot_off[None, :] * stride_ks + kv_head * stride_kh
+            + d[:, None],
+            mask=k_ok[None, :] & d_ok[:, None],
+            other=0.0,
+        )  # [HEAD_DIM_P, TILE_N]
+        if K_EQ_V:
+            v = tl.trans(kt)
+        else:
+            v = tl.load(
+                v_ptr + blk[:, None] * stride_vb + slot_off[:, None] * stride_vs + kv_head * stride_vh
+                + d[None, :],
+                mask=k_ok[:, None] & d_ok[None, :],
+                other=0.0,
+            )  # [TILE_N, HEAD_DIM_P]
+        if UPCAST:
+            kt = kt.to(tl.float32)
+            v = v.to(tl.float32)
+
+        in_step = kidx >= prefix
+        step_i = kidx - prefix  # [TILE_N] row index of a key written this step
+        key_depth = tl.load(depth_ptr + q_start + step_i, mask=k_ok & in_step, other=0)
+        key_pos = tl.where(in_step, prefix + key_depth, kidx)
+
+        bit = tl.minimum(tl.maximum(step_i, 0), 63).to(tl.int64)
+        tree_vis = ((row_mask[:, None] >> bit[None, :]) & 1) != 0
+        causal_vis = step_i[None, :] <= row[:, None]
+        step_vis = tl.where(row_mask[:, None] == 0, causal_vis, tree_vis)
+        vis = k_ok[None, :] & row_ok[:, None] & ((~in_step)[None, :] | step_vis)
+        if WINDOW > 0:
+            vis = vis & (key_pos[None, :] > row_pos[:, None] - WINDOW)
+
+        s = tl.dot(q, kt, input_precision=DOT_PREC) * scale  # [BLOCK_M, TILE_N]
+        if USE_SOFTCAP:
+            s = _softcap(s, softcap)
+        s = tl.where(vis, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    tl.store(
+        out_ptr + (q_start + row)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+        o.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & d_ok[None, :],
+    )

@@ -1,0 +1,299 @@
+"""Paged tree attention: the Triton launcher, its torch twin, and the dense building block.
+
+Layout (vLLM 0.32's Triton attention backend, ``v1/attention/backends/triton_attn.py``): the per-layer
+cache viewed as ``kv_cache.transpose(1, 2).split(head_size, -1)`` gives ``k_cache`` and ``v_cache`` of
+logical shape ``[num_blocks, block_size, num_kv_heads, head_dim]`` with any strides (last dim contiguous).
+Cache index ``i`` of request ``r`` lives at block ``block_table[r, i // block_size]``, offset
+``i % block_size``. Gemma-4 full layers share K and V (``k_eq_v``): pass the same tensor twice.
+
+Per request ``r`` with ``n = query_start_loc[r + 1] - query_start_loc[r]`` rows and ``seq_lens[r]`` keys:
+the committed prefix is ``[0, t)`` with ``t = seq_lens[r] - n``, and the step's own K/V are already in the
+cache at indices ``t .. t + n - 1`` (as vLLM writes them before attention). Each row has a ``depth`` and an
+``ancestor_mask`` (int64, bit ``i`` set iff row ``i`` is an ancestor of the row or the row itself):
+
+* tree row ``j`` (mask != 0): position ``t + depth[j]``; sees the prefix and the rows in its mask;
+* causal row ``j`` (mask == 0, ordinary decode/prefill, ``depth[j] = j``): sees cache indices ``<= t + j``.
+
+A key at index ``k`` has position ``k`` in the prefix and ``t + depth[k - t]`` among the step's rows. With a
+sliding window ``W``, a key at position ``p`` is visible to a row at position ``P`` iff ``p > P - W``
+(vLLM's convention: the row itself plus ``W - 1`` keys before it). An optional logit softcap computes
+``cap * tanh(scale * q.k / cap)``.
+
+Worked example: prefix t = 3, tree root -> {a, b}, a -> c (rows 0..3, parents [-1, 0, 0, 1]):
+depths [0, 1, 1, 2], masks [0b0001, 0b0011, 0b0101, 0b1011]; row 3 (c, position 5) sees cache indices
+0, 1, 2 (prefix), 3 (root), 4 (a) and 6 (itself), but not 5 (b).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from vllm_hyco.kernels._backend import KernelInputError, next_pow2, upcast_dot
+
+MAX_TREE_ROWS = 64  # one int64 ancestor mask per row
+
+
+@dataclass
+class TreeAttentionMetadata:
+    """Per-step metadata of a (mixed) batch; one row per query token, rows of a request contiguous."""
+
+    # [num_reqs + 1] int32, cumulative rows (vLLM's query_start_loc)
+    query_start_loc: torch.Tensor
+    # [num_reqs] int32, keys in the cache per request including this step's rows (vLLM's seq_lens)
+    seq_lens: torch.Tensor
+    # [num_reqs, max_blocks_per_req] int32
+    block_table: torch.Tensor
+    # [num_rows] int64, ancestor bits of tree rows; 0 marks a causal row
+    ancestor_mask: torch.Tensor
+    # [num_rows] int32, depth of a tree row (its position is t + depth); j for causal row j
+    depths: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_reqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    def to(self, device: torch.device | str) -> TreeAttentionMetadata:
+        moved = {k: getattr(self, k).to(device) for k in
+                 ("query_start_loc", "seq_lens", "block_table", "ancestor_mask", "depths")}
+        return TreeAttentionMetadata(**moved, max_query_len=self.max_query_len, max_seq_len=self.max_seq_len)
+
+    @classmethod
+    def make_dummy(
+        cls,
+        prefix_lens: list[int],
+        rows: list[list[int] | int],
+        block_size: int,
+        num_blocks: int | None = None,
+        seed: int = 0,
+    ) -> TreeAttentionMetadata:
+        """Build metadata from plain lists; blocks are drawn at random (without reuse) from the pool.
+
+        ``rows[r]`` is either a parents list (tree request; ``parents[0] == -1``, parents[j] < j) or an int
+        ``n`` (causal request of n rows). ``num_blocks`` defaults to exactly the blocks needed.
+
+        >>> m = TreeAttentionMetadata.make_dummy([3, 5], [[-1, 0, 0, 1], 2], block_size=4)
+        >>> m.ancestor_mask.tolist(), m.depths.tolist(), m.seq_lens.tolist()
+        ([1, 3, 5, 11, 0, 0], [0, 1, 1, 2, 0, 1], [7, 7])
+        """
+        masks, depths, counts = [], [], []
+        for spec in rows:
+            if isinstance(spec, int):
+                masks += [0] * spec
+                depths += list(range(spec))
+                counts.append(spec)
+            else:
+                m, dep = ancestor_masks_from_parents(spec)
+                masks += m
+                depths += dep
+                counts.append(len(spec))
+        seq = [t + n for t, n in zip(prefix_lens, counts)]
+        per_req = [-(-s // block_size) for s in seq]
+        total = num_blocks if num_blocks is not None else sum(per_req)
+        if total < sum(per_req):
+            raise KernelInputError(f"num_blocks={total} < {sum(per_req)} blocks needed")
+        pool = list(range(total))
+        random.Random(seed).shuffle(pool)
+        width = max(per_req + [1])
+        table = torch.zeros(len(seq), width, dtype=torch.int32)
+        for r, nb in enumerate(per_req):
+            table[r, :nb] = torch.tensor(pool[:nb], dtype=torch.int32)
+            pool = pool[nb:]
+        qsl = torch.tensor([0] + counts, dtype=torch.int32).cumsum(0).to(torch.int32)
+        return cls(
+            query_start_loc=qsl,
+            seq_lens=torch.tensor(seq, dtype=torch.int32),
+            block_table=table,
+            ancestor_mask=torch.tensor(masks, dtype=torch.int64),
+            depths=torch.tensor(depths, dtype=torch.int32),
+            max_query_len=max(counts + [0]),
+            max_seq_len=max(seq + [0]),
+        )
+
+
+def ancestor_masks_from_parents(parents: list[int]) -> tuple[list[int], list[int]]:
+    """Ancestor bitmasks (self included) and depths of a topologically ordered parents list.
+
+    >>> ancestor_masks_from_parents([-1, 0, 0, 1])
+    ([1, 3, 5, 11], [0, 1, 1, 2])
+    """
+    if not parents or parents[0] != -1:
+        raise KernelInputError("parents[0] must be -1 (the root)")
+    if len(parents) > MAX_TREE_ROWS:
+        raise KernelInputError(f"a tree has at most {MAX_TREE_ROWS} rows, got {len(parents)}")
+    masks, depths = [1], [0]
+    for j, p in enumerate(parents[1:], start=1):
+        if not 0 <= p < j:
+            raise KernelInputError(f"parents[{j}] = {p}: must be in [0, {j})")
+        masks.append(masks[p] | (1 << j))
+        depths.append(depths[p] + 1)
+    # bit 63 as a signed int64
+    masks = [m - (1 << 64) if m >= 1 << 63 else m for m in masks]
+    return masks, depths
+
+
+def visibility_mask(
+    n_rows: int, prefix_len: int, ancestor_mask: torch.Tensor, depths: torch.Tensor, sliding_window: int | None
+) -> torch.Tensor:
+    """[n_rows, prefix_len + n_rows] bool: which keys each row of one request sees (rules above)."""
+    dev = ancestor_mask.device
+    mask = ancestor_mask.to(torch.int64).view(-1, 1)  # [n, 1]
+    i = torch.arange(n_rows, device=dev)
+    bits = ((mask >> i.clamp(max=63).view(1, -1)) & 1) != 0  # [n, n]
+    causal = i.view(1, -1) <= i.view(-1, 1)
+    step = torch.where(mask == 0, causal, bits)
+    vis = torch.cat([torch.ones(n_rows, prefix_len, dtype=torch.bool, device=dev), step], dim=1)
+    if sliding_window:
+        row_pos = prefix_len + depths.to(torch.int64)  # [n]
+        key_pos = torch.cat([torch.arange(prefix_len, device=dev), row_pos])  # [t + n]
+        vis &= key_pos.view(1, -1) > row_pos.view(-1, 1) - sliding_window
+    return vis
+
+
+def tree_attention_dense_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    prefix_len: int,
+    ancestor_mask: torch.Tensor,
+    depths: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Tree attention of ONE request over gathered contiguous K/V (fp32 math, output in ``q.dtype``).
+
+    Shape: q [n, num_q_heads, D]; k, v [prefix_len + n, num_kv_heads, D] (k may be v); masks/depths [n].
+    This is what the CPU engine calls on K/V it gathers from its own cache layout.
+
+    >>> q = torch.randn(2, 2, 16); kv = torch.randn(5, 1, 16)
+    >>> tree_attention_dense_ref(q, kv, kv, 3, torch.tensor([1, 3]), torch.tensor([0, 1]), 0.25).shape
+    torch.Size([2, 2, 16])
+    """
+    n, hq, _ = q.shape
+    hkv = k.shape[1]
+    if k.shape[0] != prefix_len + n or hq % hkv:
+        raise KernelInputError(f"k has {k.shape[0]} rows for prefix {prefix_len} + {n}; heads {hq}/{hkv}")
+    vis = visibility_mask(n, prefix_len, ancestor_mask, depths, sliding_window)  # [n, t + n]
+    qf = q.float().transpose(0, 1)  # [hq, n, D]
+    kf = k.float().repeat_interleave(hq // hkv, dim=1).transpose(0, 1)  # [hq, t + n, D]
+    vf = v.float().repeat_interleave(hq // hkv, dim=1).transpose(0, 1)
+    s = torch.matmul(qf, kf.transpose(1, 2)) * scale  # [hq, n, t + n]
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    s = s.masked_fill(~vis, float("-inf"))
+    o = torch.matmul(torch.softmax(s, dim=-1), vf)  # [hq, n, D]
+    return o.transpose(0, 1).to(q.dtype)
+
+
+def gather_request_kv(cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """[seq_len, num_kv_heads, D]: the first ``seq_len`` cache indices of one request, contiguous."""
+    bs = cache.shape[1]
+    idx = torch.arange(seq_len, device=cache.device)
+    blocks = block_table_row.to(torch.int64)[idx // bs]
+    return cache[blocks, idx % bs]
+
+
+def _check_inputs(q, k_cache, v_cache, meta: TreeAttentionMetadata) -> None:
+    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise KernelInputError(
+            f"expected q [rows, heads, D] and caches [blocks, block_size, kv_heads, D]; got "
+            f"{tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
+        )
+    if q.shape[2] != k_cache.shape[3] or q.shape[1] % k_cache.shape[2]:
+        raise KernelInputError(f"head_dim / GQA mismatch: q {tuple(q.shape)} vs cache {tuple(k_cache.shape)}")
+    if meta.ancestor_mask.shape[0] != q.shape[0] or meta.depths.shape[0] != q.shape[0]:
+        raise KernelInputError("ancestor_mask and depths need one entry per query row")
+
+
+def tree_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: TreeAttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Torch twin of :func:`tree_attention_triton`: gather each request's K/V, then the dense reference.
+
+    Shape: q, out [num_rows, num_q_heads, D]; caches [num_blocks, block_size, num_kv_heads, D].
+    """
+    _check_inputs(q, k_cache, v_cache, meta)
+    out = torch.empty_like(q) if out is None else out
+    qsl = meta.query_start_loc.tolist()
+    seq = meta.seq_lens.tolist()
+    for r in range(meta.num_reqs):
+        a, b = qsl[r], qsl[r + 1]
+        if b == a:
+            continue
+        k = gather_request_kv(k_cache, meta.block_table[r], seq[r])
+        v = k if _same_storage(k_cache, v_cache) else gather_request_kv(v_cache, meta.block_table[r], seq[r])
+        out[a:b] = tree_attention_dense_ref(
+            q[a:b], k, v, seq[r] - (b - a), meta.ancestor_mask[a:b], meta.depths[a:b],
+            scale, sliding_window, softcap,
+        )
+    return out
+
+
+def _launch_config(head_dim_p: int, qpk_p: int, max_query_len: int) -> tuple[int, int, int]:
+    """(BLOCK_Q, TILE_N, num_warps). BLOCK_M = BLOCK_Q * QPK_P rows per program, at least 16 (tl.dot).
+
+    A 33-row tree with 2 query heads per KV head fills 64 rows in 2 programs per KV head at D <= 256.
+    """
+    block_m = 64 if head_dim_p <= 256 else 32
+    block_q = max(1, block_m // qpk_p)
+    block_q = min(block_q, next_pow2(max(max_query_len, 1)))
+    block_q = max(block_q, -(-16 // qpk_p))
+    tile_n = 64 if head_dim_p <= 256 else 32
+    return block_q, tile_n, 4 if head_dim_p <= 256 else 8
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """k_eq_v: the V cache is the K cache (same object, or the same view of the same memory)."""
+    return a is b or (a.data_ptr() == b.data_ptr() and a.stride() == b.stride() and a.shape == b.shape)
+
+
+def tree_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: TreeAttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Triton launcher (same signature and result as :func:`tree_attention_ref`)."""
+    from vllm_hyco.kernels._triton.tree_attention import tree_attention_kernel
+
+    _check_inputs(q, k_cache, v_cache, meta)
+    if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise KernelInputError("the head_dim axis of q and of the caches must be contiguous")
+    out = torch.empty_like(q) if out is None else out
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    qpk = q.shape[1] // num_kv_heads
+    qpk_p, head_dim_p = next_pow2(qpk), max(16, next_pow2(head_dim))
+    block_q, tile_n, num_warps = _launch_config(head_dim_p, qpk_p, meta.max_query_len)
+    upcast = upcast_dot(q.dtype)
+    dot_prec = "ieee" if (q.dtype == torch.float32 or upcast) else "tf32"
+    grid = (meta.num_reqs, num_kv_heads, max(1, -(-meta.max_query_len // block_q)))
+    tree_attention_kernel[grid](
+        out, q, k_cache, v_cache,
+        meta.block_table, meta.query_start_loc, meta.seq_lens, meta.ancestor_mask, meta.depths,
+        float(scale), float(softcap or 0.0),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        meta.block_table.stride(0),
+        QPK=qpk, QPK_P=qpk_p, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
+        BLOCK_SIZE=k_cache.shape[1], BLOCK_Q=block_q, BLOCK_M=block_q * qpk_p, TILE_N=tile_n,
+        WINDOW=int(sliding_window or 0), USE_SOFTCAP=bool(softcap), K_EQ_V=_same_storage(k_cache, v_cache),
+        UPCAST=upcast, DOT_PREC=dot_prec, num_warps=num_warps,
+    )
+    return out

@@ -1,0 +1,238 @@
+"""Batched verification: many requests' trees, one [num_rows, V] logits tensor, one decision.
+
+The engine lays every request's tree rows out back to back (optionally padded per tree to a fixed row
+count by repeating the last row; padding never counts) and hands the logits of all rows here:
+
+    packed = PackedTrees.pack(trees, rows_per_tree=33)      # or rows_per_tree=None: no padding
+    verdict = verify_batch(packed, logits, sampling, epsilon, generators)
+    verdict.path_rows[b]      # accepted rows of request b (local row indices, root excluded)
+    verdict.compaction        # which rows' KV move to which committed slots
+
+Randomness: request b draws ``torch.rand(n_b + 1, generator=generators[b], dtype=torch.float64)``, one
+uniform per *real* row in row order (``sampling.draw_uniforms``), so ``verify_batch`` reproduces
+``sample_rows`` + ``select_path`` on each tree alone, whatever the padding or the batch around it.
+The one per-request loop is that draw; everything else is vectorized (loops run over depth only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from vllm_hyco.spec_decode.acceptance import decide, normalize_epsilon
+from vllm_hyco.spec_decode.sampling import (
+    SamplingSpec,
+    SparseProbs,
+    draw_uniforms,
+    sample_sparse,
+    sampling_support,
+)
+from vllm_hyco.spec_decode.stats import NUM_SOURCES, RoundStats
+from vllm_hyco.spec_decode.tree import TokenTree
+
+
+@dataclass(frozen=True)
+class PackedTrees:
+    """Rows of B trees back to back (request b owns rows ``row_offsets[b]:row_offsets[b + 1]``)."""
+
+    # [N] int64
+    tokens: torch.Tensor
+    # [N] int64 global row of the parent; a root points at itself
+    parent: torch.Tensor
+    # [N] int64
+    depth: torch.Tensor
+    # [N] int64 request index of the row
+    req: torch.Tensor
+    # [N] bool, False on padding rows
+    valid: torch.Tensor
+    # [N] int64 NodeSource values (ROOT on roots, OTHER where the client sent no labels)
+    labels: torch.Tensor
+    # [B + 1] int64
+    row_offsets: torch.Tensor
+    # [B] int64 real rows per request (n_b + 1)
+    num_real: torch.Tensor
+
+    @property
+    def num_requests(self) -> int:
+        return int(self.num_real.numel())
+
+    @classmethod
+    def pack(cls, trees: Sequence[TokenTree], rows_per_tree: int | None = None) -> "PackedTrees":
+        """Concatenate trees; with ``rows_per_tree`` each is padded to that many rows."""
+        parts = {k: [] for k in ("tokens", "parent", "depth", "req", "valid", "labels")}
+        offsets, offset = [0], 0
+        for b, tree in enumerate(trees):
+            rows = tree.num_rows if rows_per_tree is None else rows_per_tree
+            pad = tree.padded(rows)
+            parent = torch.where(pad.parents < 0, torch.arange(rows), pad.parents)
+            parts["tokens"].append(pad.tokens)
+            parts["parent"].append(parent + offset)
+            parts["depth"].append(pad.depth)
+            parts["req"].append(torch.full((rows,), b, dtype=torch.int64))
+            parts["valid"].append(pad.valid)
+            labels = tree.source_labels()
+            parts["labels"].append(labels[torch.arange(rows).clamp(max=tree.num_rows - 1)])
+            offset += rows
+            offsets.append(offset)
+        cat = {k: torch.cat(v) if v else torch.zeros(0, dtype=torch.int64) for k, v in parts.items()}
+        return cls(
+            row_offsets=torch.tensor(offsets, dtype=torch.int64),
+            num_real=torch.tensor([t.num_rows for t in trees], dtype=torch.int64),
+            **cat,
+        )
+
+
+@dataclass(frozen=True)
+class CompactionPlan:
+    """KV moves for the engine: packed row ``src_rows[i]`` goes to committed slot ``t_b + dst_offsets[i]``
+    of request ``req[i]`` (the root to offset 0, the path's node at depth d to offset d)."""
+
+    # [M] int64 global packed rows
+    src_rows: torch.Tensor
+    # [M] int64 offsets from the request's root position t
+    dst_offsets: torch.Tensor
+    # [M] int64 request index
+    req: torch.Tensor
+
+
+@dataclass(frozen=True)
+class BatchVerdict:
+    """Per-request results of one verification step (B requests, D = deepest tree in the batch)."""
+
+    # [B, D] int64 local rows of the accepted path (root excluded), -1 past its end
+    path_rows: torch.Tensor
+    # [B, D] int64 accepted tokens, -1 past the end
+    accepted_tokens: torch.Tensor
+    # [B] int64 accepted path length |P|
+    num_accepted: torch.Tensor
+    # [B] int64 bonus token ŷ_{v*}
+    bonus: torch.Tensor
+    # [B] int64 accepted nodes that matched the sample / accepted only by the ε threshold
+    num_hits: torch.Tensor
+    num_eps_only: torch.Tensor
+    # [B, D] int64 1 where the path reaches depth d + 1
+    accepted_per_depth: torch.Tensor
+    # [B, NUM_SOURCES] int64 accepted nodes per NodeSource, and those of them that were ε-only
+    accepted_per_source: torch.Tensor
+    eps_only_per_source: torch.Tensor
+    # [N] int64 the verifier's sample ŷ at every packed row (padding rows: -1)
+    samples: torch.Tensor
+    compaction: CompactionPlan
+
+    def paths(self) -> list[list[int]]:
+        """Accepted local rows per request, as Python lists."""
+        return [[r for r in row if r >= 0] for row in self.path_rows.tolist()]
+
+    def committed(self) -> list[list[int]]:
+        """Committed tokens per request: the accepted tokens then the bonus."""
+        toks = self.accepted_tokens.tolist()
+        return [[t for t in row if t >= 0] + [b] for row, b in zip(toks, self.bonus.tolist())]
+
+    def round_stats(self, b: int, num_drafted: int = 0) -> RoundStats:
+        """This round's RoundStats for request b."""
+        return RoundStats.from_counts(
+            accepted=int(self.num_accepted[b]),
+            hits=int(self.num_hits[b]),
+            per_depth=self.accepted_per_depth[b].tolist(),
+            per_source=self.accepted_per_source[b].tolist(),
+            eps_only_per_source=self.eps_only_per_source[b].tolist(),
+            drafted=num_drafted,
+        )
+
+
+def _as_packed(trees) -> PackedTrees:
+    return trees if isinstance(trees, PackedTrees) else PackedTrees.pack(list(trees))
+
+
+def _eps_rows(packed: PackedTrees, epsilon) -> tuple[torch.Tensor, bool]:
+    if epsilon is None or isinstance(epsilon, (float, int)):
+        epsilon = [epsilon] * packed.num_requests
+    eps = [normalize_epsilon(e) for e in epsilon]
+    assert len(eps) == packed.num_requests, "one epsilon per request"
+    per_req = torch.tensor([float("inf") if e is None else e for e in eps], dtype=torch.float64)
+    return per_req[packed.req], any(e is not None for e in eps)
+
+
+def verify_batch_from_probs(
+    trees: Sequence[TokenTree] | PackedTrees,
+    probs: torch.Tensor | SparseProbs,
+    samples: torch.Tensor,
+    epsilon: Sequence[float | None] | float | None,
+) -> BatchVerdict:
+    """Decide with precomputed p̃ and samples (the engine may reuse its own sampler's output).
+
+    Shape: probs [N, V] dense or SparseProbs over the N packed rows; samples [N] int64.
+    """
+    packed = _as_packed(trees)
+    support = probs if isinstance(probs, SparseProbs) else SparseProbs.from_dense(probs)
+    eps_row, any_lossy = _eps_rows(packed, epsilon)
+    samples = samples.to(torch.int64)
+    p_edge = None
+    if any_lossy:  # EXACT never looks p̃ up
+        p_edge = support.lookup(packed.parent, packed.tokens)
+    dec = decide(packed.tokens, packed.parent, packed.depth, packed.req, packed.valid, samples,
+                 p_edge, eps_row, packed.num_requests)
+    return _verdict(packed, dec, samples)
+
+
+def verify_batch(
+    trees: Sequence[TokenTree] | PackedTrees,
+    logits: torch.Tensor,
+    sampling: Sequence[SamplingSpec] | SamplingSpec,
+    epsilon: Sequence[float | None] | float | None,
+    generators: Sequence[torch.Generator | None],
+) -> BatchVerdict:
+    """p̃ from logits, one sample per real row from each request's generator, then the decision.
+
+    Shape: logits [N, V] over the packed rows (padding rows included; their values are ignored).
+    """
+    packed = _as_packed(trees)
+    if isinstance(sampling, SamplingSpec):
+        sampling = [sampling] * packed.num_requests
+    assert logits.shape[0] == packed.tokens.numel(), "one logits row per packed row"
+    temp = torch.tensor([s.temperature for s in sampling], dtype=torch.float32)[packed.req]
+    top_k = torch.tensor([s.top_k for s in sampling], dtype=torch.int64)[packed.req]
+    top_p = torch.tensor([s.top_p for s in sampling], dtype=torch.float32)[packed.req]
+    support = sampling_support(logits, temp, top_k, top_p)
+    uniforms = torch.zeros(packed.tokens.numel(), dtype=torch.float64)
+    for b, gen in enumerate(generators):  # the only per-request loop: drawing the uniforms
+        start = int(packed.row_offsets[b])
+        uniforms[start : start + int(packed.num_real[b])] = draw_uniforms(int(packed.num_real[b]), gen)
+    samples = sample_sparse(support, uniforms)
+    return verify_batch_from_probs(packed, support, samples, epsilon)
+
+
+def _verdict(packed: PackedTrees, dec, samples: torch.Tensor) -> BatchVerdict:
+    num_req = packed.num_requests
+    path = dec.path  # [B, D] global rows
+    on = path >= 0
+    safe = path.clamp(min=0)
+    local = torch.where(on, path - packed.row_offsets[:num_req].unsqueeze(1), -1)
+    tokens = torch.where(on, packed.tokens[safe], -1)
+    src = torch.where(on.unsqueeze(-1), torch.nn.functional.one_hot(packed.labels[safe], NUM_SOURCES), 0)
+    eps_only = on & ~dec.hit[safe]
+    src_eps = torch.where(eps_only.unsqueeze(-1), src, 0)
+    roots = packed.row_offsets[:num_req].unsqueeze(1)  # [B, 1]
+    all_src = torch.cat([roots, path], dim=1)  # [B, D + 1]
+    keep = all_src >= 0
+    offsets = torch.arange(all_src.shape[1]).expand_as(all_src)
+    plan = CompactionPlan(
+        src_rows=all_src[keep],
+        dst_offsets=offsets[keep],
+        req=torch.arange(num_req).unsqueeze(1).expand_as(all_src)[keep],
+    )
+    return BatchVerdict(
+        path_rows=local,
+        accepted_tokens=tokens,
+        num_accepted=dec.length,
+        bonus=samples[dec.endpoint],
+        num_hits=dec.hits,
+        num_eps_only=dec.length - dec.hits,
+        accepted_per_depth=on.to(torch.int64),
+        accepted_per_source=src.sum(dim=1),
+        eps_only_per_source=src_eps.sum(dim=1),
+        samples=torch.where(packed.valid, samples, -1),
+        compaction=plan,
+    )

@@ -1,0 +1,250 @@
+"""Phone -> server frames: ``start`` (an OpenAI body plus a ``hyco`` object) and ``tree`` (one draft tree).
+
+Each class has ``to_wire()`` (the frame's fields, without the ``type``/``v`` envelope that
+``frames.encode_frame`` adds) and ``from_wire(fields, limits)``. Validation here is structural; the
+semantic tree rules (duplicate siblings, vocabulary) belong to ``vllm_hyco.spec_decode.tree``.
+
+The tree frame (decisions.md D3): rows in insertion order, row 0 is the root, no padding::
+
+    tokens  = bin[(n+1) * 4]   uint32 little-endian token ids
+    parents = bin[n+1]         uint8 row of each parent, 0xFF for the root; 0 <= parents[i] < i
+    labels  = bin[n+1]         optional, uint8 NodeLabel per row, ROOT (0) for row 0
+
+>>> t = TreeFrame.from_lists(round=3, tokens=[7, 8, 9], parents=[-1, 0, 0], labels=[0, 1, 2])
+>>> t.to_wire()["parents"]
+b'\\xff\\x00\\x00'
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+import numpy as np
+
+from vllm_hyco.errors import FrameError
+from vllm_hyco.handoff._fields import Fields, pack
+from vllm_hyco.handoff.limits import AIOHTTP_DEFAULT_MAX_MSG, WireLimits
+
+SESSION_ID_BYTES = 16
+ROOT_PARENT = 0xFF
+ENDPOINTS = ("chat.completions", "completions")
+MODES = ("exact", "epsilon")
+MIN_CLIENT_MESSAGE_BYTES = 64 << 10
+_E = FrameError
+
+
+class NodeLabel(IntEnum):
+    """Where a tree node came from (optional per-node labels; statistics only, never acceptance)."""
+
+    ROOT = 0
+    CHAIN = 1
+    RUNNER_UP = 2
+    SLM = 3
+    OTHER = 4
+
+
+@dataclass(frozen=True)
+class ClientCapabilities:
+    max_nodes: int = 32  # the most draft nodes this phone can build per tree
+    labels: bool = True  # the phone sends per-node source labels
+    handoff_schemas: tuple[int, ...] = (1,)  # hand-off schema versions it decodes
+    max_message_bytes: int = AIOHTTP_DEFAULT_MAX_MSG  # its WebSocket receive limit
+
+    def to_wire(self) -> dict:
+        return {"max_nodes": self.max_nodes, "labels": self.labels,
+                "handoff_schemas": list(self.handoff_schemas), "max_message_bytes": self.max_message_bytes}
+
+    @classmethod
+    def from_wire(cls, obj, limits: WireLimits) -> ClientCapabilities:
+        f = Fields(obj, _E, "start.hyco.capabilities")
+        schemas = f.get("handoff_schemas", list)
+        if not schemas or len(schemas) > 16 or not all(type(s) is int and 1 <= s <= 255 for s in schemas):
+            raise _E("start.hyco.capabilities.handoff_schemas must list 1..16 schema versions (ints 1..255)",
+                     code="bad_hyco")
+        caps = cls(max_nodes=f.int("max_nodes", 1, 254), labels=f.get("labels", bool),
+                   handoff_schemas=tuple(schemas),
+                   max_message_bytes=f.int("max_message_bytes", MIN_CLIENT_MESSAGE_BYTES, 1 << 40))
+        f.done()
+        return caps
+
+
+@dataclass(frozen=True)
+class ResumeRequest:
+    session_id: bytes  # 16 bytes, from the session's verdicts
+    last_round: int  # the last round whose verdict (and hand-off) the phone holds; -1 for none
+    need_seed: bool = False  # the phone lost its drafter state: resend a seed hand-off (<= W positions)
+
+    def to_wire(self) -> dict:
+        return {"session_id": self.session_id, "last_round": self.last_round, "need_seed": self.need_seed}
+
+    @classmethod
+    def from_wire(cls, obj, limits: WireLimits) -> ResumeRequest:
+        f = Fields(obj, _E, "start.hyco.resume")
+        sid = f.bin("session_id")
+        if len(sid) != SESSION_ID_BYTES:
+            raise _E(f"start.hyco.resume.session_id must be {SESSION_ID_BYTES} bytes, got {len(sid)}",
+                     code="bad_hyco")
+        out = cls(sid, f.int("last_round", -1, limits.max_round), f.get("need_seed", bool))
+        f.done()
+        return out
+
+
+@dataclass(frozen=True)
+class HycoOptions:
+    """The ``hyco`` object of ``start``. ``epsilon`` only with mode "epsilon" (None: the server's ε;
+    a value may only be stricter, i.e. smaller, than the operator's; the endpoint checks that)."""
+
+    mode: str = "exact"
+    epsilon: float | None = None
+    capabilities: ClientCapabilities = field(default_factory=ClientCapabilities)
+    keep_set_hash: bytes | None = None  # sha256 of the phone's keep set (tokenizer + list)
+    resume: ResumeRequest | None = None
+
+    def to_wire(self) -> dict:
+        out: dict = {"mode": self.mode}
+        if self.epsilon is not None:
+            out["epsilon"] = float(self.epsilon)
+        out["capabilities"] = self.capabilities.to_wire()
+        if self.keep_set_hash is not None:
+            out["keep_set_hash"] = self.keep_set_hash
+        if self.resume is not None:
+            out["resume"] = self.resume.to_wire()
+        return out
+
+    @classmethod
+    def from_wire(cls, obj, limits: WireLimits) -> HycoOptions:
+        f = Fields(obj, _E, "start.hyco")
+        mode = f.choice("mode", MODES)
+        eps = f.get("epsilon", float, optional=True)
+        if eps is not None and (mode != "epsilon" or not 0.0 < eps < 1.0):
+            raise _E(f"start.hyco.epsilon={eps!r}: allowed only with mode 'epsilon', strictly between 0 and 1",
+                     code="bad_hyco")
+        caps = ClientCapabilities.from_wire(f.get("capabilities", dict), limits)
+        ksh = f.bin("keep_set_hash", optional=True)
+        if ksh is not None and not 1 <= len(ksh) <= 64:
+            raise _E(f"start.hyco.keep_set_hash must be 1..64 bytes, got {len(ksh)}", code="bad_hyco")
+        resume_raw = f.get("resume", dict, optional=True)
+        resume = None if resume_raw is None else ResumeRequest.from_wire(resume_raw, limits)
+        f.done()
+        return cls(mode, eps, caps, ksh, resume)
+
+
+@dataclass(frozen=True)
+class StartFrame:
+    """Opens a session (``request`` = an OpenAI body) or resumes one (``hyco.resume``, no ``request``)."""
+
+    TYPE = "start"
+    endpoint: str  # "chat.completions" | "completions": which OpenAI route the body follows
+    request: dict | None
+    hyco: HycoOptions
+
+    def to_wire(self) -> dict:
+        out: dict = {"endpoint": self.endpoint}
+        if self.request is not None:
+            out["request"] = self.request
+        out["hyco"] = self.hyco.to_wire()
+        return out
+
+    @classmethod
+    def from_wire(cls, f: Fields, limits: WireLimits) -> StartFrame:
+        endpoint = f.choice("endpoint", ENDPOINTS)
+        request = f.get("request", dict, optional=True)
+        hyco = HycoOptions.from_wire(f.get("hyco", dict), limits)
+        f.done()
+        if (request is None) == (hyco.resume is None):
+            raise _E("start: send `request` to open a session or `hyco.resume` to resume one (exactly one)",
+                     code="bad_request")
+        if request is not None:
+            _check_openai_body(endpoint, request, limits)
+        return cls(endpoint, request, hyco)
+
+
+def _check_openai_body(endpoint: str, body: dict, limits: WireLimits) -> None:
+    """Structural checks only; vLLM's own request models validate the rest at the endpoint."""
+    size = len(pack(body))
+    if size > limits.max_prompt_bytes:
+        raise _E(f"start.request is {size} bytes, over the limit of {limits.max_prompt_bytes}; shorten the "
+                 f"prompt", code="request_too_large")
+    if body.get("stream", True) is not True:
+        raise _E("start.request.stream must be true or absent: the WebSocket protocol always streams",
+                 code="bad_request")
+    if endpoint == "chat.completions":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+            raise _E("start.request.messages must be a non-empty array of maps with a `role` (chat.completions)",
+                     code="bad_request")
+    else:
+        prompt = body.get("prompt")
+        if not (isinstance(prompt, str) and prompt) and not (isinstance(prompt, list) and prompt):
+            raise _E("start.request.prompt must be a non-empty string or array (completions)", code="bad_request")
+
+
+@dataclass(frozen=True)
+class TreeFrame:
+    """One draft tree for round ``round``: n + 1 rows, row 0 the root (the last verdict's bonus)."""
+
+    TYPE = "tree"
+    round: int
+    tokens: tuple[int, ...]  # [n + 1] token ids
+    parents: tuple[int, ...]  # [n + 1] parent rows, parents[0] = -1
+    labels: tuple[int, ...] | None = None  # [n + 1] NodeLabel values, labels[0] = ROOT
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.tokens) - 1
+
+    @classmethod
+    def from_lists(cls, round: int, tokens, parents, labels=None) -> TreeFrame:
+        return cls(int(round), tuple(int(t) for t in tokens), tuple(int(p) for p in parents),
+                   None if labels is None else tuple(int(x) for x in labels))
+
+    def to_wire(self) -> dict:
+        parents = [ROOT_PARENT if p < 0 else p for p in self.parents]
+        out = {"round": self.round, "tokens": np.asarray(self.tokens, dtype="<u4").tobytes(),
+               "parents": bytes(parents)}
+        if self.labels is not None:
+            out["labels"] = bytes(self.labels)
+        return out
+
+    @classmethod
+    def from_wire(cls, f: Fields, limits: WireLimits) -> TreeFrame:
+        rnd = f.int("round", 0, limits.max_round)
+        tokens_raw, parents_raw = f.bin("tokens"), f.bin("parents")
+        labels_raw = f.bin("labels", optional=True)
+        f.done()
+        if len(tokens_raw) % 4 or not tokens_raw:
+            raise _E(f"tree.tokens must be (n+1) x 4 bytes of uint32 ids, got {len(tokens_raw)} bytes",
+                     code="bad_tokens")
+        n = len(tokens_raw) // 4 - 1
+        if n > limits.max_nodes:
+            raise _E(f"tree has {n} nodes, over the limit of {limits.max_nodes}", code="too_many_nodes")
+        tokens = np.frombuffer(tokens_raw, dtype="<u4")
+        if int(tokens.max()) > limits.max_token_id:
+            raise _E(f"tree.tokens holds id {int(tokens.max())}, over {limits.max_token_id}", code="bad_tokens")
+        return cls(rnd, tuple(int(t) for t in tokens), _parents(parents_raw, n), _labels(labels_raw, n))
+
+
+def _parents(raw: bytes, n: int) -> tuple[int, ...]:
+    if len(raw) != n + 1:
+        raise _E(f"tree.parents has {len(raw)} bytes for {n + 1} rows", code="bad_parents")
+    if raw[0] != ROOT_PARENT:
+        raise _E(f"tree.parents[0] must be 0xFF (the root has no parent), got {raw[0]}", code="bad_parents")
+    bad = [i for i in range(1, n + 1) if raw[i] >= i]
+    if bad:
+        i = bad[0]
+        raise _E(f"tree.parents[{i}] = {raw[i]}: a node's parent must be an earlier row (0 <= parent < {i}); "
+                 f"send rows in insertion order", code="bad_parents")
+    return (-1, *raw[1:])
+
+
+def _labels(raw: bytes | None, n: int) -> tuple[int, ...] | None:
+    if raw is None:
+        return None
+    if len(raw) != n + 1:
+        raise _E(f"tree.labels has {len(raw)} bytes for {n + 1} rows", code="bad_labels")
+    if raw[0] != NodeLabel.ROOT or any(not NodeLabel.CHAIN <= x <= NodeLabel.OTHER for x in raw[1:]):
+        raise _E(f"tree.labels must be 0 (ROOT) for row 0 and 1..4 (CHAIN, RUNNER_UP, SLM, OTHER) for the "
+                 f"others, got {list(raw)}", code="bad_labels")
+    return tuple(raw)

@@ -1,0 +1,255 @@
+"""Server -> phone frames: ``verdict``, ``handoff_chunk``, ``error`` and ``final``.
+
+A verdict answers tree round r: the accepted path (rows of that tree, root excluded), the committed
+token ids (the path's tokens, then the bonus), the bonus (the next root), the hand-off for the next
+round (inline, or ``handoff_ref`` plus ``handoff_chunk`` frames when it is bigger than one chunk), the
+node budget granted for round r + 1 (decisions.md D3) and the new text as an OpenAI streaming chunk.
+When the request finishes (the chunk's ``finish_reason`` is set) the verdict carries no bonus, no
+hand-off and budget 0, and its tokens may stop early (EOS, stop string, max_tokens).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from vllm_hyco.errors import FrameError
+from vllm_hyco.handoff._fields import Fields
+from vllm_hyco.handoff.client_frames import SESSION_ID_BYTES
+from vllm_hyco.handoff.limits import WireLimits
+from vllm_hyco.handoff.schema import HandoffPayload, HandoffSpec, decode_handoff, handoff_to_wire
+
+SHA256_BYTES = 32
+CHUNK_OBJECTS = ("chat.completion.chunk", "text_completion")
+_E = FrameError
+
+
+def openai_chunk(kind: str, completion_id: str, model: str, text: str, finish_reason: str | None = None,
+                 *, created: int | None = None, role: str | None = None) -> dict:
+    """An OpenAI streaming chunk: ``chat.completion.chunk`` (choices[0].delta) or ``text_completion``.
+
+    >>> openai_chunk("text_completion", "cmpl-1", "m", "Hi", created=0)["choices"]
+    [{'index': 0, 'text': 'Hi', 'logprobs': None, 'finish_reason': None}]
+    """
+    created = int(time.time()) if created is None else created
+    if kind == "chat.completion.chunk":
+        delta = {"role": role, "content": text} if role is not None else {"content": text}
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    elif kind == "text_completion":
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    else:
+        raise ValueError(f"kind must be one of {CHUNK_OBJECTS}, got {kind!r}")
+    return {"id": completion_id, "object": kind, "created": created, "model": model, "choices": [choice]}
+
+
+def chunk_finish_reason(chunk: dict, limits: WireLimits) -> str | None:
+    """Validate an OpenAI chunk object structurally (extra OpenAI fields pass); return its finish_reason."""
+    f = Fields(chunk, _E, "verdict.chunk")
+    for key in ("id", "model"):
+        if len(f.get(key, str)) > limits.max_string_bytes:
+            raise _E(f"verdict.chunk.{key} is too long", code="bad_field_value")
+    kind = f.choice("object", CHUNK_OBJECTS)
+    f.int("created", 0, 1 << 62)
+    choices = f.get("choices", list)
+    if len(choices) != 1:
+        raise _E(f"verdict.chunk.choices must hold exactly one choice, got {len(choices)}", code="bad_field_value")
+    c = Fields(choices[0], _E, "verdict.chunk.choices[0]")
+    c.int("index", 0, 0)
+    reason = c.get("finish_reason", str, optional=True)
+    if kind == "chat.completion.chunk":
+        d = Fields(c.get("delta", dict), _E, "verdict.chunk.choices[0].delta")
+        d.get("content", str, optional=True)
+        d.get("role", str, optional=True)
+    else:
+        c.get("text", str)
+    return reason
+
+
+@dataclass(frozen=True)
+class HandoffRef:
+    """Announces a hand-off sent as ``chunks`` handoff_chunk frames after this verdict."""
+
+    chunks: int
+    total_bytes: int  # the encoded hand-off's length
+    chunk_bytes: int  # every chunk but the last carries exactly this many bytes
+    sha256: bytes  # of the encoded hand-off
+
+    def to_wire(self) -> dict:
+        return {"chunks": self.chunks, "bytes": self.total_bytes, "chunk_bytes": self.chunk_bytes,
+                "sha256": self.sha256}
+
+    @classmethod
+    def from_wire(cls, obj, limits: WireLimits) -> HandoffRef:
+        f = Fields(obj, _E, "verdict.handoff_ref")
+        ref = cls(f.int("chunks", 1, 1 << 20), f.int("bytes", 1, limits.max_handoff_bytes),
+                  f.int("chunk_bytes", 1, limits.max_server_frame_bytes - 1024), f.bin("sha256"))
+        f.done()
+        if len(ref.sha256) != SHA256_BYTES:
+            raise _E(f"verdict.handoff_ref.sha256 must be {SHA256_BYTES} bytes", code="bad_field_value")
+        if ref.chunks != -(-ref.total_bytes // ref.chunk_bytes):
+            raise _E(f"verdict.handoff_ref: {ref.total_bytes} bytes in chunks of {ref.chunk_bytes} make "
+                     f"{-(-ref.total_bytes // ref.chunk_bytes)} chunks, not {ref.chunks}", code="bad_field_value")
+        return ref
+
+
+@dataclass(frozen=True)
+class VerdictFrame:
+    TYPE = "verdict"
+    session_id: bytes
+    round: int
+    path: tuple[int, ...]  # accepted rows of the round's tree, root excluded, increasing
+    tokens: tuple[int, ...]  # committed ids: the path's tokens, then the bonus
+    bonus: int | None  # the next root; None once finished
+    handoff: HandoffPayload | None
+    handoff_ref: HandoffRef | None
+    budget: int  # draft nodes granted for the next round; 0 once finished
+    chunk: dict  # OpenAI streaming chunk with this round's text
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.chunk["choices"][0].get("finish_reason")
+
+    def to_wire(self) -> dict:
+        out = {"sid": self.session_id, "round": self.round, "path": bytes(self.path),
+               "tokens": np.asarray(self.tokens, dtype="<u4").tobytes(), "bonus": self.bonus}
+        if self.handoff is not None:
+            out["handoff"] = handoff_to_wire(self.handoff)
+        if self.handoff_ref is not None:
+            out["handoff_ref"] = self.handoff_ref.to_wire()
+        out["budget"] = self.budget
+        out["chunk"] = self.chunk
+        return out
+
+    @classmethod
+    def from_wire(cls, f: Fields, limits: WireLimits, expect: HandoffSpec | None = None) -> VerdictFrame:
+        sid = _sid(f.bin("sid"), "verdict")
+        rnd = f.int("round", 0, limits.max_round)
+        path, tokens_raw = f.bin("path"), f.bin("tokens")
+        bonus = f.int("bonus", 0, limits.max_token_id, optional=True)
+        handoff_raw = f.get("handoff", dict, optional=True)
+        ref_raw = f.get("handoff_ref", dict, optional=True)
+        budget = f.int("budget", 0, limits.max_nodes)
+        chunk = f.get("chunk", dict)
+        f.done()
+        reason = chunk_finish_reason(chunk, limits)
+        if len(path) > limits.max_nodes or any(not 1 <= r <= limits.max_nodes for r in path) or any(
+                a >= b for a, b in zip(path, path[1:])):
+            raise _E(f"verdict.path {list(path)} must be increasing tree rows in 1..{limits.max_nodes}",
+                     code="bad_verdict")
+        if len(tokens_raw) % 4 or not 4 <= len(tokens_raw) <= 4 * (len(path) + 1):
+            raise _E(f"verdict.tokens must hold 1..{len(path) + 1} uint32 ids, got {len(tokens_raw)} bytes",
+                     code="bad_verdict")
+        tokens = tuple(int(t) for t in np.frombuffer(tokens_raw, dtype="<u4"))
+        ref = None if ref_raw is None else HandoffRef.from_wire(ref_raw, limits)
+        handoff = None if handoff_raw is None else decode_handoff(handoff_raw, expect=expect, limits=limits)
+        verdict = cls(sid, rnd, tuple(path), tokens, bonus, handoff, ref, budget, chunk)
+        _check_verdict(verdict, reason)
+        return verdict
+
+
+def _check_verdict(v: VerdictFrame, reason: str | None) -> None:
+    if reason is not None:
+        if v.bonus is not None or v.handoff is not None or v.handoff_ref is not None or v.budget != 0:
+            raise _E("verdict: a finished round (finish_reason set) carries no bonus, no hand-off and budget 0",
+                     code="bad_verdict")
+        return
+    if v.bonus is None or len(v.tokens) != len(v.path) + 1 or v.tokens[-1] != v.bonus:
+        raise _E(f"verdict: an unfinished round commits the path's {len(v.path)} tokens then the bonus "
+                 f"{v.bonus}, got tokens {list(v.tokens)}", code="bad_verdict")
+    if (v.handoff is None) == (v.handoff_ref is None) or v.budget < 1:
+        raise _E("verdict: an unfinished round carries exactly one of handoff / handoff_ref and budget >= 1",
+                 code="bad_verdict")
+    if v.handoff is not None and v.handoff.bonus_token != v.bonus:
+        raise _E(f"verdict: hand-off bonus {v.handoff.bonus_token} != verdict bonus {v.bonus}", code="bad_verdict")
+
+
+def _sid(raw: bytes, where: str) -> bytes:
+    if len(raw) != SESSION_ID_BYTES:
+        raise _E(f"{where}.sid must be {SESSION_ID_BYTES} bytes, got {len(raw)}", code="bad_field_value")
+    return raw
+
+
+@dataclass(frozen=True)
+class HandoffChunkFrame:
+    TYPE = "handoff_chunk"
+    round: int
+    index: int  # 0-based
+    count: int
+    data: bytes
+
+    def to_wire(self) -> dict:
+        return {"round": self.round, "index": self.index, "count": self.count, "data": self.data}
+
+    @classmethod
+    def from_wire(cls, f: Fields, limits: WireLimits) -> HandoffChunkFrame:
+        rnd, count = f.int("round", 0, limits.max_round), f.int("count", 1, 1 << 20)
+        index, data = f.int("index", 0, count - 1), f.bin("data")
+        f.done()
+        if not data:
+            raise _E("handoff_chunk.data is empty", code="bad_field_value")
+        return cls(rnd, index, count, data)
+
+
+@dataclass(frozen=True)
+class ErrorFrame:
+    TYPE = "error"
+    code: str
+    message: str
+    fatal: bool  # the server closes the connection after a fatal error
+    round: int | None = None
+
+    def to_wire(self) -> dict:
+        out = {"code": self.code, "message": self.message, "fatal": self.fatal}
+        if self.round is not None:
+            out["round"] = self.round
+        return out
+
+    @classmethod
+    def from_wire(cls, f: Fields, limits: WireLimits) -> ErrorFrame:
+        code, message = f.get("code", str), f.get("message", str)
+        if not 1 <= len(code) <= 64 or len(message) > limits.max_string_bytes:
+            raise _E("error.code must be 1..64 characters and error.message short", code="bad_field_value")
+        out = cls(code, message, f.get("fatal", bool), f.int("round", 0, limits.max_round, optional=True))
+        f.done()
+        return out
+
+
+@dataclass(frozen=True)
+class FinalFrame:
+    """Ends a session: OpenAI usage plus HyCo statistics (rounds, mean accepted tokens, bytes)."""
+
+    TYPE = "final"
+    session_id: bytes
+    prompt_tokens: int
+    completion_tokens: int
+    rounds: int
+    mat: float  # mean committed tokens per round (accepted path + bonus)
+    bytes_up: int  # frame bytes the server received in this session
+    bytes_down: int  # frame bytes it sent (this frame excluded)
+
+    def to_wire(self) -> dict:
+        usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                 "total_tokens": self.prompt_tokens + self.completion_tokens}
+        stats = {"rounds": self.rounds, "mat": float(self.mat), "bytes_up": self.bytes_up,
+                 "bytes_down": self.bytes_down}
+        return {"sid": self.session_id, "usage": usage, "stats": stats}
+
+    @classmethod
+    def from_wire(cls, f: Fields, limits: WireLimits) -> FinalFrame:
+        sid = _sid(f.bin("sid"), "final")
+        u = Fields(f.get("usage", dict), _E, "final.usage")
+        s = Fields(f.get("stats", dict), _E, "final.stats")
+        f.done()
+        big = 1 << 62
+        prompt, completion = u.int("prompt_tokens", 0, big), u.int("completion_tokens", 0, big)
+        if u.int("total_tokens", 0, big) != prompt + completion:
+            raise _E("final.usage.total_tokens must equal prompt_tokens + completion_tokens", code="bad_field_value")
+        u.done()
+        rounds, mat = s.int("rounds", 0, big), s.get("mat", float)
+        if not 0.0 <= mat <= limits.max_nodes + 1:
+            raise _E(f"final.stats.mat = {mat} is outside [0, {limits.max_nodes + 1}]", code="bad_field_value")
+        out = cls(sid, prompt, completion, rounds, mat, s.int("bytes_up", 0, big), s.int("bytes_down", 0, big))
+        s.done()
+        return out

@@ -1,0 +1,145 @@
+"""Byte counts of the wire format for a given layer layout (measured by encoding, not estimated).
+
+The paper (Algorithm 4, line 14) counts the hand-off as 44 B + 2H B per round + (K/V values) B per
+committed position at 8 bits. Our encoding carries the same int8 values plus msgpack framing: a
+self-describing header (schema version, fingerprint, the layer list, scales id, span), bin-length
+prefixes, and the verdict around it (path, committed ids, budget, the OpenAI chunk with the text).
+:func:`round_bytes` returns both so the difference is visible; docs/protocol.md tabulates them.
+
+>>> spec = spec_from_hf_config(FIXTURE_VERIFIER_CONFIG)
+>>> (spec.values_per_round, spec.values_per_position)
+(512, 2048)
+"""
+
+from __future__ import annotations
+
+from vllm_hyco.errors import ConfigError
+from vllm_hyco.handoff.chunks import split_handoff
+from vllm_hyco.handoff.client_frames import SESSION_ID_BYTES, TreeFrame
+from vllm_hyco.handoff.frames import encode_frame
+from vllm_hyco.handoff.limits import DEFAULT_LIMITS, WireLimits
+from vllm_hyco.handoff.schema import (FINGERPRINT_BYTES, HandoffPayload, HandoffSpec, LayerSpec,
+                                      encode_handoff)
+from vllm_hyco.handoff.server_frames import VerdictFrame, openai_chunk
+
+PAPER_HEADER_BYTES = 44
+
+# Gemma 4 26B-A4B. No config file is available offline: decisions.md ("What is known") gives hidden 2,816,
+# 30 layers (5 sliding : 1 full), window 1,024, full layers head dim 512 with unified K/V; the KV head
+# counts (8 sliding, 2 global) are inferred: they are the split for which both layers' K and V make the
+# paper's 6,144 values per position (8*256*2 + 2*512*2), and transformers' Gemma-4 EP plan comment
+# says num_global_key_value_heads=2 for google/gemma-4-26B-A4B-it.
+GEMMA4_26B_A4B_CONFIG = {
+    "model_type": "gemma4_text", "hidden_size": 2816, "num_hidden_layers": 30,
+    "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(30)],
+    "num_key_value_heads": 8, "num_global_key_value_heads": 2, "head_dim": 256, "global_head_dim": 512,
+    "sliding_window": 1024, "attention_k_eq_v": True, "vocab_size": 262144,
+}
+
+# The tiny verifier of vllm_hyco.fixtures (FixtureOptions defaults; a test keeps the two equal).
+FIXTURE_VERIFIER_CONFIG = {
+    "model_type": "gemma4_text", "hidden_size": 256, "num_hidden_layers": 4,
+    "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
+    "num_key_value_heads": 2, "num_global_key_value_heads": 1, "head_dim": 256, "global_head_dim": 512,
+    "sliding_window": 128, "attention_k_eq_v": True, "vocab_size": 4096,
+}
+
+
+def layers_from_hf_config(cfg: dict) -> tuple[int, tuple[LayerSpec, ...]]:
+    """(hidden, hand-off layers) of a Gemma-4 text config: its last sliding and last full layer, by id.
+
+    Full layers of a k_eq_v model use ``num_global_key_value_heads`` and ``global_head_dim`` (as
+    transformers' Gemma4TextConfig does); both K and V are sent (see schema.py on has_v).
+    """
+    cfg = cfg.get("text_config", cfg)
+    try:
+        types = list(cfg["layer_types"])
+        hidden = int(cfg["hidden_size"])
+        k_eq_v = bool(cfg.get("attention_k_eq_v", False))
+        full_kv = cfg.get("num_global_key_value_heads") if k_eq_v else None
+        layers = []
+        for kind, key in (("sliding", "sliding_attention"), ("full", "full_attention")):
+            lid = len(types) - 1 - types[::-1].index(key)
+            if kind == "sliding":
+                layers.append(LayerSpec(lid, kind, int(cfg["num_key_value_heads"]), int(cfg["head_dim"]),
+                                        int(cfg["sliding_window"])))
+            else:
+                layers.append(LayerSpec(lid, kind, int(full_kv or cfg["num_key_value_heads"]),
+                                        int(cfg.get("global_head_dim", 512)), 0, k_eq_v=k_eq_v))
+    except (KeyError, ValueError, TypeError) as e:
+        raise ConfigError(f"not a Gemma-4 text config with sliding and full layers: {e!r}") from e
+    return hidden, tuple(sorted(layers, key=lambda layer: layer.layer_id))
+
+
+def spec_from_hf_config(cfg: dict, fingerprint: bytes = bytes(FINGERPRINT_BYTES),
+                        scales_id: bytes = bytes(FINGERPRINT_BYTES)) -> HandoffSpec:
+    hidden, layers = layers_from_hf_config(cfg)
+    return HandoffSpec(fingerprint, hidden, layers, scales_id)
+
+
+def paper_handoff_bytes(spec: HandoffSpec, positions: int) -> int:
+    """The paper's count: 44 B header + 2H B + values_per_position B per position."""
+    return PAPER_HEADER_BYTES + spec.values_per_round + spec.values_per_position * positions
+
+
+def handoff_bytes(spec: HandoffSpec, positions: int, root_position: int = 4096) -> int:
+    """Exact length of one encoded hand-off carrying ``positions`` K/V rows."""
+    root_position = max(root_position, positions)
+    payload = HandoffPayload.make_dummy(spec, root_position - positions, root_position, bonus_token=100_000)
+    return len(encode_handoff(payload))
+
+
+def tree_frame_bytes(num_nodes: int, labels: bool = True, round: int = 1000, token: int = 200_000) -> int:
+    """Uplink per round: one tree frame with ``num_nodes`` draft nodes (a chain; ids of 3 bytes)."""
+    tokens = [token + i for i in range(num_nodes + 1)]
+    parents = [-1] + list(range(num_nodes))
+    labs = [0] + [1] * num_nodes if labels else None
+    return len(encode_frame(TreeFrame.from_lists(round, tokens, parents, labs)))
+
+
+def verdict_bytes(spec: HandoffSpec, accepted: int, chars_per_token: int = 4, round: int = 1000,
+                  limits: WireLimits = DEFAULT_LIMITS) -> dict:
+    """Downlink of a round that accepts ``accepted`` draft nodes (commits accepted + 1 tokens).
+
+    Returns the verdict frame's bytes, its hand-off's bytes and the paper's count for the same rows.
+    """
+    positions = accepted + 1  # the root's row plus the accepted path's rows get K/V
+    payload = HandoffPayload.make_dummy(spec, 4096 - positions, 4096, bonus_token=100_000)
+    chunk = openai_chunk("chat.completion.chunk", "chatcmpl-" + "0" * 32, "model",
+                         "x" * (chars_per_token * positions), created=1_750_000_000)
+    verdict = VerdictFrame(bytes(SESSION_ID_BYTES), round, tuple(range(1, accepted + 1)),
+                           tuple([100_000] * positions), 100_000, payload, None, limits.max_nodes, chunk)
+    frame = len(encode_frame(verdict))
+    return {"verdict": frame, "handoff": len(encode_handoff(payload)),
+            "paper_handoff": paper_handoff_bytes(spec, positions)}
+
+
+def seed_bytes(spec: HandoffSpec, positions: int, limits: WireLimits = DEFAULT_LIMITS) -> dict:
+    """The first verdict's seed hand-off (``positions`` = min(W, prompt length)), sent in chunks."""
+    payload = HandoffPayload.make_dummy(spec, 0, positions, bonus_token=100_000)
+    encoded = encode_handoff(payload)
+    ref, frames = split_handoff(encoded, 0, limits.chunk_bytes)
+    return {"handoff": len(encoded), "chunks": ref.chunks, "chunk_bytes": ref.chunk_bytes,
+            "chunk_frames": sum(len(encode_frame(f)) for f in frames),
+            "max_frame": max(len(encode_frame(f)) for f in frames),
+            "paper_handoff": paper_handoff_bytes(spec, positions)}
+
+
+def size_report(cfg: dict, seed_positions: int, max_accepted: int = 4,
+                limits: WireLimits = DEFAULT_LIMITS) -> dict:
+    """Everything the benchmark prints for one model: per-round up/down, per-position, seed."""
+    spec = spec_from_hf_config(cfg)
+    one, two = handoff_bytes(spec, 1), handoff_bytes(spec, 2)
+    return {
+        "hidden_size": spec.hidden_size,
+        "layers": [layer.to_wire() for layer in spec.layers],
+        "values_per_round": spec.values_per_round,
+        "values_per_position": spec.values_per_position,
+        "handoff_fixed_bytes": one - (two - one),  # header + bonus + e + h + framing
+        "handoff_bytes_per_position": two - one,
+        "paper_fixed_bytes": PAPER_HEADER_BYTES + spec.values_per_round,
+        "tree_frame_bytes": {n: tree_frame_bytes(n) for n in (0, 8, 16, 32)},
+        "tree_frame_bytes_no_labels": {n: tree_frame_bytes(n, labels=False) for n in (0, 8, 16, 32)},
+        "rounds": {a: verdict_bytes(spec, a, limits=limits) for a in range(max_accepted + 1)},
+        "seed": seed_bytes(spec, seed_positions, limits),
+    }

@@ -1,0 +1,186 @@
+"""HycoConfig: every HyCo server option, typed, validated once at construction (no vLLM import).
+
+Users write either the bare word or the JSON form of ``--speculative-config``::
+
+    vllm serve MODEL --speculative-config hyco
+    vllm serve MODEL --speculative-config '{"method": "hyco", "epsilon": 0.005, "node_budget": 32}'
+
+Both become one frozen :class:`HycoConfig`. The engine adapter (``vllm_hyco.engine.expansion``) turns it
+into vLLM engine arguments and stores ``config.to_dict()`` in ``VllmConfig.additional_config["hyco"]``;
+that dict is part of the pickled VllmConfig, so the engine-core and worker processes read the same
+options back with :meth:`HycoConfig.from_vllm_config`.
+
+Example::
+
+    >>> HycoConfig.parse("hyco").exact
+    True
+    >>> HycoConfig.parse('{"method": "hyco", "epsilon": 0.005}').epsilon
+    0.005
+    >>> HycoConfig.parse({"method": "hyco", "node_budgt": 8})
+    Traceback (most recent call last):
+    ...
+    vllm_hyco.errors.ConfigError: unknown hyco option 'node_budgt'; valid options: epsilon, max_session_tokens, max_sessions, method, node_budget, session_idle_timeout_s, window
+
+Exact verification is the default (``epsilon`` None, decisions.md D4); a lossy ε in (0, 1) is an operator
+option and is logged at startup.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from vllm_hyco.errors import ConfigError
+
+METHOD = "hyco"
+MAX_NODE_BUDGET = 32  # decisions.md D3: n <= 32 real nodes plus the root
+ADDITIONAL_CONFIG_KEY = "hyco"  # VllmConfig.additional_config[ADDITIONAL_CONFIG_KEY] = HycoConfig.to_dict()
+
+
+@dataclass(frozen=True)
+class HycoConfig:
+    """Server-side HyCo options.
+
+    Attributes:
+        epsilon: None = exact (lossless) verification; a float in (0, 1) = lossy ε-threshold mode
+            (the paper uses 0.005). Sessions may ask for stricter, never laxer.
+        node_budget: real tree nodes per round the server grants by default (1..32; root not counted).
+        window: hand-off window W in tokens (sliding-window K/V rows sent to the phone); None = the
+            verifier's ``sliding_window`` (1,024 for Gemma 4 26B-A4B).
+        max_sessions: concurrent phone sessions the server accepts.
+        session_idle_timeout_s: a session with no tree for this long is closed and its KV freed.
+        max_session_tokens: prompt + generated tokens per session; None = the model's max_model_len.
+    """
+
+    epsilon: float | None = None
+    node_budget: int = MAX_NODE_BUDGET
+    window: int | None = None
+    max_sessions: int = 16
+    session_idle_timeout_s: float = 60.0
+    max_session_tokens: int | None = None
+
+    def __post_init__(self):
+        _check_epsilon(self.epsilon)
+        _check_int("node_budget", self.node_budget, 1, MAX_NODE_BUDGET)
+        _check_int("window", self.window, 1, 1 << 20, optional=True)
+        _check_int("max_sessions", self.max_sessions, 1, 1 << 16)
+        _check_float("session_idle_timeout_s", self.session_idle_timeout_s, 0.0, 86400.0)
+        _check_int("max_session_tokens", self.max_session_tokens, 2, 1 << 24, optional=True)
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def exact(self) -> bool:
+        """True when verification is lossless (no ε)."""
+        return self.epsilon is None
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """Spec slots vLLM must schedule per round: one per tree node (the root is the bonus token)."""
+        return self.node_budget
+
+    # ------------------------------------------------------------------ parsing
+    @classmethod
+    def valid_options(cls) -> list[str]:
+        return sorted([f.name for f in dataclasses.fields(cls)] + ["method"])
+
+    @classmethod
+    def from_dict(cls, options: Mapping[str, Any]) -> "HycoConfig":
+        """Build from ``{"method": "hyco", ...}`` (``method`` optional); unknown keys raise ConfigError."""
+        options = dict(options)
+        method = options.pop("method", METHOD)
+        if method != METHOD:
+            raise ConfigError(f"speculative method {method!r} is not HyCo; use \"method\": \"hyco\"")
+        valid = cls.valid_options()
+        for key in sorted(options):
+            if key not in valid:
+                raise ConfigError(f"unknown hyco option {key!r}; valid options: {', '.join(valid)}")
+        return cls(**options)
+
+    @classmethod
+    def parse(cls, value: "str | Mapping[str, Any] | HycoConfig | None") -> "HycoConfig":
+        """Accept ``"hyco"``, a JSON string, a dict, a HycoConfig, or None (all defaults)."""
+        if value is None or isinstance(value, HycoConfig):
+            return value or cls()
+        if isinstance(value, str):
+            text = value.strip()
+            if text == METHOD:
+                return cls()
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"--speculative-config {text!r} is neither 'hyco' nor valid JSON: {exc}") from exc
+            if not isinstance(value, dict):
+                raise ConfigError(f"--speculative-config must be 'hyco' or a JSON object, got {text!r}")
+        return cls.from_dict(value)
+
+    @staticmethod
+    def is_hyco(value: Any) -> bool:
+        """Does a ``speculative_config`` value (word, JSON text or dict) ask for HyCo?"""
+        if isinstance(value, HycoConfig):
+            return True
+        if isinstance(value, str):
+            text = value.strip()
+            if text == METHOD:
+                return True
+            if not text.startswith("{"):
+                return False
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError:
+                return False
+        return isinstance(value, Mapping) and value.get("method") == METHOD
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe dict; ``from_dict(to_dict())`` round-trips."""
+        return {"method": METHOD, **dataclasses.asdict(self)}
+
+    # ------------------------------------------------------------------ engine side
+    @classmethod
+    def from_vllm_config(cls, vllm_config: Any) -> "HycoConfig":
+        """The HycoConfig a HyCo engine was started with (in any process: API, engine core, worker).
+
+        Raises ConfigError when the engine was not started with ``--speculative-config hyco``.
+        """
+        found = cls.maybe_from_vllm_config(vllm_config)
+        if found is None:
+            raise ConfigError("this vLLM engine was not started with --speculative-config hyco")
+        return found
+
+    @classmethod
+    def maybe_from_vllm_config(cls, vllm_config: Any) -> "HycoConfig | None":
+        extra = getattr(vllm_config, "additional_config", None)
+        if not isinstance(extra, Mapping) or ADDITIONAL_CONFIG_KEY not in extra:
+            return None
+        return cls.from_dict(extra[ADDITIONAL_CONFIG_KEY])
+
+    def describe(self) -> str:
+        mode = "exact (lossless)" if self.exact else f"LOSSY epsilon={self.epsilon}"
+        window = self.window if self.window is not None else "verifier sliding_window"
+        return (f"HyCo: verification {mode}, node_budget {self.node_budget}, window {window}, "
+                f"max_sessions {self.max_sessions}, session_idle_timeout_s {self.session_idle_timeout_s}")
+
+
+def _check_epsilon(value: Any) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not 0.0 < value < 1.0:
+        raise ConfigError(f"hyco option epsilon={value!r} is out of range: valid values are a float in "
+                          f"(0, 1) for lossy mode (0.005 recommended), or null/omitted for exact mode")
+
+
+def _check_int(name: str, value: Any, lo: int, hi: int, *, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        extra = " or null" if optional else ""
+        raise ConfigError(f"hyco option {name}={value!r} is invalid: valid values are integers in "
+                          f"[{lo}, {hi}]{extra}")
+
+
+def _check_float(name: str, value: Any, lo: float, hi: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo < value <= hi:
+        raise ConfigError(f"hyco option {name}={value!r} is invalid: valid values are numbers in ({lo}, {hi}]")

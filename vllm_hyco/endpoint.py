@@ -1,0 +1,136 @@
+"""The ``vllm.endpoint_plugins`` entry point ``hyco`` (adapter, vLLM 0.32 endpoint-plugin contract).
+
+vLLM attaches these routes to its OpenAI server when ``VLLM_PLUGINS`` names ``hyco`` (``vllm-hyco serve``
+sets it; plain ``vllm serve --speculative-config hyco`` without it is refused at startup):
+
+| route | what | status |
+| --- | --- | --- |
+| ``GET /v1/hyco/info`` | plugin and vLLM versions, and the server's HycoConfig (null if HyCo is off) | done |
+| ``WS /v1/hyco/session`` | the phone's session (trees in, verdicts + hand-offs out, docs/protocol.md) | placeholder: one error frame, then close |
+
+On a HyCo server it also answers ``/v1/completions`` and ``/v1/chat/completions`` requests that set
+``min_p`` or ``logit_bias`` with a 400 naming the field: vLLM cannot apply them while speculative
+decoding is configured (its own check does not say which field).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from vllm_hyco import __version__
+from vllm_hyco.config import HycoConfig
+from vllm_hyco.errors import RequestFieldError
+
+logger = logging.getLogger("vllm.hyco")
+
+INFO_PATH = "/v1/hyco/info"
+SESSION_PATH = "/v1/hyco/session"
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+
+def unsupported_field(body: Any) -> RequestFieldError | None:
+    """The first field of an OpenAI request body that a speculative-decoding server cannot honour.
+
+    >>> unsupported_field({"min_p": 0.1}).field, unsupported_field({"logit_bias": {"5": 1}}).field
+    ('min_p', 'logit_bias')
+    >>> unsupported_field({"min_p": 0.0, "logit_bias": {}}) is None
+    True
+    """
+    if not isinstance(body, dict):
+        return None
+    min_p = body.get("min_p")
+    if isinstance(min_p, (int, float)) and not isinstance(min_p, bool) and min_p > 0.0:
+        return RequestFieldError("min_p", f"min_p={min_p} is not supported on a HyCo server: vLLM ignores "
+                                          f"min_p whenever speculative decoding is configured; remove it")
+    if body.get("logit_bias"):
+        return RequestFieldError("logit_bias", "logit_bias is not supported on a HyCo server: vLLM ignores "
+                                               "logit_bias whenever speculative decoding is configured; remove it")
+    return None
+
+
+def error_body(err: RequestFieldError) -> bytes:
+    """OpenAI-style error JSON, as vLLM's ErrorResponse shapes it."""
+    return json.dumps({"error": {"message": str(err), "type": "BadRequestError", "param": err.field,
+                                 "code": 400, "hyco_code": err.code}}).encode()
+
+
+class RejectIgnoredFieldsMiddleware:
+    """Pure ASGI middleware: buffers POST bodies of the generation routes on a HyCo server and answers
+    400 when :func:`unsupported_field` finds one; otherwise replays the body to vLLM unchanged."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        state = getattr(scope.get("app"), "state", None)
+        if (scope["type"] != "http" or scope.get("method") != "POST" or scope.get("path") not in GENERATION_PATHS
+                or getattr(state, "hyco_config", None) is None):
+            return await self.app(scope, receive, send)
+        chunks, more = [], True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return await self.app(scope, _replay([message], receive), send)
+            chunks.append(message)
+            more = message.get("more_body", False)
+        try:
+            body = json.loads(b"".join(m.get("body", b"") for m in chunks) or b"null")
+        except ValueError:
+            body = None  # vLLM reports malformed JSON itself
+        err = unsupported_field(body)
+        if err is None:
+            return await self.app(scope, _replay(chunks, receive), send)
+        payload = error_body(err)
+        await send({"type": "http.response.start", "status": 400,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(payload)).encode())]})
+        await send({"type": "http.response.body", "body": payload})
+
+
+def _replay(messages: list[dict], receive):
+    pending = list(messages)
+
+    async def replay():
+        return pending.pop(0) if pending else await receive()
+
+    return replay
+
+
+class HycoEndpointPlugin:
+    """vLLM endpoint-plugin object (name, required_tasks, attach_router, init_state)."""
+
+    name = "hyco"
+    required_tasks = ("generate",)
+
+    def attach_router(self, app: Any) -> None:
+        from fastapi import APIRouter, WebSocket
+
+        router = APIRouter()
+
+        @router.get(INFO_PATH)
+        async def hyco_info() -> dict:
+            cfg = getattr(app.state, "hyco_config", None)
+            return {"vllm_hyco": __version__, "vllm": getattr(app.state, "hyco_vllm_version", None),
+                    "enabled": cfg is not None, "config": cfg.to_dict() if cfg is not None else None}
+
+        @router.websocket(SESSION_PATH)
+        async def hyco_session(websocket: WebSocket) -> None:
+            await websocket.accept()
+            await websocket.send_text(json.dumps({
+                "type": "error", "code": "not_implemented",
+                "message": "HyCo phone sessions are not served yet by this build of vllm_hyco"}))
+            await websocket.close(code=1011)
+
+        app.include_router(router)
+        app.add_middleware(RejectIgnoredFieldsMiddleware)
+
+    async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
+        import vllm
+
+        state.hyco_vllm_version = vllm.__version__
+        vllm_config = getattr(engine_client, "vllm_config", None) if engine_client is not None else None
+        state.hyco_config = HycoConfig.maybe_from_vllm_config(vllm_config) if vllm_config is not None else None
+        if state.hyco_config is not None:
+            logger.info("HyCo phone routes: GET %s, WS %s", INFO_PATH, SESSION_PATH)

@@ -1,0 +1,175 @@
+"""In-process engine API for HyCo sessions: what the HTTP/WebSocket layer calls (matches vLLM 0.32).
+
+It drives a vLLM ``LLMEngine`` (``LLM(...).llm_engine``) built with the HyCo scheduler/worker, and talks to
+the engine core through the utility methods of :mod:`vllm_hyco.engine.core_ext` (called directly when the
+core is in-process, through ``call_utility`` otherwise). The server runs no MTP head for sessions.
+
+Example (greedy, a chain tree that plants the model's own continuation)::
+
+    eng = HycoEngine(llm)
+    s = eng.open(prompt_token_ids=[2, 17, 99, 5], max_tokens=64, temperature=0.0)
+    v = eng.submit(s.sid, 0, tokens=[s.root, a, b], parents=[-1, 0, 1])
+    v.committed        # path tokens that survived stop checks + the bonus token
+    eng.submit(s.sid, 1, tokens=[v.bonus, ...], parents=[-1, ...])
+    eng.close(s.sid)
+
+Request fields: HyCo sessions accept only :data:`ALLOWED_FIELDS`; anything else raises
+RequestFieldError naming the field (penalties, logprobs, n > 1, min_p, logit_bias, structured output,
+tools... would silently change the tree decision).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_hyco.errors import RequestFieldError, SessionError
+
+ALLOWED_FIELDS = ("temperature", "top_k", "top_p", "seed", "max_tokens", "stop", "ignore_eos", "min_tokens")
+DEFAULT_BUDGET = 32
+
+
+@dataclass
+class SessionHandle:
+    sid: str
+    req_id: str
+    root: int  # the first tree's root token (the prompt's last token)
+    root_position: int  # its position t (the prompt length - 1)
+    prefill_s: float
+
+
+@dataclass
+class Verdict:
+    sid: str
+    round: int
+    path_rows: list[int]  # accepted tree rows below the root, root excluded
+    path_tokens: list[int]
+    bonus: int  # the next round's root (when not finished)
+    committed: list[int]  # what the request actually committed (path + bonus, cut by EOS/stop/max_tokens)
+    text: str  # detokenized delta of ``committed`` (empty without a tokenizer)
+    finished: bool
+    finish_reason: str | None
+    handoff: dict[str, Any]  # raw tensors (D1): e_bonus, h, full_k/v, sliding_k/v, position, start
+    budget: int  # node budget granted for the next round (D3)
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+def check_fields(fields: dict[str, Any]) -> None:
+    for name, value in fields.items():
+        if name not in ALLOWED_FIELDS and value not in (None, False, [], {}):
+            raise RequestFieldError(name, f"field {name!r} is not supported for HyCo sessions; "
+                                          f"allowed: {', '.join(ALLOWED_FIELDS)}")
+
+
+class HycoEngine:
+    """Sessions on one vLLM engine. Not thread-safe: the caller serialises calls (one engine loop)."""
+
+    def __init__(self, llm_or_engine, *, budget: int = DEFAULT_BUDGET, max_steps: int = 10_000):
+        self.engine = getattr(llm_or_engine, "llm_engine", llm_or_engine)
+        self.budget = budget
+        self.max_steps = max_steps
+        self._outbox: dict[str, list[Any]] = {}  # request id -> RequestOutputs not yet consumed
+        self._sessions: dict[str, str] = {}  # sid -> request id
+
+    # -- core access ------------------------------------------------------------------------------
+    def _call(self, name: str, *args):
+        client = self.engine.engine_core
+        core = getattr(client, "engine_core", None)
+        if core is not None:
+            return getattr(core, name)(*args)
+        return client.call_utility(name, *args)
+
+    def _step(self) -> None:
+        for out in self.engine.step():
+            self._outbox.setdefault(out.request_id, []).append(out)
+
+    def _take(self, req_id: str) -> list[Any]:
+        return self._outbox.pop(req_id, [])
+
+    # -- sessions ---------------------------------------------------------------------------------
+    def open(self, *, prompt_token_ids: list[int] | None = None, prompt: str | None = None,
+             sid: str | None = None, eps: float | None = None, **fields) -> SessionHandle:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        check_fields(fields)
+        sid = sid or uuid.uuid4().hex[:16]
+        if sid in self._sessions:
+            raise SessionError(f"session {sid!r} is already open", code="duplicate_session")
+        if eps is not None and not 0.0 < eps < 1.0:
+            raise RequestFieldError("eps", f"eps must be in (0, 1) or None (exact), got {eps}")
+        params = SamplingParams(**{k: v for k, v in fields.items() if v is not None},
+                                output_kind=RequestOutputKind.DELTA,
+                                extra_args={"hyco": {"sid": sid, "eps": eps}})
+        req_id = f"hyco-{sid}"
+        if prompt_token_ids is not None:
+            inputs: Any = {"prompt_token_ids": list(prompt_token_ids)}
+        else:
+            inputs = prompt
+        start = time.perf_counter()
+        self.engine.add_request(req_id, inputs, params)
+        self._sessions[sid] = req_id
+        info = self._wait(sid, lambda i: i["state"] != "prefilling")
+        if info["state"] == "finished":
+            raise SessionError(f"session {sid!r} finished during prefill ({info['finish_code']})",
+                               code=info["finish_code"] or "session_finished")
+        ids = list(prompt_token_ids) if prompt_token_ids is not None else None
+        root = ids[-1] if ids else self._call("hyco_session_info", sid).get("root", -1)
+        return SessionHandle(sid=sid, req_id=req_id, root=root,
+                             root_position=(len(ids) - 1) if ids else -1, prefill_s=time.perf_counter() - start)
+
+    def _wait(self, sid: str, done) -> dict[str, Any]:
+        for _ in range(self.max_steps):
+            info = self._call("hyco_session_info", sid)
+            if done(info):
+                return info
+            self._step()
+        raise SessionError(f"session {sid!r} made no progress in {self.max_steps} steps", code="stalled")
+
+    def submit(self, sid: str, round_: int, tokens: list[int], parents: list[int],
+               eps: float | None = None) -> Verdict:
+        if sid not in self._sessions:
+            raise SessionError(f"unknown session {sid!r}", code="unknown_session")
+        start = time.perf_counter()
+        self._call("hyco_submit_tree", sid, round_, list(tokens), list(parents), eps)
+        self._wait(sid, lambda i: round_ in i["pending_verdicts"] or i["state"] == "finished")
+        raw = self._call("hyco_take_verdict", sid, round_)
+        outs = self._take(self._sessions[sid])
+        text = "".join(o.outputs[0].text for o in outs if o.outputs)
+        finished = any(o.finished for o in outs)
+        if finished:
+            self._sessions.pop(sid, None)
+        path_rows = list(raw["path_rows"])
+        return Verdict(
+            sid=sid, round=round_, path_rows=path_rows, path_tokens=[tokens[r] for r in path_rows],
+            bonus=int(raw["bonus"]), committed=list(raw.get("committed", [])), text=text, finished=finished,
+            finish_reason=next((str(o.outputs[0].finish_reason) for o in outs
+                                if o.finished and o.outputs), None),
+            handoff=raw.get("handoff", {}), budget=self.budget,
+            stats={"num_rows": raw["num_rows"], "accepted": len(path_rows), "hits": raw["hits"],
+                   "root_position": raw["root_pos"], "wall_s": time.perf_counter() - start})
+
+    def close(self, sid: str) -> bool:
+        req_id = self._sessions.pop(sid, None)
+        if req_id is None:
+            raise SessionError(f"unknown session {sid!r}", code="unknown_session")
+        closed = self._call("hyco_close", sid)
+        self.engine.abort_request([req_id])
+        self._take(req_id)
+        return closed
+
+    def poll(self) -> list[str]:
+        """Apply idle timeouts / eviction now; returns the sids finished."""
+        return self._call("hyco_poll")
+
+    # -- ordinary requests sharing the engine -------------------------------------------------------
+    def add_request(self, req_id: str, inputs: Any, params) -> None:
+        self.engine.add_request(req_id, inputs, params)
+
+    def step(self) -> None:
+        self._step()
+
+    def take_outputs(self, req_id: str) -> list[Any]:
+        return self._take(req_id)

@@ -1,0 +1,96 @@
+"""CPU_ATTN override: the stock C++ op for every row, then tree rows recomputed with the torch twin.
+
+Matches vLLM 0.32 (``v1/attention/backends/cpu_attn.py``).
+
+* Why: the CPU build always selects CPU_ATTN (``CpuPlatform.get_attn_backend_cls``), whose op has no
+  arbitrary mask; tree rows need "ancestors + itself + committed prefix, window from the row's own
+  position" (vllm-integration.md §9).
+* What it replaces: the backend class registered for the **static** enum member
+  ``AttentionBackendEnum.CPU_ATTN`` (never a new enum name: a dynamic member cannot be unpickled in a
+  spawned engine core). ``forward`` runs the stock op for the whole batch, then overwrites the output of
+  each tree request's rows with :func:`tree_attention_twin` over the prefix K/V gathered through the
+  KV view plus the fresh tree K/V. ``do_kv_cache_update`` writes as stock and also captures the tree
+  rows' K/V (for compaction and the hand-off). Batches without trees are untouched.
+* When it can go: when vLLM's CPU op takes a per-sequence tree mask and per-row positions.
+
+The runner publishes the step's trees with :func:`set_active_trees` before the forward and clears them
+after sampling; everything runs in the worker process.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
+
+from vllm_hyco.engine.kv_view import cpu_kv_view, slots_for_positions
+from vllm_hyco.engine.tree_plan import CapturedKV, TreeRows, tree_attention_twin
+
+_ACTIVE_TREES: list[TreeRows] | None = None
+
+
+def set_active_trees(trees: list[TreeRows] | None) -> None:
+    global _ACTIVE_TREES
+    _ACTIVE_TREES = trees or None
+
+
+def active_trees() -> list[TreeRows] | None:
+    return _ACTIVE_TREES
+
+
+def install() -> None:
+    """Register the override over the static CPU_ATTN member (idempotent; call before model load)."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+    from vllm.v1.attention import selector
+
+    path = f"{__name__}.HycoCPUAttentionBackend"
+    if AttentionBackendEnum.CPU_ATTN.get_path() != path:
+        register_backend(AttentionBackendEnum.CPU_ATTN, path)
+        cached = getattr(selector, "_cached_get_attn_backend", None)
+        if cached is not None and hasattr(cached, "cache_clear"):
+            cached.cache_clear()
+
+
+class HycoCPUAttentionImpl(CPUAttentionBackendImpl):
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        trees = _ACTIVE_TREES
+        if not trees:
+            return
+        name = getattr(layer, "layer_name", None) or str(id(layer))
+        for tr in trees:
+            rows = slice(tr.q_start, tr.q_start + tr.num_rows)
+            tr.captured[name] = CapturedKV(key=key[rows].clone(), value=value[rows].clone(),
+                                           slots=slot_mapping[rows].clone(), layer=layer, kv_cache=kv_cache)
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                output_scale=None, output_block_scale=None):
+        out = super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                              output_scale, output_block_scale)
+        trees = _ACTIVE_TREES
+        if not trees or attn_metadata is None:
+            return out
+        assert self.sinks is None and self.alibi_slopes is None, "tree rows: sinks/alibi not supported"
+        view = cpu_kv_view(layer.isa, kv_cache, self.kv_cache_dtype)
+        block_size = kv_cache.shape[2]
+        for tr in trees:
+            rows = slice(tr.q_start, tr.q_start + tr.num_rows)
+            t = tr.context_len
+            lo = 0 if self.sliding_window <= 0 else max(0, t - self.sliding_window + 1)
+            prefix_pos = torch.arange(lo, t, dtype=torch.int64)  # [L]
+            slots = slots_for_positions(attn_metadata.block_table[tr.batch_idx], prefix_pos, block_size)
+            k_pre, v_pre = view.gather(kv_cache, slots)  # [L, Hkv, D] each
+            q = query[rows].view(tr.num_rows, self.num_heads, self.head_size)
+            k_tree = key[rows].view(tr.num_rows, self.num_kv_heads, self.head_size)
+            v_tree = value[rows].view(tr.num_rows, self.num_kv_heads, self.head_size)
+            res = tree_attention_twin(q, k_pre.to(q.dtype), v_pre.to(q.dtype), prefix_pos, k_tree, v_tree, tr,
+                                      scale=self.scale, window=self.sliding_window,
+                                      softcap=float(self.logits_soft_cap or 0.0))
+            out[rows] = res.reshape(out[rows].shape)
+        return out
+
+
+class HycoCPUAttentionBackend(CPUAttentionBackend):
+    @staticmethod
+    def get_impl_cls():
+        return HycoCPUAttentionImpl

@@ -1,0 +1,29 @@
+"""HycoCPUWorker and HycoCPUModelRunner (adapter, vLLM 0.32 CPU build: ``CPUWorker`` / ``CPUModelRunner``).
+
+``CPUWorker.init_device`` builds its runner inline (no ``_make_model_runner`` hook), so the worker swaps
+in HycoCPUModelRunner right after it; the runner holds no weights yet, so building it twice costs only
+its input buffers. Both behave exactly like vLLM's for now.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+from vllm.v1.worker.cpu_worker import CPUWorker
+
+from vllm_hyco.config import HycoConfig
+
+
+class HycoCPUModelRunner(CPUModelRunner):
+    """V1 CPU runner with the HyCo config attached (``self.hyco_config``)."""
+
+    def __init__(self, vllm_config, device):
+        super().__init__(vllm_config, device)
+        self.hyco_config = HycoConfig.maybe_from_vllm_config(vllm_config)
+
+
+class HycoCPUWorker(CPUWorker):
+    def init_device(self):
+        super().init_device()
+        if not getattr(self, "use_v2_model_runner", False):
+            self.model_runner = HycoCPUModelRunner(self.vllm_config, torch.device("cpu"))

@@ -1,0 +1,79 @@
+"""``--speculative-config hyco`` -> the engine arguments that run HyCo (no vLLM import; vLLM 0.32 fields).
+
+vLLM has no ``hyco`` speculative method and its method name is a validated Literal, so the word is an
+alias (vllm-integration.md §3) that expands, on the ``EngineArgs`` object before ``VllmConfig`` is built,
+to::
+
+    speculative_config = {"method": "custom_class", "model": NULL_PROPOSER, "num_speculative_tokens": node_budget}
+    scheduler_cls      = "vllm_hyco.engine.scheduler.HycoScheduler"
+    worker_cls         = HycoWorker (GPU) or HycoCPUWorker (CPU build)
+    async_scheduling   = False
+    additional_config["hyco"] = HycoConfig.to_dict()     # reaches engine core and workers (pickled VllmConfig)
+
+Topologies v1 does not support (decisions.md D7) are refused here, with the flag to change.
+
+Example::
+
+    >>> from types import SimpleNamespace
+    >>> args = SimpleNamespace(speculative_config="hyco", tensor_parallel_size=1, pipeline_parallel_size=1,
+    ...     data_parallel_size=1, _api_process_count=1, async_scheduling=None, scheduler_cls=None,
+    ...     worker_cls="auto", additional_config={})
+    >>> cfg = expand_engine_args(args, is_cpu=True)
+    >>> args.speculative_config["method"], args.worker_cls.rsplit(".", 1)[-1], args.async_scheduling
+    ('custom_class', 'HycoCPUWorker', False)
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm_hyco.config import ADDITIONAL_CONFIG_KEY, HycoConfig
+from vllm_hyco.engine import CPU_WORKER, GPU_WORKER, NULL_PROPOSER, SCHEDULER
+from vllm_hyco.errors import ConfigError
+
+logger = logging.getLogger("vllm.hyco")  # a child of vLLM's logger: same handler and format
+
+_DEFAULT_SCHEDULERS = (None, "", "vllm.v1.core.sched.scheduler.Scheduler", SCHEDULER)
+
+
+def check_topology(args: Any) -> None:
+    """Refuse what HyCo v1 cannot run (D7): one engine process, one API server, synchronous scheduling."""
+    for name, flag in (("tensor_parallel_size", "--tensor-parallel-size"),
+                       ("pipeline_parallel_size", "--pipeline-parallel-size"),
+                       ("data_parallel_size", "--data-parallel-size")):
+        value = getattr(args, name, 1) or 1
+        if value > 1:
+            raise ConfigError(f"--speculative-config hyco runs on one engine process in v1: {flag} {value} is "
+                              f"not supported; use {flag} 1 (scale-out is future work, decisions.md D7)")
+    api_servers = getattr(args, "_api_process_count", 1) or 1
+    if api_servers > 1:
+        raise ConfigError(f"--speculative-config hyco needs a single API server (its sessions live in one "
+                          f"process): --api-server-count {api_servers} is not supported; use 1")
+    if getattr(args, "async_scheduling", None):
+        raise ConfigError("--speculative-config hyco needs synchronous scheduling (a tree must be verified "
+                          "before the next round is scheduled): remove --async-scheduling")
+
+
+def expand_engine_args(args: Any, *, is_cpu: bool) -> HycoConfig:
+    """Validate ``args.speculative_config`` (a HyCo spec) and rewrite ``args`` in place; returns the config."""
+    cfg = HycoConfig.parse(args.speculative_config)
+    check_topology(args)
+    scheduler = getattr(args, "scheduler_cls", None)
+    if scheduler not in _DEFAULT_SCHEDULERS:
+        raise ConfigError(f"--speculative-config hyco brings its own scheduler; remove --scheduler-cls {scheduler}")
+    worker = getattr(args, "worker_cls", "auto")
+    if worker not in ("auto", CPU_WORKER, GPU_WORKER):
+        raise ConfigError(f"--speculative-config hyco brings its own worker; remove --worker-cls {worker}")
+    args.speculative_config = {"method": "custom_class", "model": NULL_PROPOSER,
+                               "num_speculative_tokens": cfg.num_speculative_tokens}
+    args.scheduler_cls = SCHEDULER
+    args.worker_cls = CPU_WORKER if is_cpu else GPU_WORKER
+    args.async_scheduling = False
+    args.additional_config = {**(getattr(args, "additional_config", None) or {}),
+                              ADDITIONAL_CONFIG_KEY: cfg.to_dict()}
+    logger.info("%s", cfg.describe())
+    if not cfg.exact:
+        logger.warning("HyCo LOSSY verification is ON (epsilon=%s): accepted tokens may differ from the "
+                       "verifier's own sampling; omit epsilon for exact mode (decisions.md D4)", cfg.epsilon)
+    return cfg

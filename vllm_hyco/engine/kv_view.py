@@ -1,0 +1,137 @@
+"""Read and write a layer's paged KV cache through one interface, one implementation per layout.
+
+Matches vLLM 0.32. Why: tree attention on CPU needs the committed prefix K/V of a request, the seed
+hand-off gathers the last W positions, and tests compare the cache with a fresh prefill. vLLM has no
+public "read K/V of slots" API, and the two builds store K/V differently:
+
+* ``CpuAttnKVView`` (CPU_ATTN, ``v1/attention/backends/cpu_attn.py``): the per-layer cache is
+  ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``; per (block, head) the first half is the K
+  plane and the second the V plane. With the ``vec``/``vec16`` ISAs the K plane is stored **transposed**
+  (``[head_size, block_size]``, token n is column n) and V is ``[block_size, head_size]``. Other ISAs
+  (``amx``, ``neon``, ...) were never verified and are refused. Every new (isa, dtype, block, head)
+  combination is also checked once at run time by a round trip through vLLM's own writer
+  (``cpu_attn_reshape_and_cache``) on a scratch cache: a mismatch raises HardwareUnsupportedError.
+  Writes always go through that op, so they do not depend on the layout.
+* ``BlockMajorKVView`` (GPU Triton/flash layouts): ``kv_cache.transpose(1, 2).split(head_size, -1)`` gives
+  ``[num_blocks, block_size, num_kv_heads, head_size]`` K and V views, as the Triton backend itself reads
+  them. Not exercised on this machine (no GPU run yet): marked unverified in docs/engine.md.
+
+Slots: ``slot = block_table[p // block_size] * block_size + p % block_size`` (per KV group).
+fp8 / quantized caches are refused (no scale handling yet).
+
+When it can go: when vLLM exposes a per-layer KV accessor (none in 0.32 or 0.33).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from vllm_hyco.errors import HardwareUnsupportedError
+
+VERIFIED_CPU_ISAS = ("vec", "vec16")
+
+
+def slots_for_positions(block_table_row: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[n] int64 slots of ``positions`` for one request, given its block-table row of one KV group."""
+    positions = positions.to(torch.int64)
+    blocks = block_table_row.to(torch.int64)[positions // block_size]
+    return blocks * block_size + positions % block_size
+
+
+class CpuAttnKVView:
+    """CPU_ATTN layout with the K plane transposed per (block, head) (``vec``/``vec16`` ISAs)."""
+
+    layout = "cpu_attn_k_transposed"
+
+    def __init__(self, isa: str, kv_cache_dtype: str = "auto"):
+        if isa not in VERIFIED_CPU_ISAS:
+            raise HardwareUnsupportedError(
+                f"CPU_ATTN KV layout for isa={isa!r} was never verified by vllm_hyco (verified: "
+                f"{VERIFIED_CPU_ISAS}); tree verification would read a wrong cache. Run on an AVX-512/AVX2 "
+                f"x86 host or add and verify a KV view for this ISA in vllm_hyco/engine/kv_view.py."
+            )
+        if kv_cache_dtype != "auto":
+            raise HardwareUnsupportedError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported by the KV view yet")
+        self.isa = isa
+        self.kv_cache_dtype = kv_cache_dtype
+
+    @staticmethod
+    def _split(kv_cache: torch.Tensor):
+        num_blocks, num_kv_heads, block_size, two_d = kv_cache.shape
+        head_size = two_d // 2
+        planes = kv_cache.view(num_blocks, num_kv_heads, 2, block_size * head_size)
+        k = planes[:, :, 0].view(num_blocks, num_kv_heads, head_size, block_size)  # [B, Hkv, D, bs]
+        v = planes[:, :, 1].view(num_blocks, num_kv_heads, block_size, head_size)  # [B, Hkv, bs, D]
+        return k, v, block_size
+
+    def gather(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of ``slots``: each [n, num_kv_heads, head_size] (copies)."""
+        k_planes, v_planes, block_size = self._split(kv_cache)
+        slots = slots.to(torch.int64)
+        blk, off = slots // block_size, slots % block_size
+        return k_planes[blk, :, :, off].clone(), v_planes[blk, :, off, :].clone()
+
+    def scatter(self, kv_cache: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                *, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+        """Write K/V rows ``[n, num_kv_heads, head_size]`` to ``slots`` with vLLM's own CPU writer."""
+        from vllm import _custom_ops as ops
+
+        num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
+        key_cache, value_cache = kv_cache.view(num_blocks, num_kv_heads, 2 * block_size, -1).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(key.contiguous(), value.contiguous(), key_cache, value_cache,
+                                       slots.to(torch.int64), self.isa, k_scale=k_scale, v_scale=v_scale,
+                                       kv_cache_dtype=self.kv_cache_dtype)
+
+
+class BlockMajorKVView:
+    """GPU layouts (Triton/flash): logical ``[B, Hkv, bs, 2D]`` read as ``[B, bs, Hkv, D]`` K and V."""
+
+    layout = "block_major"
+
+    @staticmethod
+    def _split(kv_cache: torch.Tensor):
+        head_size = kv_cache.shape[-1] // 2
+        k, v = kv_cache.transpose(1, 2).split(head_size, dim=-1)  # [B, bs, Hkv, D] each
+        return k, v, kv_cache.shape[2]
+
+    def gather(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v, block_size = self._split(kv_cache)
+        slots = slots.to(torch.int64)
+        blk, off = slots // block_size, slots % block_size
+        return k[blk, off].clone(), v[blk, off].clone()
+
+    def scatter(self, kv_cache: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                *, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+        k, v, block_size = self._split(kv_cache)
+        slots = slots.to(torch.int64)
+        blk, off = slots // block_size, slots % block_size
+        k[blk, off] = key.to(k.dtype)
+        v[blk, off] = value.to(v.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _verify_cpu_layout(isa: str, dtype: torch.dtype, block_size: int, num_kv_heads: int, head_size: int) -> None:
+    """Round-trip random rows through vLLM's writer and our reader on a scratch 2-block cache."""
+    view = CpuAttnKVView(isa)
+    gen = torch.Generator().manual_seed(0)
+    cache = torch.zeros(2, num_kv_heads, block_size, 2 * head_size, dtype=dtype)
+    slots = torch.tensor([0, 1, block_size - 1, block_size, 2 * block_size - 1], dtype=torch.int64)
+    k = torch.randn(len(slots), num_kv_heads, head_size, generator=gen).to(dtype)
+    v = torch.randn(len(slots), num_kv_heads, head_size, generator=gen).to(dtype)
+    view.scatter(cache, slots, k, v)
+    k2, v2 = view.gather(cache, slots)
+    if not (torch.equal(k, k2) and torch.equal(v, v2)):
+        raise HardwareUnsupportedError(
+            f"CPU_ATTN KV layout check failed for isa={isa} dtype={dtype} block_size={block_size} "
+            f"head_size={head_size}: vLLM's writer does not store K/V where vllm_hyco reads them"
+        )
+
+
+def cpu_kv_view(isa: str, kv_cache: torch.Tensor, kv_cache_dtype: str = "auto") -> CpuAttnKVView:
+    """A verified CPU_ATTN view for this layer's cache (checks the layout once per shape/ISA)."""
+    view = CpuAttnKVView(isa, kv_cache_dtype)
+    _, num_kv_heads, block_size, two_d = kv_cache.shape
+    _verify_cpu_layout(isa, kv_cache.dtype, block_size, num_kv_heads, two_d // 2)
+    return view

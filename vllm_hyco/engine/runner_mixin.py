@@ -1,0 +1,227 @@
+"""HycoRunnerMixin: tree positions, tree attention plan, tree decision, KV compaction, hand-off capture.
+
+Matches vLLM 0.32 (V1 ``GPUModelRunner`` / ``CPUModelRunner``). Mix it in front of the runner class:
+``class HycoCPUModelRunner(HycoRunnerMixin, CPUModelRunner)``. It overrides three private methods, each
+calling ``super()`` first so non-HyCo requests keep vLLM's behaviour:
+
+* ``_prepare_inputs``: after vLLM computed sequential positions **and the slot mapping from them** (so
+  the 33 rows are written to the sequential slots t..t+32), overwrite each tree row's position with
+  ``t + depth`` and publish the step's :class:`TreeRows` to the attention override. Replaces nothing;
+  can go with a runner hook for per-row positions (V2 ``ModelState.prepare_inputs`` has one).
+* ``_sample``: vLLM's rejection sampler runs for the whole batch (it is chain-only); the rows of tree
+  requests are then overwritten with ``[path..., bonus, -1...]`` decided on the same logits, and the
+  accepted rows' K/V are moved to positions t+1..t+d in every layer that owns a cache (compaction).
+  vLLM's bookkeeping then appends path + bonus and the scheduler rolls back the rejected rows
+  (``num_computed_tokens -= num_rejected``), which is exactly t' = t + 1 + d. Can go with a pluggable
+  rejection sampler on V1 (V2: ``ModelState.custom_sampler``).
+* ``sample_tokens``: keeps the post-final-norm hidden states of the step for the hand-off and attaches
+  the per-request verdicts to ``ModelRunnerOutput.hyco_verdicts`` (read by the scheduler mixin).
+
+The scheduler passes trees as ``scheduler_output.hyco_trees = {req_id: (round, tokens, parents, eps)}``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from vllm_hyco.engine import cpu_attention
+from vllm_hyco.engine.kv_view import cpu_kv_view
+from vllm_hyco.engine.tree_plan import TreeRows
+
+PLACEHOLDER = -1
+
+
+def select_path(tokens: list[int], parents: list[int], samples: list[int],
+                logp: torch.Tensor | None, eps: float | None) -> tuple[list[int], int]:
+    """Deepest accepted path (rows, root excluded) and the number of hits on it (D4 preference order).
+
+    Node c (parent v) is *ok* iff ``tokens[c] == samples[v]`` (a hit) or, in ε mode,
+    ``p̃(tokens[c] | v) >= eps``; accepted iff ok and its parent is accepted. Among accepted nodes prefer
+    depth, then hits, then the float64 sum of log p̃ from the root, then the lowest row.
+
+    >>> select_path([5, 7, 8, 9], [-1, 0, 0, 2], samples=[8, 1, 9, 3], logp=None, eps=None)
+    ([2, 3], 2)
+    """
+    n = len(tokens)
+    best: tuple = (0, 0, 0.0, 0)
+    best_row = 0
+    info = {0: (True, 0, 0, 0.0)}  # row -> (accepted, depth, hits, sum logp)
+    for c in range(1, n):
+        v = parents[c]
+        acc_v, depth_v, hits_v, lp_v = info[v]
+        hit = tokens[c] == samples[v]
+        lp = float(logp[v, tokens[c]]) if logp is not None else 0.0
+        ok = hit or (eps is not None and logp is not None and math.exp(lp) >= eps)
+        info[c] = (acc_v and ok, depth_v + 1, hits_v + int(hit), lp_v + lp)
+        if info[c][0]:
+            key = (depth_v + 1, hits_v + int(hit), lp_v + lp, -c)
+            if key > best:
+                best, best_row = key, c
+    path = []
+    row = best_row
+    while row != 0:
+        path.append(row)
+        row = parents[row]
+    return path[::-1], best[1]
+
+
+def _probs_for(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """[rows, vocab] p̃ (private stand-in for spec_decode.sampling_probs; temperature > 0)."""
+    x = logits.float() / temperature
+    vocab = x.shape[-1]
+    if 0 < top_k < vocab:
+        kth = torch.topk(x, top_k, dim=-1).values[:, -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_x, idx = torch.sort(x, dim=-1, descending=False)
+        cum = torch.softmax(sorted_x, -1).cumsum(-1)
+        drop_sorted = cum <= 1 - top_p
+        drop_sorted[:, -1] = False
+        x = x.masked_fill(torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted), float("-inf"))
+    return torch.softmax(x, dim=-1)
+
+
+class HycoRunnerMixin:
+    """Tree handling for the V1 runner; state is created lazily so it also works on a swapped class."""
+
+    def _hyco_state(self) -> dict:
+        st = self.__dict__.get("_hyco")
+        if st is None:
+            st = {"trees": None, "verdicts": {}, "hidden": None, "gens": {}}
+            self.__dict__["_hyco"] = st
+        return st
+
+    # -- inputs -----------------------------------------------------------------------------------
+    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+        result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
+        st = self._hyco_state()
+        specs = getattr(scheduler_output, "hyco_trees", None) or {}
+        trees = []
+        for req_id, (round_, tokens, parents, eps) in specs.items():
+            b = self.input_batch.req_id_to_index.get(req_id)
+            if b is None:
+                continue
+            tr = TreeRows.build(req_id=req_id, batch_idx=b, q_start=int(self.query_start_loc.np[b]),
+                                num_rows=int(num_scheduled_tokens[b]),
+                                context_len=int(self.input_batch.num_computed_tokens_cpu[b]),
+                                round=round_, tokens=tokens, parents=parents, eps=eps)
+            assert tr.num_rows <= len(tokens), "a tree request got more rows than its tree has"
+            rows = slice(tr.q_start, tr.q_start + tr.num_rows)
+            self.positions[rows] = tr.positions.to(self.positions.dtype)
+            trees.append(tr)
+        st["trees"] = trees or None
+        cpu_attention.set_active_trees(trees)
+        return result
+
+    # -- sampling ---------------------------------------------------------------------------------
+    def sample_tokens(self, grammar_output):
+        st = self._hyco_state()
+        if self.execute_model_state is not None and st["trees"]:
+            st["hidden"] = self.execute_model_state.hidden_states  # [num_tokens, hidden] post final norm
+        try:
+            output = super().sample_tokens(grammar_output)
+        finally:
+            cpu_attention.set_active_trees(None)
+            st["trees"], st["hidden"] = None, None
+        if st["verdicts"]:
+            target = getattr(output, "model_runner_output", output)
+            target.hyco_verdicts = st["verdicts"]
+            st["verdicts"] = {}
+        return output
+
+    def _sample(self, logits, spec_decode_metadata):
+        sampler_output = super()._sample(logits, spec_decode_metadata)
+        st = self._hyco_state()
+        if not st["trees"]:
+            return sampler_output
+        out = sampler_output.sampled_token_ids  # [num_reqs, max_spec + 1]
+        for tr in st["trees"]:
+            if spec_decode_metadata is None:
+                lo = tr.batch_idx
+            else:
+                k = spec_decode_metadata.num_draft_tokens[tr.batch_idx]
+                assert k + 1 == tr.num_rows, (k, tr.num_rows)
+                lo = int(spec_decode_metadata.cu_num_sampled_tokens[tr.batch_idx]) - tr.num_rows
+            rows_logits = logits[lo:lo + tr.num_rows]  # [num_rows, vocab]
+            verdict = self._hyco_decide(tr, rows_logits)
+            committed = [tr.tokens[r] for r in verdict["path_rows"]] + [verdict["bonus"]]
+            out[tr.batch_idx].fill_(PLACEHOLDER)
+            out[tr.batch_idx, :len(committed)] = torch.tensor(committed, dtype=out.dtype)
+            self._hyco_compact(tr, verdict["path_rows"])
+            verdict["handoff"] = self._hyco_handoff(tr, verdict)
+            st["verdicts"][tr.req_id] = verdict
+        return sampler_output
+
+    def _hyco_decide(self, tr: TreeRows, logits: torch.Tensor) -> dict[str, Any]:
+        params = self.requests[tr.req_id].sampling_params
+        temperature = float(params.temperature) if params is not None else 0.0
+        if temperature < 1e-5:
+            # Greedy: p̃ is one-hot at the argmax, so p̃(c) >= ε iff c is the sample: ε changes nothing.
+            samples = logits.argmax(dim=-1).tolist()
+            logp = None
+        else:
+            probs = _probs_for(logits, temperature, int(params.top_k or 0), float(params.top_p))
+            gen = self._hyco_generator(tr.req_id, params)
+            samples = torch.multinomial(probs, 1, generator=gen).squeeze(-1).tolist()
+            logp = torch.log(probs.double())
+        path_rows, hits = select_path(tr.tokens, tr.parents, samples, logp, tr.eps)
+        end = path_rows[-1] if path_rows else 0
+        return {"round": tr.round, "path_rows": path_rows, "bonus": int(samples[end]), "hits": hits,
+                "num_rows": tr.num_rows, "root_pos": tr.context_len, "end_row": end}
+
+    def _hyco_generator(self, req_id: str, params) -> torch.Generator | None:
+        gens = self._hyco_state()["gens"]
+        if req_id not in gens:
+            gen = torch.Generator()
+            gen.manual_seed(params.seed if params.seed is not None else torch.seed())
+            gens[req_id] = gen
+        return gens[req_id]
+
+    # -- KV compaction ----------------------------------------------------------------------------
+    def _hyco_compact(self, tr: TreeRows, path_rows: list[int]) -> None:
+        """Move the accepted rows' K/V (row r_i, written at slot of t + r_i) to position t + i."""
+        moves = [(i + 1, r) for i, r in enumerate(path_rows) if r != i + 1]
+        if not moves:
+            return
+        dst_idx = torch.tensor([i for i, _ in moves])
+        src_idx = torch.tensor([r for _, r in moves])
+        for cap in tr.captured.values():
+            view = cpu_kv_view(cap.layer.isa, cap.kv_cache)
+            view.scatter(cap.kv_cache, cap.slots[dst_idx], cap.key[src_idx], cap.value[src_idx],
+                         k_scale=cap.layer._k_scale_float, v_scale=cap.layer._v_scale_float)
+
+    # -- hand-off ---------------------------------------------------------------------------------
+    def _hyco_handoff(self, tr: TreeRows, verdict: dict) -> dict[str, Any]:
+        """D1: e(bonus), post-norm h at v*, K/V rows (root + path) of the last full and sliding layer."""
+        hidden = self._hyco_state()["hidden"]
+        rows = [0] + verdict["path_rows"]
+        out: dict[str, Any] = {"position": tr.context_len + len(verdict["path_rows"]),
+                               "start": tr.context_len}
+        with torch.no_grad():
+            ids = torch.tensor([verdict["bonus"]], dtype=torch.long)
+            out["e_bonus"] = self.model.embed_input_ids(ids)[0].float().clone()  # [hidden]
+        if hidden is not None:
+            out["h"] = hidden[tr.q_start + verdict["end_row"]].float().clone()  # [hidden]
+        for kind, name in self._hyco_handoff_layers().items():
+            cap = tr.captured.get(name)
+            if cap is not None:
+                idx = torch.tensor(rows)
+                out[f"{kind}_k"], out[f"{kind}_v"] = cap.key[idx].clone(), cap.value[idx].clone()
+        return out
+
+    def _hyco_handoff_layers(self) -> dict[str, str]:
+        """{'full': layer_name, 'sliding': layer_name}: the last full-attention and last sliding layer."""
+        st = self._hyco_state()
+        if "handoff_layers" not in st:
+            cfg = self.model_config.hf_text_config
+            types = list(getattr(cfg, "layer_types", []) or [])
+            names = {}
+            for kind, tag in (("full", "full_attention"), ("sliding", "sliding_attention")):
+                idx = [i for i, t in enumerate(types) if t == tag]
+                if idx:
+                    names[kind] = f"model.layers.{idx[-1]}.self_attn.attn"
+            st["handoff_layers"] = names
+        return st["handoff_layers"]

@@ -1,0 +1,262 @@
+"""HycoSchedulerMixin: sessions as long-lived requests, parked between rounds, trees injected as drafts.
+
+Matches vLLM 0.32 (``v1/core/sched/scheduler.py``). Mix it in front of the scheduler class:
+``class HycoScheduler(HycoSchedulerMixin, Scheduler)``. A HyCo request is recognised by
+``sampling_params.extra_args["hyco"] = {"sid": str, "eps": float | None}``; other requests are untouched.
+
+Overrides (each calls ``super()``; internals this leans on are listed so a vLLM bump knows where to look):
+
+* ``add_request``: registers the session (``SessionRegistry``).
+* ``_reserve_prefill_lookahead`` (a per-request hook both scheduling paths call): caps a session's
+  prefill at ``num_tokens - 1`` so the last prompt token (the first root, D2) is never prefilled; the
+  same cap re-applies if the request is preempted and re-prefilled. Replaces nothing (super's value is
+  only lowered). Can go when vLLM has a per-request prefill limit.
+* ``update_from_output``: records the runner's verdict (``ModelRunnerOutput.hyco_verdicts``) and *parks*
+  the request: it leaves ``self.running`` but keeps status RUNNING and its KV blocks, so it holds no batch
+  slot and the engine does not run ahead. Parked requests are not in ``running``/``waiting``, so
+  ``get_num_unfinished_requests`` ignores them and the busy loop idles. ``finish_requests`` (abort,
+  close) works on them unchanged (it filters ``running`` and frees blocks by status).
+* ``hyco_submit_tree``: checks the round, validates the tree, sets ``request.spec_token_ids`` to the
+  nodes (the root is already the request's last token) and un-parks it. vLLM's running path then
+  schedules 1 + n rows and stores the nodes in ``scheduled_spec_decode_tokens``; a tree cut short by the
+  token budget stays a valid tree (rows are topologically ordered).
+* ``schedule``: applies the idle-timeout and parked-KV policies, re-injects a tree whose request was
+  preempted before its round ran, and attaches ``scheduler_output.hyco_trees``
+  (``{req_id: (round, tokens, parents, eps)}``) for the runner.
+* ``update_draft_token_ids``: drafts from the (null) proposer never reach session requests.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_hyco.engine.session import RoundTree, Session, SessionRegistry, SessionState
+from vllm_hyco.errors import SessionError, TreeValidationError
+
+MAX_TREE_ROWS = 33  # root + 32 nodes (D3)
+
+
+def hyco_args(request) -> dict | None:
+    params = getattr(request, "sampling_params", None)
+    extra = getattr(params, "extra_args", None) or {}
+    spec = extra.get("hyco")
+    return spec if isinstance(spec, dict) else None
+
+
+def validate_tree_rows(tokens: list[int], parents: list[int], *, vocab_size: int, max_rows: int = MAX_TREE_ROWS) -> None:
+    """Private stand-in for spec_decode.validate_tree: root first, parents before children, no twins."""
+    n = len(tokens)
+    if n == 0 or n != len(parents):
+        raise TreeValidationError(f"tree needs tokens and parents of one length >= 1, got {n} and {len(parents)}",
+                                  code="bad_shape")
+    if n > max_rows:
+        raise TreeValidationError(f"tree has {n} rows, the budget is {max_rows}", code="over_budget")
+    if parents[0] != -1:
+        raise TreeValidationError("row 0 is the root and must have parent -1", code="bad_root")
+    seen: set[tuple[int, int]] = set()
+    for i in range(n):
+        if not 0 <= int(tokens[i]) < vocab_size:
+            raise TreeValidationError(f"token {tokens[i]} at row {i} is outside the vocabulary", code="bad_token")
+        if i and not 0 <= parents[i] < i:
+            raise TreeValidationError(f"row {i} has parent {parents[i]}; parents must precede children",
+                                      code="bad_parent")
+        if i and (parents[i], tokens[i]) in seen:
+            raise TreeValidationError(f"row {i} duplicates a sibling's token {tokens[i]}", code="duplicate_child")
+        seen.add((parents[i], tokens[i]))
+
+
+class HycoSchedulerMixin:
+    # -- state ------------------------------------------------------------------------------------
+    @property
+    def hyco_sessions(self) -> SessionRegistry:
+        reg = self.__dict__.get("_hyco_sessions")
+        if reg is None:
+            reg = SessionRegistry(**self._hyco_registry_kwargs())
+            self.__dict__["_hyco_sessions"] = reg
+        return reg
+
+    def _hyco_registry_kwargs(self) -> dict[str, Any]:
+        """Registry policy from HycoConfig when the foundation provides it, else defaults."""
+        try:
+            from vllm_hyco.config import HycoConfig  # foundation
+            cfg = HycoConfig.from_vllm_config(self.vllm_config)
+            out = {}
+            for ours, theirs in (("idle_timeout_s", "session_idle_timeout_s"),
+                                 ("max_parked_blocks", "max_parked_blocks")):
+                if hasattr(cfg, theirs):
+                    out[ours] = getattr(cfg, theirs)
+            return out
+        except Exception:  # noqa: BLE001 - config not there yet or not a HyCo engine: defaults
+            return {}
+
+    # -- requests ---------------------------------------------------------------------------------
+    def add_request(self, request) -> None:
+        super().add_request(request)
+        spec = hyco_args(request)
+        if spec is not None and "sid" in spec:
+            if request.num_prompt_tokens < 2:
+                raise SessionError("a HyCo session needs a prompt of at least 2 tokens", code="prompt_too_short")
+            self.hyco_sessions.add(str(spec["sid"]), req_id=request.request_id, eps=spec.get("eps"))
+
+    def _reserve_prefill_lookahead(self, request, num_computed_tokens, num_new_tokens):
+        n = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
+        s = self.hyco_sessions.by_req(request.request_id)
+        if s is None:
+            return n
+        from vllm.v1.request import RequestStatus
+
+        if s.state is not SessionState.VERIFYING or request.status != RequestStatus.RUNNING:
+            n = min(n, max(request.num_tokens - 1 - num_computed_tokens, 0))
+        return n
+
+    def update_draft_token_ids(self, draft_token_ids) -> None:
+        reg = self.__dict__.get("_hyco_sessions")
+        if reg is None or not draft_token_ids.req_ids:
+            return super().update_draft_token_ids(draft_token_ids)
+        keep = [i for i, r in enumerate(draft_token_ids.req_ids) if reg.by_req(r) is None]
+        if len(keep) == len(draft_token_ids.req_ids):
+            return super().update_draft_token_ids(draft_token_ids)
+        draft_token_ids.req_ids = [draft_token_ids.req_ids[i] for i in keep]
+        draft_token_ids.draft_token_ids = [draft_token_ids.draft_token_ids[i] for i in keep]
+        return super().update_draft_token_ids(draft_token_ids)
+
+    # -- rounds -----------------------------------------------------------------------------------
+    def hyco_submit_tree(self, sid: str, round_: int, tokens: list[int], parents: list[int],
+                         eps: float | None = None) -> dict[str, Any]:
+        reg = self.hyco_sessions
+        s = reg.check_submit(sid, int(round_))
+        request = self.requests.get(s.req_id)
+        if request is None or request.is_finished():
+            reg.mark_finished(s, "session_finished")
+            raise SessionError(f"session {sid!r} is finished", code="session_finished")
+        tokens, parents = [int(x) for x in tokens], [int(x) for x in parents]
+        validate_tree_rows(tokens, parents, vocab_size=self.vllm_config.model_config.get_vocab_size())
+        if tokens[0] != request.all_token_ids[-1]:
+            raise TreeValidationError(f"root token {tokens[0]} is not the last committed token "
+                                      f"{request.all_token_ids[-1]}", code="bad_root")
+        if eps is not None and eps != s.eps:
+            raise SessionError("ε is fixed per session (decisions.md D4); a round cannot change it",
+                               code="eps_mismatch")
+        assert request.num_computed_tokens == request.num_tokens - 1, "parked session not at its root"
+        reg.start_round(s, RoundTree(round=int(round_), tokens=tokens, parents=parents, eps=s.eps))
+        request.spec_token_ids = tokens[1:]
+        if request not in self.running:
+            self.running.append(request)
+        return {"sid": sid, "round": int(round_), "num_rows": len(tokens)}
+
+    def hyco_close(self, sid: str) -> bool:
+        from vllm.v1.request import RequestStatus
+
+        s = self.hyco_sessions.get(sid)
+        if s.state is SessionState.FINISHED:
+            return False
+        self.finish_requests(s.req_id, RequestStatus.FINISHED_ABORTED)
+        self.hyco_sessions.mark_finished(s, "closed")
+        return True
+
+    def hyco_take_verdict(self, sid: str, round_: int) -> Any:
+        return self.hyco_sessions.take_verdict(sid, int(round_))
+
+    def hyco_session_info(self, sid: str) -> dict[str, Any]:
+        s = self.hyco_sessions.get(sid)
+        return {"sid": s.sid, "req_id": s.req_id, "state": s.state.value, "expected_round": s.expected_round,
+                "finish_code": s.finish_code, "pending_verdicts": sorted(s.verdicts)}
+
+    # -- scheduling -------------------------------------------------------------------------------
+    def schedule(self, *args, **kwargs):
+        self.hyco_apply_policies()
+        reg = self.__dict__.get("_hyco_sessions")
+        if reg is not None:
+            self._hyco_reinject(reg)
+        out = super().schedule(*args, **kwargs)
+        trees = {}
+        if reg is not None:
+            for req_id, n in out.num_scheduled_tokens.items():
+                s = reg.by_req(req_id)
+                if s is None or s.state is not SessionState.VERIFYING or s.tree is None:
+                    continue
+                request = self.requests[req_id]
+                if request.num_computed_tokens - n == request.num_tokens - 1:  # the root is in this chunk
+                    trees[req_id] = (s.tree.round, s.tree.tokens, s.tree.parents, s.tree.eps)
+        out.hyco_trees = trees
+        return out
+
+    def _hyco_reinject(self, reg: SessionRegistry) -> None:
+        for s in reg.live():
+            if s.state is not SessionState.VERIFYING or s.tree is None:
+                continue
+            request = self.requests.get(s.req_id)
+            if (request is not None and request in self.running and not request.spec_token_ids
+                    and request.num_computed_tokens == request.num_tokens - 1):
+                request.spec_token_ids = s.tree.tokens[1:]
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        verdicts = getattr(model_runner_output, "hyco_verdicts", None) or {}
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        reg = self.__dict__.get("_hyco_sessions")
+        if reg is None:
+            return outputs
+        emitted = _outputs_by_req(outputs)
+        for req_id in scheduler_output.num_scheduled_tokens:
+            s = reg.by_req(req_id)
+            if s is None:
+                continue
+            request = self.requests.get(req_id)
+            finished = request is None or request.is_finished()
+            if s.state is SessionState.VERIFYING and req_id in verdicts:
+                verdict = dict(verdicts[req_id])
+                eco = emitted.get(req_id)
+                verdict["committed"] = list(eco.new_token_ids) if eco is not None else []
+                verdict["finish_reason"] = (str(eco.finish_reason) if eco is not None and eco.finish_reason
+                                            is not None else None)
+                reg.finish_round(s, verdict)
+                if not finished:
+                    self._hyco_park(s, request)
+            elif s.state is SessionState.PREFILLING and not finished \
+                    and request.num_computed_tokens == request.num_tokens - 1:
+                self._hyco_park(s, request)
+            if finished:
+                reg.mark_finished(s, s.finish_code or "finished")
+        return outputs
+
+    def _hyco_park(self, s: Session, request) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        s.num_kv_blocks = sum(len(g) for g in self.kv_cache_manager.get_block_ids(request.request_id))
+        self.hyco_sessions.mark_parked(s)
+
+    def finish_requests(self, request_ids, finished_status):
+        finished = super().finish_requests(request_ids, finished_status)
+        reg = self.__dict__.get("_hyco_sessions")
+        if reg is not None:
+            for request in finished:
+                s = reg.by_req(request.request_id)
+                if s is not None:
+                    reg.mark_finished(s, s.finish_code or "aborted")
+        return finished
+
+    # -- policies ---------------------------------------------------------------------------------
+    def hyco_apply_policies(self) -> list[str]:
+        """Finish idle-timed-out and over-cap parked sessions; returns the sids it finished."""
+        reg = self.__dict__.get("_hyco_sessions")
+        if reg is None:
+            return []
+        from vllm.v1.request import RequestStatus
+
+        done = []
+        for code, victims in (("session_timeout", reg.idle_expired()), ("session_evicted", reg.over_cap())):
+            for s in victims:
+                if s.state is SessionState.PARKED:
+                    s.finish_code = code
+                    self.finish_requests(s.req_id, RequestStatus.FINISHED_ABORTED)
+                    reg.mark_finished(s, code)
+                    done.append(s.sid)
+        return done
+
+
+def _outputs_by_req(outputs) -> dict[str, Any]:
+    found = {}
+    for eco_batch in (outputs or {}).values():
+        for eco in getattr(eco_batch, "outputs", []) or []:
+            found[eco.request_id] = eco
+    return found

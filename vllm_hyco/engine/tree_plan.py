@@ -1,0 +1,127 @@
+"""Per-step tree plan shared by the runner mixin and the CPU attention override (vLLM-free, torch only).
+
+For every HyCo request scheduled with a tree this step, the runner builds one :class:`TreeRows`: where
+its rows sit in the flattened batch, the committed context length ``t`` (the root's position), each
+row's depth and its ancestor mask. The attention override reads it to mask tree rows; the runner reads
+the K/V rows the override captured to compact the accepted path and to build the hand-off.
+
+The helpers below are private stand-ins for the tree core (``vllm_hyco.spec_decode``) and the kernels'
+torch twin (``vllm_hyco.kernels``); they are swapped for those when they land.
+
+Example (a root with two children, the second having one child)::
+
+    >>> depths_from_parents([-1, 0, 0, 2])
+    [0, 1, 1, 2]
+    >>> ancestor_mask([-1, 0, 0, 2]).int().tolist()
+    [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+def depths_from_parents(parents: list[int]) -> list[int]:
+    depths = [0] * len(parents)
+    for i in range(1, len(parents)):
+        depths[i] = depths[parents[i]] + 1
+    return depths
+
+
+def ancestor_mask(parents: list[int]) -> torch.Tensor:
+    """[n, n] bool; ``mask[i, j]`` is True iff row j is row i or one of its ancestors."""
+    n = len(parents)
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        mask[i, i] = True
+        if i > 0:
+            mask[i] |= mask[parents[i]]
+    return mask
+
+
+@dataclass
+class CapturedKV:
+    """The K/V rows one layer wrote for one tree request this step, and the slots it wrote them to."""
+
+    # [n, num_kv_heads, head_size]
+    key: torch.Tensor
+    # [n, num_kv_heads, head_size]
+    value: torch.Tensor
+    # [n] sequential slots of positions t .. t+n-1 (where the rows were written)
+    slots: torch.Tensor
+    layer: object  # the vLLM attention layer (scales, isa)
+    kv_cache: torch.Tensor  # the layer's paged cache
+
+
+@dataclass
+class TreeRows:
+    """One tree request in one step."""
+
+    req_id: str
+    batch_idx: int
+    q_start: int  # first row of this request in the flattened batch
+    num_rows: int  # rows scheduled (root + nodes; may be cut short by the token budget)
+    context_len: int  # t: committed positions [0, t) are in the cache; the root sits at t
+    round: int
+    tokens: list[int]  # [num_rows] root first
+    parents: list[int]  # [num_rows]
+    eps: float | None
+    depths: torch.Tensor  # [num_rows] int64
+    anc: torch.Tensor  # [num_rows, num_rows] bool
+    captured: dict[str, CapturedKV] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, *, req_id: str, batch_idx: int, q_start: int, num_rows: int, context_len: int,
+              round: int, tokens: list[int], parents: list[int], eps: float | None) -> "TreeRows":
+        tokens, parents = list(tokens[:num_rows]), list(parents[:num_rows])
+        return cls(req_id=req_id, batch_idx=batch_idx, q_start=q_start, num_rows=num_rows,
+                   context_len=context_len, round=round, tokens=tokens, parents=parents, eps=eps,
+                   depths=torch.tensor(depths_from_parents(parents), dtype=torch.int64),
+                   anc=ancestor_mask(parents))
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """[num_rows] int64: t + depth."""
+        return self.context_len + self.depths
+
+
+def tree_attention_twin(
+    q: torch.Tensor,
+    k_prefix: torch.Tensor,
+    v_prefix: torch.Tensor,
+    prefix_pos: torch.Tensor,
+    k_tree: torch.Tensor,
+    v_tree: torch.Tensor,
+    tree: TreeRows,
+    *,
+    scale: float,
+    window: int,
+    softcap: float = 0.0,
+) -> torch.Tensor:
+    """Reference tree attention for one request (stand-in for kernels.tree_attention_dense_ref).
+
+    Row i (position t + depth_i) attends the committed prefix keys at positions p with
+    ``pos_i - p < window`` (all of them when ``window <= 0``), and the tree rows that are its ancestors or
+    itself. GQA: query head h reads KV head ``h // (H / Hkv)``.
+
+    Shapes: q [n, H, D]; k_prefix, v_prefix [L, Hkv, D]; prefix_pos [L]; k_tree, v_tree [n, Hkv, D].
+    Returns [n, H, D] in q's dtype (computed in fp32).
+    """
+    n, num_heads, _ = q.shape
+    group = num_heads // k_tree.shape[1]
+    k = torch.cat([k_prefix, k_tree], 0).float().repeat_interleave(group, dim=1)  # [L+n, H, D]
+    v = torch.cat([v_prefix, v_tree], 0).float().repeat_interleave(group, dim=1)  # [L+n, H, D]
+    q_pos = tree.positions  # [n]
+    pre_ok = torch.ones(n, prefix_pos.shape[0], dtype=torch.bool)
+    if window > 0:
+        pre_ok = (q_pos[:, None] - prefix_pos[None, :]) < window  # [n, L]
+    allowed = torch.cat([pre_ok, tree.anc], 1)  # [n, L+n]
+    scores = torch.einsum("nhd,khd->hnk", q.float(), k) * scale  # [H, n, L+n]
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~allowed[None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("hnk,khd->nhd", probs, v)  # [n, H, D]
+    return out.to(q.dtype)

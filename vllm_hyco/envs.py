@@ -1,0 +1,45 @@
+"""Process-level switches of vllm_hyco, read lazily from the environment (style guide 9).
+
+Only process-wide switches live here; everything about *how* HyCo runs is a HycoConfig option.
+
+    >>> import os; os.environ["VLLM_HYCO_SKIP_VERSION_CHECK"] = "1"
+    >>> from vllm_hyco import envs; envs.VLLM_HYCO_SKIP_VERSION_CHECK
+    True
+
+| variable | default | meaning |
+| --- | --- | --- |
+| ``VLLM_HYCO_SKIP_VERSION_CHECK`` | 0 | load the plugin on a vLLM other than 0.32.x (unsupported; for porting) |
+| ``VLLM_HYCO_DISABLE`` | 0 | the plugin's ``register()`` does nothing (vLLM behaves as if it were absent) |
+| ``HYCO_CACHE`` | ``<repo>/.cache`` | where tests and the demo build fixtures once and reuse them |
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+
+def _flag(name: str) -> Callable[[], bool]:
+    return lambda: os.environ.get(name, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _cache() -> Path:
+    return Path(os.environ.get("HYCO_CACHE") or Path(__file__).resolve().parents[1] / ".cache")
+
+
+_VARIABLES: dict[str, Callable[[], Any]] = {
+    "VLLM_HYCO_SKIP_VERSION_CHECK": _flag("VLLM_HYCO_SKIP_VERSION_CHECK"),
+    "VLLM_HYCO_DISABLE": _flag("VLLM_HYCO_DISABLE"),
+    "HYCO_CACHE": _cache,
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _VARIABLES:
+        return _VARIABLES[name]()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(_VARIABLES)

@@ -1,0 +1,76 @@
+"""Explicit, recorded patches of upstream vLLM (style guide 3). Nothing here runs at import time.
+
+Each patch is one :class:`Patch` object per upstream target, with its **Why / How / Upstream /
+Removal** notes next to the code. ``apply()`` is idempotent (a second call is a no-op), remembers the
+original and ``revert()`` restores it, so tests can exercise a patch on a dummy class.
+
+Registry (vLLM 0.32):
+
+| patch | target | applied by |
+| --- | --- | --- |
+| ``speculative_config_arg.PATCH`` | ``vllm.engine.arg_utils.EngineArgs.add_cli_args`` | ``plugin.register()`` |
+| ``engine_config.PATCH`` | ``vllm.engine.arg_utils.EngineArgs.create_engine_config`` | ``plugin.register()`` |
+| ``cpu_version_lookup.PATCH`` | ``importlib.metadata.version`` (for the name ``vllm`` only) | ``vllm-hyco`` CLI |
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+
+@dataclass
+class Patch:
+    """Replace ``attr`` of ``target`` (a module path, optionally ``module:Class``) with ``make(original)``.
+
+    >>> import types, sys
+    >>> sys.modules["_demo"] = types.SimpleNamespace(f=lambda: 1)
+    >>> p = Patch("_demo", "f", lambda orig: (lambda: orig() + 1), why="demo", how="wrap",
+    ...           upstream="none", removal="never")
+    >>> p.apply(); sys.modules["_demo"].f()
+    2
+    >>> p.apply(); sys.modules["_demo"].f()   # idempotent
+    2
+    >>> p.revert(); sys.modules["_demo"].f()
+    1
+    """
+
+    target: str
+    attr: str
+    make: Callable[[Any], Any]
+    why: str
+    how: str
+    upstream: str
+    removal: str
+    static: bool = False  # wrap the replacement in staticmethod (class attributes that were static)
+    _original: Any = field(default=None, repr=False)
+    _applied: bool = field(default=False, repr=False)
+
+    def _owner(self) -> Any:
+        module_name, _, cls_name = self.target.partition(":")
+        import sys
+
+        owner = sys.modules.get(module_name) or importlib.import_module(module_name)
+        return getattr(owner, cls_name) if cls_name else owner
+
+    @property
+    def applied(self) -> bool:
+        return self._applied
+
+    def apply(self) -> None:
+        if self._applied:
+            return
+        owner = self._owner()
+        original = owner.__dict__[self.attr] if isinstance(owner, type) else getattr(owner, self.attr)
+        self._original = original
+        func = original.__func__ if isinstance(original, staticmethod) else original
+        replacement = self.make(func)
+        setattr(owner, self.attr, staticmethod(replacement) if self.static else replacement)
+        self._applied = True
+
+    def revert(self) -> None:
+        if not self._applied:
+            return
+        setattr(self._owner(), self.attr, self._original)
+        self._applied = False

@@ -160,7 +160,8 @@ class FrontierPlan:
     """The rows one SLM forward computes (Algorithm 3 line 7-8, D5), in forward order.
 
     Forward row ``i < len(catch_up)`` is a catch-up row: a committed token before the root that has no SLM
-    KV yet (oldest first). It is computed in the same pass and gets no candidates. The other forward rows
+    KV yet (oldest first). It is computed in the same pass and gets no candidates; after the forward the
+    drafter holds its KV as committed context, so later plans no longer list it. The other forward rows
     are the tree rows ``rows`` (indices into ``tokens``), by descending score, ties to the earlier row.
     Position of forward row i = position of the root + ``positions()[i]`` (catch-up rows sit just before
     the root). Every forward row attends to the SLM's committed window plus ``attend_mask()[i]``.

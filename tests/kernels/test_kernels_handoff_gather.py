@@ -96,3 +96,24 @@ def test_handoff_two_layers_k_eq_v_and_vectors(backend):
     assert torch.equal(out.k[0].cpu(), ref)
     with pytest.raises(KernelInputError):
         gather_quantize_kv(ks, slots[0], k_scales[1], backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_same_integers_as_the_wire_formats_numpy_quantizer(backend):
+    """Contract with vllm_hyco.handoff.quant (the phone-facing numpy side): same int8 for the same floats."""
+    quant = pytest.importorskip("vllm_hyco.handoff.quant")
+    g = torch.Generator().manual_seed(5)
+    scale = torch.rand(2, 256, generator=g) * 0.02 + 0.002
+    x = torch.randn(9, 2, 256, generator=g) * 0.5
+    halves = (torch.randint(-300, 300, (9, 2, 256), generator=g).float() + 0.5) * scale  # exact-ish ties
+    for values in (x, halves, torch.tensor(EDGES[:18]).view(1, 1, 18).expand(9, 2, 18)):
+        sc = scale[:, : values.shape[-1]].contiguous()
+        got = gather_free_quantize(values, sc, backend)
+        want = torch.from_numpy(quant.quantize(values.numpy(), sc.numpy()))
+        assert torch.equal(got, want)
+
+
+def gather_free_quantize(values: torch.Tensor, scale: torch.Tensor, backend: str) -> torch.Tensor:
+    """[..., H, D] values with a [H, D] scale through the 1-D-scale quantizer (flatten the channels)."""
+    flat = values.reshape(*values.shape[:-2], -1).to(DEVICE)
+    return quantize_int8(flat, scale.reshape(-1).to(DEVICE), backend=backend).reshape(values.shape).cpu()

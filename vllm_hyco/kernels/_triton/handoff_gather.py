@@ -13,7 +13,8 @@ def _quantize(x, scale):
     y = x.to(tl.float32) / scale
     a = tl.abs(y)
     f = tl.floor(a)
-    r = f + tl.where(a - f >= 0.5, 1.0, 0.0)
+    frac = tl.where(a == f, 0.0, a - f)  # exact in fp32; the where keeps inf - inf out
+    r = f + tl.where(frac >= 0.5, 1.0, 0.0)
     r = tl.minimum(r, 127.0)
     r = tl.where(y < 0, -r, r)
     r = tl.where(y != y, 0.0, r)  # NaN -> 0

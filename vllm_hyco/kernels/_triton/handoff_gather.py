@@ -11,10 +11,9 @@ import triton.language as tl
 @triton.jit
 def _quantize(x, scale):
     y = x.to(tl.float32) / scale
-    a = tl.abs(y)
+    a = tl.minimum(tl.abs(y), 256.0)  # beyond 127.5 everything clamps to 127; keeps inf out
     f = tl.floor(a)
-    frac = tl.where(a == f, 0.0, a - f)  # exact in fp32; the where keeps inf - inf out
-    r = f + tl.where(frac >= 0.5, 1.0, 0.0)
+    r = f + tl.where(a - f >= 0.5, 1.0, 0.0)  # a - f is exact in fp32
     r = tl.minimum(r, 127.0)
     r = tl.where(y < 0, -r, r)
     r = tl.where(y != y, 0.0, r)  # NaN -> 0

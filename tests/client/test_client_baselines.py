@@ -117,7 +117,8 @@ def test_specedge_matches_reference(seed):
     prefix = [rng.randrange(v) for _ in range(3)]
     root = rng.randrange(v)
     expect = _ref_specedge(root, lambda p: _toy_logq(tuple(prefix) + p, v, levels), ids=ids, **kw)
-    got = specedge_tree(root, ToySlm(prefix, v, levels), keep_ids=None if ids is None else np.array(ids), **kw)
+    keep = None if ids is None else np.array(ids)
+    got = specedge_tree(root, ToySlm(prefix, v, levels), keep_ids=keep, **kw)
     assert got.to_wire() == tuple(expect), f"seed={seed} {kw}"
 
 
@@ -140,7 +141,7 @@ def test_bad_config():
         SpecEdgeGrower(1, decay=0.0)
 
 
-# ---------------------------------------------------------------------------------------------- proactive
+# ------------------------------------------------------------ proactive
 
 
 def test_proactive_bet_is_the_best_leaf_and_next_token():

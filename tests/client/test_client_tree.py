@@ -38,7 +38,7 @@ def _rows(v: int, probs: dict[int, dict[int, float]], n: int) -> torch.Tensor:
     return out.log()
 
 
-# ---------------------------------------------------------------------------------------------- worked examples
+# ------------------------------------------------------------ worked examples
 
 
 def test_figure2_planted_scores_and_frontier_order():
@@ -83,7 +83,7 @@ def test_hand_computed_scores_and_sources():
     assert tree.scores[3] == (A + math.log(0.9)) + A
 
 
-# ---------------------------------------------------------------------------------------------- edge cases
+# ------------------------------------------------------------ edge cases
 
 
 def test_duplicate_slm_candidate_of_existing_child_is_skipped_not_replaced():
@@ -171,7 +171,7 @@ def test_bad_inputs_raise_typed_errors(bad, match):
         bad()
 
 
-# ---------------------------------------------------------------------------------------------- forms and plans
+# ------------------------------------------------------------ forms and plans
 
 
 def test_padded_form_repeats_last_row():
@@ -240,7 +240,7 @@ def test_torch_numpy_and_dtypes_agree():
     assert build_tree(*args, lp.double()) == ref
 
 
-# ---------------------------------------------------------------------------------------------- brute force
+# ------------------------------------------------------------ brute force
 
 
 def _toy_logq(path: tuple[int, ...], v: int, levels: int) -> list[float]:
@@ -330,14 +330,15 @@ def test_matches_brute_force_reference(seed):
     expect = _ref_build(root, chain, rus, row_logq, budget, lam, topk, ids, slm2)
     lp = torch.tensor(row_logq, dtype=torch.float64)
     got = build_draft_tree(root, chain, rus, lp, budget=budget, lam=lam, topk=topk,
-                           keep_ids=None if ids is None else np.array(ids), second_pass=second if two_pass else None)
+                           keep_ids=None if ids is None else np.array(ids),
+                           second_pass=second if two_pass else None)
     assert got.to_wire() == tuple(expect), f"seed={seed} v={v} budget={budget} topk={topk} lam={lam}"
     assert got.num_nodes <= budget
     if not use_keep and not two_pass:
         assert build_tree(root, chain, rus, lp, budget=budget, lam=lam, topk=topk) == expect
 
 
-# ---------------------------------------------------------------------------------------------- server contract
+# ------------------------------------------------------------ server contract
 
 
 @pytest.mark.parametrize("seed", range(5))

@@ -89,7 +89,7 @@ class KeepSet:
 
     @cached_property
     def hash(self) -> str:
-        """sha256 hex over the prefix, u64le(vocab_size) and the sorted ids as u32le (sent at session start)."""
+        """sha256 hex over the prefix, u64le(vocab_size), the sorted ids as u32le (sent at session start)."""
         h = hashlib.sha256(HASH_PREFIX)
         h.update(int(self.vocab_size).to_bytes(8, "little"))
         h.update(self.ids.astype("<u4").tobytes())
@@ -127,7 +127,7 @@ class KeepSet:
 
     @classmethod
     def load(cls, path: str | Path, *, expected_hash: str | None = None) -> KeepSet:
-        """Read a file written by ``save``; raise ``KeepSetError`` if its hash (or ``expected_hash``) differs."""
+        """Read a file written by ``save``; raise ``KeepSetError`` on a hash or ``expected_hash`` mismatch."""
         path = Path(path)
         if path.suffix == ".npz":
             with np.load(path, allow_pickle=False) as z:
@@ -183,7 +183,8 @@ def _ranges(ranges: Iterable[tuple[int, int]], vocab_size: int) -> np.ndarray:
 
 
 def build_keep_set(source: Any, *, size: int, vocab_size: int, special_ids: Iterable[int] = (),
-                   byte_ids: Iterable[int] = (), always_keep_ranges: Iterable[tuple[int, int]] = ()) -> KeepSet:
+                   byte_ids: Iterable[int] = (),
+                   always_keep_ranges: Iterable[tuple[int, int]] = ()) -> KeepSet:
     """The keep set of ``size`` ids: specials, byte tokens and ``always_keep_ranges`` (half-open id ranges)
     first, then the most frequent other tokens of ``source`` (ties to the lower id).
 
@@ -214,7 +215,8 @@ def build_keep_set(source: Any, *, size: int, vocab_size: int, special_ids: Iter
 
 def _byte_level_alphabet() -> dict[str, int]:
     """GPT-2 style byte-level BPE: the printable character that stands for each byte value."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
     out, extra = {}, 0
     for b in range(256):
         if b in printable:

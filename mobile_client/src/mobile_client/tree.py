@@ -140,7 +140,8 @@ class DraftTree:
         rows = self.budget + 1 if rows is None else rows
         n = len(self.tokens)
         if rows < n:
-            raise TreeBuildError(f"cannot pad a {n}-row tree to {rows} rows; build it with budget <= {rows - 1}")
+            raise TreeBuildError(f"cannot pad a {n}-row tree to {rows} rows; "
+                                 f"build it with budget <= {rows - 1}")
         take = np.minimum(np.arange(rows), n - 1)  # [rows] source row of each padded row
         anc = self.ancestor_mask()  # [n, n]
         mask = np.zeros((rows, rows), dtype=bool)
@@ -262,7 +263,8 @@ def frontier_order(scores: Sequence[float], rows: Sequence[int]) -> list[int]:
     return sorted(rows, key=lambda r: (-scores[r], r))
 
 
-def frontier_plan(tree: DraftTree, rows: Sequence[int] | None = None, catch_up: Sequence[int] = ()) -> FrontierPlan:
+def frontier_plan(tree: DraftTree, rows: Sequence[int] | None = None,
+                  catch_up: Sequence[int] = ()) -> FrontierPlan:
     """The plan of one SLM forward over ``rows`` (default: every row of ``tree``) after ``catch_up``."""
     rows = range(len(tree.tokens)) if rows is None else rows
     order = frontier_order(tree.scores, rows)
@@ -317,7 +319,8 @@ def top_candidates(lp: Any, k: int, ids: Any = None) -> tuple[np.ndarray, np.nda
             vals[r, :] = -math.inf
             vals[r, : rv.size], cols[r, : rc.size] = rv, rc
     if vals.max(initial=-math.inf) > _LOGQ_SLACK:
-        raise TreeBuildError(f"SLM rows must be log-probabilities (log_softmax), got a value {vals.max():.3g} > 0")
+        raise TreeBuildError(
+            f"SLM rows must be log-probabilities (log_softmax), got a value {vals.max():.3g} > 0")
     rows = np.repeat(np.arange(R, dtype=np.int64), k)
     vals, cols = vals.reshape(-1), cols.reshape(-1)
     tokens = cols if ids is None else np.asarray(ids, dtype=np.int64)[cols]

@@ -1,0 +1,56 @@
+"""Byte counts (vllm_hyco.handoff.sizes): 26B-A4B against the paper's numbers, the fixture layout."""
+
+import pytest
+
+from vllm_hyco.handoff.limits import AIOHTTP_DEFAULT_MAX_MSG
+from vllm_hyco.handoff.sizes import (FIXTURE_VERIFIER_CONFIG, GEMMA4_26B_A4B_CONFIG, handoff_bytes,
+                                     layers_from_hf_config, paper_handoff_bytes, seed_bytes, size_report,
+                                     spec_from_hf_config, tree_frame_bytes)
+
+
+def test_26b_a4b_value_counts_match_the_paper():
+    spec = spec_from_hf_config(GEMMA4_26B_A4B_CONFIG)
+    assert spec.values_per_round == 5632 and spec.values_per_position == 6144
+    assert [(ly.layer_id, ly.kind) for ly in spec.layers] == [(28, "sliding"), (29, "full")]
+    assert paper_handoff_bytes(spec, 1) == 44 + 5632 + 6144
+
+
+def test_each_position_costs_exactly_its_int8_values_on_the_wire():
+    for cfg in (GEMMA4_26B_A4B_CONFIG, FIXTURE_VERIFIER_CONFIG):
+        spec = spec_from_hf_config(cfg)
+        assert handoff_bytes(spec, 3) - handoff_bytes(spec, 2) == spec.values_per_position
+
+
+def test_our_fixed_overhead_over_the_paper_is_small_and_bounded():
+    spec = spec_from_hf_config(GEMMA4_26B_A4B_CONFIG)
+    extra = handoff_bytes(spec, 1) - paper_handoff_bytes(spec, 1)
+    assert 0 < extra <= 400  # header map, layer list, bin length prefixes
+
+
+def test_seed_is_about_6_3_mb_and_every_chunk_frame_fits_aiohttp_default():
+    seed = seed_bytes(spec_from_hf_config(GEMMA4_26B_A4B_CONFIG), 1024)
+    assert 6_290_000 < seed["handoff"] < 6_300_000 and seed["chunks"] == 7
+    assert seed["max_frame"] < AIOHTTP_DEFAULT_MAX_MSG
+
+
+@pytest.mark.parametrize("labels", [True, False])
+def test_32_node_tree_frame_is_at_most_256_bytes(labels):
+    assert tree_frame_bytes(32, labels=labels, round=2**31 - 1, token=262_000) <= 256
+
+
+def test_fixture_config_matches_the_fixture_generator_defaults():
+    build = pytest.importorskip("vllm_hyco.fixtures.build")
+    o = build.FixtureOptions()
+    want = {"hidden_size": o.verifier_hidden, "layer_types": list(o.verifier_layers),
+            "num_key_value_heads": o.verifier_kv_heads, "num_global_key_value_heads": o.verifier_global_kv_heads,
+            "head_dim": o.verifier_head_dim, "global_head_dim": o.verifier_global_head_dim,
+            "sliding_window": o.window}
+    assert {k: FIXTURE_VERIFIER_CONFIG[k] for k in want} == want
+    hidden, layers = layers_from_hf_config(FIXTURE_VERIFIER_CONFIG)
+    assert hidden == 256 and [ly.row_values for ly in layers] == [1024, 1024]
+
+
+def test_report_has_up_and_down_per_round():
+    r = size_report(FIXTURE_VERIFIER_CONFIG, 128, max_accepted=2)
+    assert r["handoff_bytes_per_position"] == 2048 and set(r["rounds"]) == {0, 1, 2}
+    assert r["rounds"][1]["verdict"] > r["rounds"][1]["handoff"] > r["rounds"][1]["paper_handoff"]

@@ -340,10 +340,18 @@ def _bth_highest(scores: np.ndarray, b: int) -> float:
 
 
 def _expand(nodes: _Nodes, rows: Sequence[int], lp: Any, ids: Any, *, topk: int, budget: int,
-            a: float) -> list[int]:
-    """Algorithm 3 lines 9-14 for one SLM pass: candidates under ``rows`` (F order, lp aligned), threshold,
-    insert. Returns the inserted rows."""
+            a: float, lp_rows: Sequence[int] | None = None) -> list[int]:
+    """Algorithm 3 lines 9-14 for one SLM pass: candidates under ``rows`` (F order), threshold, insert.
+
+    ``lp`` row i belongs to frontier position i, or, with ``lp_rows`` (a permutation), frontier position
+    i's log q is ``lp[lp_rows[i]]`` (saves copying a [R, V] matrix into F order). Returns inserted rows."""
     prow, tok, q = top_candidates(lp, topk, ids)
+    if lp_rows is not None:
+        pos = np.empty(len(lp_rows), dtype=np.int64)  # [R] lp row -> frontier position
+        pos[np.asarray(lp_rows, dtype=np.int64)] = np.arange(len(lp_rows))
+        prow = pos[prow]
+        order = np.lexsort((tok, -q, prow))
+        prow, tok, q = prow[order], tok[order], q[order]
     parent = np.asarray(rows, dtype=np.int64)[prow]
     score = (np.asarray(nodes.scores, dtype=np.float64)[parent] + q) + a  # [n_cand] float64
     fresh = np.array([t not in nodes.kids[p] for p, t in zip(parent.tolist(), tok.tolist())], dtype=bool)
@@ -391,29 +399,36 @@ def _candidate_rows(plan: FrontierPlan, lp: Any) -> Any:
                          f"{len(plan.rows)} tree rows")
 
 
+def _grow(planted: DraftTree, plan: FrontierPlan, lp: Any, ids: Any, *, budget: int | None, topk: int,
+          lam: float, second_pass: Callable[[FrontierPlan], Any] | None,
+          lp_rows: Sequence[int] | None = None) -> DraftTree:
+    budget = planted.budget if budget is None else budget
+    if budget < 0:
+        raise TreeBuildError(f"budget must be >= 0, got {budget}")
+    a = _log_lambda(lam)
+    nodes = _Nodes(planted)
+    added = _expand(nodes, plan.rows, lp, ids, topk=topk, budget=budget, a=a, lp_rows=lp_rows)
+    if second_pass is not None and added:
+        plan2 = frontier_plan(nodes.freeze(budget), added)
+        lp2, ids2 = _logprob_rows(second_pass(plan2))
+        _expand(nodes, plan2.rows, _candidate_rows(plan2, lp2), ids if ids2 is None else ids2,
+                topk=topk, budget=budget, a=a)
+    return trim(nodes.freeze(budget), budget)
+
+
 def grow_tree(planted: DraftTree, plan: FrontierPlan, slm_logprobs: Any, *, budget: int | None = None,
               topk: int = TOPK, lam: float = LAMBDA, keep_ids: Any = None,
               second_pass: Callable[[FrontierPlan], Any] | None = None) -> DraftTree:
     """Algorithm 3 lines 9-17 on a planted tree, given the SLM output for ``plan`` (forward-row order).
 
     ``slm_logprobs``: [plan.num_rows or len(plan.rows), V] log q over the keep set (``keep_ids`` maps
-    column -> full id) or the full vocabulary. ``second_pass`` (HyCo-2P, line 15) runs the SLM over a new
-    plan whose rows are the nodes the first pass added and returns their log q the same way.
+    column -> full id) or the full vocabulary, or a ``RowLogprobs``-like object (``.logprobs``, ``.ids``).
+    ``second_pass`` (HyCo-2P, line 15) runs the SLM over a new plan whose rows are the nodes the first
+    pass added and returns their log q the same way.
     """
-    budget = planted.budget if budget is None else budget
-    if budget < 0:
-        raise TreeBuildError(f"budget must be >= 0, got {budget}")
-    a = _log_lambda(lam)
-    nodes = _Nodes(planted)
     lp, ids = _logprob_rows(slm_logprobs)
-    added = _expand(nodes, plan.rows, _candidate_rows(plan, lp), keep_ids if ids is None else ids,
-                    topk=topk, budget=budget, a=a)
-    if second_pass is not None and added:
-        plan2 = frontier_plan(nodes.freeze(budget), added)
-        lp2, ids2 = _logprob_rows(second_pass(plan2))
-        _expand(nodes, plan2.rows, _candidate_rows(plan2, lp2), keep_ids if ids2 is None else ids2,
-                topk=topk, budget=budget, a=a)
-    return trim(nodes.freeze(budget), budget)
+    return _grow(planted, plan, _candidate_rows(plan, lp), keep_ids if ids is None else ids, budget=budget,
+                 topk=topk, lam=lam, second_pass=second_pass)
 
 
 def build_draft_tree(root: int, chain: Sequence[int], runner_ups: Sequence[int], slm_logprobs: Any, *,
@@ -422,7 +437,7 @@ def build_draft_tree(root: int, chain: Sequence[int], runner_ups: Sequence[int],
     """``build_tree`` returning the whole ``DraftTree`` (scores, sources, padding, masks).
 
     ``slm_logprobs``: [R, V] log q of the planted rows in insertion order (root, chain tokens, then each
-    planted runner-up), R = 1 + K + #planted runner-ups.
+    planted runner-up), R = 1 + K + #planted runner-ups; over the keep set when ``keep_ids`` is given.
     """
     planted = plant_tree(root, chain, runner_ups, lam=lam, budget=budget)
     lp, ids = _logprob_rows(slm_logprobs)
@@ -431,8 +446,8 @@ def build_draft_tree(root: int, chain: Sequence[int], runner_ups: Sequence[int],
             f"slm_logprobs has {lp.shape[0]} rows; expected {len(planted.tokens)} (root, {len(chain)} chain "
             f"tokens, {len(planted.tokens) - 1 - len(chain)} planted runner-ups, in insertion order)")
     plan = frontier_plan(planted)
-    return grow_tree(planted, plan, lp[list(plan.rows)], budget=budget, topk=topk, lam=lam,
-                     keep_ids=keep_ids if ids is None else ids, second_pass=second_pass)
+    return _grow(planted, plan, lp, keep_ids if ids is None else ids, budget=budget, topk=topk, lam=lam,
+                 second_pass=second_pass, lp_rows=plan.rows)
 
 
 def build_tree(root: int, chain: Sequence[int], runner_ups: Sequence[int], slm_logprobs: Any, *,

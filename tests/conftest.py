@@ -6,10 +6,22 @@
     tests/e2e                 -> e2e (real server on 127.0.0.1)
 
 ``HardwareUnsupportedError`` raised by a test becomes a skip with its message.
+
+Shared session fixtures:
+
+    fixtures_dir        Path: the tiny Gemma-4 family in fp32 (verifier/, assistant/, slm/, tokenizer/),
+                        built once into $HYCO_CACHE/fixtures/<key> (reused across runs while unchanged)
+    agree_fixtures_dir  Path: the same with --agree (drafts always accepted under greedy; plumbing only)
+    make_llm            factory: make_llm(model, **LLM kwargs) -> vllm.LLM with the CPU recipe's
+                        defaults (fp32, eager, in-process "uni"); every engine it made is shut down at the
+                        end of the test, or earlier with make_llm.close(llm)
+
+The runtime environment of cpu-recipe.md §3.1 is set as defaults here (before vLLM is imported).
 """
 
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
 
@@ -17,6 +29,19 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 _TIER_BY_DIR = {"kernels": "kernels", "integration": "integration", "e2e": "e2e"}
+
+
+def cache_dir() -> Path:
+    """A persistent per-run cache (fixtures, vLLM cache); CI points HYCO_CACHE at a fresh folder."""
+    path = Path(os.environ.get("HYCO_CACHE", ROOT / ".cache"))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+for _key, _value in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+                     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                     "VLLM_CACHE_ROOT": str(cache_dir() / "vllm")}.items():
+    os.environ.setdefault(_key, _value)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -37,8 +62,56 @@ def pytest_runtest_call(item):
             outcome.force_exception(pytest.skip.Exception(str(exc[1])))
 
 
-def cache_dir() -> Path:
-    """A persistent per-run cache (fixtures, vLLM cache); CI points HYCO_CACHE at a fresh folder."""
-    path = Path(os.environ.get("HYCO_CACHE", ROOT / ".cache"))
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+@pytest.fixture(scope="session")
+def fixtures_dir() -> Path:
+    from vllm_hyco.fixtures import ensure_fixtures
+
+    return ensure_fixtures(cache_dir(), fp32=True, window=128, seed=0).root
+
+
+@pytest.fixture(scope="session")
+def agree_fixtures_dir() -> Path:
+    from vllm_hyco.fixtures import ensure_fixtures
+
+    return ensure_fixtures(cache_dir(), fp32=True, window=128, seed=0, agree=True).root
+
+
+class _LLMFactory:
+    """Builds vLLM engines with the CPU recipe's defaults and shuts every one of them down."""
+
+    DEFAULTS = dict(dtype="float32", max_model_len=1024, max_num_seqs=4, enforce_eager=True,
+                    distributed_executor_backend="uni", seed=0)
+
+    def __init__(self):
+        self.engines: list = []
+
+    def __call__(self, model, **kwargs):
+        from vllm import LLM
+
+        llm = LLM(model=str(model), **{**self.DEFAULTS, **kwargs})
+        self.engines.append(llm)
+        return llm
+
+    def close(self, llm) -> None:
+        if llm in self.engines:
+            self.engines.remove(llm)
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+        try:
+            from vllm.distributed import cleanup_dist_env_and_memory
+
+            cleanup_dist_env_and_memory()
+        except Exception:  # noqa: BLE001  (best effort between engines)
+            pass
+
+    def close_all(self) -> None:
+        while self.engines:
+            self.close(self.engines[-1])
+
+
+@pytest.fixture
+def make_llm():
+    factory = _LLMFactory()
+    yield factory
+    factory.close_all()

@@ -54,3 +54,23 @@ def test_report_has_up_and_down_per_round():
     r = size_report(FIXTURE_VERIFIER_CONFIG, 128, max_accepted=2)
     assert r["handoff_bytes_per_position"] == 2048 and set(r["rounds"]) == {0, 1, 2}
     assert r["rounds"][1]["verdict"] > r["rounds"][1]["handoff"] > r["rounds"][1]["paper_handoff"]
+
+
+def test_layers_from_a_transformers_written_config():
+    cfg = {k: v for k, v in FIXTURE_VERIFIER_CONFIG.items() if "global" not in k}
+    cfg["per_layer_config"] = {"3": {"head_dim": 512, "num_key_value_heads": 1}}
+    assert layers_from_hf_config({"text_config": cfg}) == layers_from_hf_config(FIXTURE_VERIFIER_CONFIG)
+
+
+def test_layers_from_the_real_fixture_config():
+    build = pytest.importorskip("vllm_hyco.fixtures.build")
+    pytest.importorskip("transformers")
+    cfg = build.verifier_config(build.FixtureOptions(), 4096).to_dict()
+    assert layers_from_hf_config(cfg) == layers_from_hf_config(FIXTURE_VERIFIER_CONFIG)
+
+
+def test_a_config_without_layer_types_is_a_config_error():
+    from vllm_hyco.errors import ConfigError
+
+    with pytest.raises(ConfigError):
+        layers_from_hf_config({"hidden_size": 4})

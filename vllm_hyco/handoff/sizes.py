@@ -48,27 +48,37 @@ FIXTURE_VERIFIER_CONFIG = {
 def layers_from_hf_config(cfg: dict) -> tuple[int, tuple[LayerSpec, ...]]:
     """(hidden, hand-off layers) of a Gemma-4 text config: its last sliding and last full layer, by id.
 
-    Full layers of a k_eq_v model use ``num_global_key_value_heads`` and ``global_head_dim`` (as
-    transformers' Gemma4TextConfig does); both K and V are sent (see schema.py on has_v).
+    Per-layer head counts and dims come from ``per_layer_config`` when the config has one (what
+    transformers 5.x writes to config.json), else full layers of a k_eq_v model use
+    ``num_global_key_value_heads`` and ``global_head_dim`` (the hub's keys). Both K and V are sent (see
+    schema.py on has_v).
     """
     cfg = cfg.get("text_config", cfg)
     try:
         types = list(cfg["layer_types"])
         hidden = int(cfg["hidden_size"])
         k_eq_v = bool(cfg.get("attention_k_eq_v", False))
-        full_kv = cfg.get("num_global_key_value_heads") if k_eq_v else None
         layers = []
         for kind, key in (("sliding", "sliding_attention"), ("full", "full_attention")):
             lid = len(types) - 1 - types[::-1].index(key)
-            if kind == "sliding":
-                layers.append(LayerSpec(lid, kind, int(cfg["num_key_value_heads"]), int(cfg["head_dim"]),
-                                        int(cfg["sliding_window"])))
-            else:
-                layers.append(LayerSpec(lid, kind, int(full_kv or cfg["num_key_value_heads"]),
-                                        int(cfg.get("global_head_dim", 512)), 0, k_eq_v=k_eq_v))
-    except (KeyError, ValueError, TypeError) as e:
+            heads, dim = _layer_dims(cfg, lid, kind == "full" and k_eq_v)
+            window = int(cfg["sliding_window"]) if kind == "sliding" else 0
+            layers.append(LayerSpec(lid, kind, heads, dim, window, k_eq_v=kind == "full" and k_eq_v))
+    except (KeyError, ValueError, TypeError, AttributeError) as e:
         raise ConfigError(f"not a Gemma-4 text config with sliding and full layers: {e!r}") from e
     return hidden, tuple(sorted(layers, key=lambda layer: layer.layer_id))
+
+
+def _layer_dims(cfg: dict, lid: int, global_kv: bool) -> tuple[int, int]:
+    per_layer = cfg.get("per_layer_config")
+    if per_layer is not None:
+        over = per_layer.get(str(lid), per_layer.get(lid, {}))
+        return (int(over.get("num_key_value_heads", cfg["num_key_value_heads"])),
+                int(over.get("head_dim", cfg["head_dim"])))
+    if global_kv:
+        heads = cfg.get("num_global_key_value_heads") or cfg["num_key_value_heads"]
+        return int(heads), int(cfg.get("global_head_dim", 512))
+    return int(cfg["num_key_value_heads"]), int(cfg["head_dim"])
 
 
 def spec_from_hf_config(cfg: dict, fingerprint: bytes = bytes(FINGERPRINT_BYTES),

@@ -82,6 +82,7 @@ def test_hash_is_stable_and_sensitive():
     want = hashlib.sha256(b"hyco-keepset-v1\0" + (10).to_bytes(8, "little")
                           + b"".join(i.to_bytes(4, "little") for i in (1, 2, 3))).hexdigest()
     assert a.hash == want
+    assert a.hash_bytes == bytes.fromhex(want) and len(a.hash_bytes) == 32
 
 
 @pytest.mark.parametrize("suffix", [".json", ".npz"])

@@ -359,3 +359,14 @@ def test_output_passes_server_validation(seed):
     tree = build_draft_tree(7, chain, rus, lp, budget=16)
     validate_tree(*tree.to_wire(), vocab_size=v, budget=16, labels=list(tree.sources))
     assert [int(s) for s in mod.NodeSource] == [int(s) for s in Source]
+    assert mod.TokenTree.from_wire(tree.wire_dict(), vocab_size=v, budget=16).to_wire() == tree.wire_dict()
+
+
+def test_wire_dict_fits_the_tree_frame():
+    frames = pytest.importorskip("vllm_hyco.handoff.client_frames",
+                                 reason="vllm_hyco.handoff.client_frames is not written yet")
+    lp = torch.randn(7, 64, generator=torch.Generator().manual_seed(9)).log_softmax(-1)
+    tree = build_draft_tree(R, [C1, C2, C3, C4], [S1, S2], lp)
+    frame = frames.TreeFrame.from_lists(round=3, **tree.wire_dict())
+    assert list(frame.tokens) == list(tree.tokens) and list(frame.parents) == list(tree.parents)
+    assert list(frame.labels) == list(tree.sources)

@@ -95,6 +95,11 @@ class KeepSet:
         h.update(self.ids.astype("<u4").tobytes())
         return h.hexdigest()
 
+    @property
+    def hash_bytes(self) -> bytes:
+        """The 32-byte digest (the start frame's ``keep_set_hash``)."""
+        return bytes.fromhex(self.hash)
+
     def to_keep(self, full_ids: Any) -> np.ndarray:
         """Map full ids to keep indices (-1 for dropped ids)."""
         return self.full_to_keep[np.asarray(full_ids, dtype=np.int64)]

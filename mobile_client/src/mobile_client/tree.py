@@ -135,6 +135,14 @@ class DraftTree:
         """(tokens, parents) with the root at row 0 and no padding, as D3 puts them on the wire."""
         return list(self.tokens), list(self.parents)
 
+    def wire_dict(self, labels: bool = True) -> dict[str, list[int]]:
+        """``{"tokens", "parents"[, "labels"]}``: the server's ``TokenTree.from_wire`` and
+        ``TreeFrame.from_lists(round=..., **tree.wire_dict())`` take it as is."""
+        out = {"tokens": list(self.tokens), "parents": list(self.parents)}
+        if labels:
+            out["labels"] = [int(s) for s in self.sources]
+        return out
+
     def padded(self, rows: int | None = None) -> PaddedTree:
         """The static form: ``rows`` (default budget + 1) rows, the last real row repeated."""
         rows = self.budget + 1 if rows is None else rows

@@ -130,11 +130,31 @@ class HycoEngine:
 
     def submit(self, sid: str, round_: int, tokens: list[int], parents: list[int],
                eps: float | None = None) -> Verdict:
-        if sid not in self._sessions:
-            raise SessionError(f"unknown session {sid!r}", code="unknown_session")
+        """Verify one tree (row 0 = the root = the last committed token) and return its verdict."""
+        return self.submit_many([(sid, round_, tokens, parents, eps)])[0]
+
+    def submit_many(self, trees: list[tuple]) -> list[Verdict]:
+        """Submit trees of several sessions (``(sid, round, tokens, parents[, eps])``); they share steps.
+
+        A typed error on one tree is raised before any engine step runs; trees submitted before it in
+        the list stay submitted and their verdicts are dropped by the next ``submit`` of that session.
+        """
         start = time.perf_counter()
-        self._call("hyco_submit_tree", sid, round_, list(tokens), list(parents), eps)
-        self._wait(sid, lambda i: round_ in i["pending_verdicts"] or i["state"] == "finished")
+        for sid, round_, tokens, parents, *rest in trees:
+            if sid not in self._sessions:
+                raise SessionError(f"unknown session {sid!r}", code="unknown_session")
+            self._call("hyco_submit_tree", sid, round_, list(tokens), list(parents), rest[0] if rest else None)
+        for _ in range(self.max_steps):
+            infos = [self._call("hyco_session_info", t[0]) for t in trees]
+            if all(t[1] in i["pending_verdicts"] or i["state"] == "finished" for t, i in zip(trees, infos)):
+                break
+            self._step()
+        else:
+            raise SessionError("trees made no progress", code="stalled")
+        wall = time.perf_counter() - start
+        return [self._verdict(t[0], t[1], t[2], wall) for t in trees]
+
+    def _verdict(self, sid: str, round_: int, tokens: list[int], wall: float) -> Verdict:
         raw = self._call("hyco_take_verdict", sid, round_)
         outs = self._take(self._sessions[sid])
         text = "".join(o.outputs[0].text for o in outs if o.outputs)
@@ -149,7 +169,7 @@ class HycoEngine:
                                 if o.finished and o.outputs), None),
             handoff=raw.get("handoff", {}), budget=self.budget,
             stats={"num_rows": raw["num_rows"], "accepted": len(path_rows), "hits": raw["hits"],
-                   "root_position": raw["root_pos"], "wall_s": time.perf_counter() - start})
+                   "root_position": raw["root_pos"], "wall_s": wall})
 
     def close(self, sid: str) -> bool:
         req_id = self._sessions.pop(sid, None)

@@ -1,0 +1,182 @@
+"""HyCo sessions inside a real vLLM 0.32 engine (CPU, tiny fp32 Gemma-4 MoE, in-process).
+
+One engine for the module. Plain (non-session) greedy requests on the same engine are the reference:
+they go through vLLM's stock scheduler, runner, sampler and CPU attention op (the override only touches
+rows of trees). Trees plant the reference continuation in the chain, as a sibling, as an SLM-style
+child, deep, or nowhere; the committed stream must equal the reference token for token.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import random
+
+import pytest
+import torch
+
+from tolerances import tol
+
+os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1",
+                  VLLM_ENABLE_V1_MULTIPROCESSING="0")
+
+VOCAB = 512
+WINDOW = 32
+BLOCK = 32
+GEN = 64
+
+
+def _build_tiny(out) -> str:
+    """4 layers (S,S,S,F), head_dim 32 / global 64, k_eq_v, 4 experts top-2, window 32, fp32."""
+    import transformers
+    from transformers import Gemma4TextConfig
+
+    cfg = Gemma4TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"], num_attention_heads=2, num_key_value_heads=1,
+        head_dim=32, global_head_dim=64, num_global_key_value_heads=1, attention_k_eq_v=True,
+        sliding_window=WINDOW, enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32,
+        final_logit_softcapping=30.0, hidden_size_per_layer_input=0, vocab_size_per_layer_input=0,
+        max_position_embeddings=1024, tie_word_embeddings=True, architectures=["Gemma4ForCausalLM"],
+        bos_token_id=2, eos_token_id=1, pad_token_id=0)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = transformers.Gemma4ForCausalLM(cfg).eval().to(torch.float32)
+    model.save_pretrained(str(out))
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 2, "eos_token_id": 1}))
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    from vllm import LLM
+
+    from vllm_hyco.engine import _dev_classes, core_ext, cpu_attention
+
+    cpu_attention.install()
+    core_ext.install()
+    path = _build_tiny(tmp_path_factory.mktemp("tiny"))
+    engine = LLM(model=path, dtype="float32", max_model_len=512, max_num_seqs=16, enforce_eager=True,
+                 distributed_executor_backend="uni", skip_tokenizer_init=True, block_size=BLOCK, seed=0,
+                 enable_prefix_caching=False, **_dev_classes.engine_kwargs())
+    yield engine
+    engine.llm_engine.engine_core.shutdown()
+    del engine
+    gc.collect()
+
+
+@pytest.fixture(scope="module")
+def hy(llm):
+    from vllm_hyco.engine.api import HycoEngine
+
+    return HycoEngine(llm)
+
+
+def _prompts(n: int, seed: int = 1) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[2] + [rng.randrange(5, VOCAB) for _ in range(rng.randrange(3, 45))] for _ in range(n)]
+
+
+def _reference(llm, prompts, max_tokens=GEN) -> list[list[int]]:
+    from vllm import SamplingParams
+
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def _tree(root: int, greedy: list[int], shape: str, rng: random.Random, budget: int = 32):
+    """(tokens, parents, planted depth): the greedy continuation planted according to ``shape``."""
+    tokens, parents = [root], [-1]
+    children: dict[int, set[int]] = {0: set()}
+
+    def add(parent: int, tok: int) -> int:
+        tokens.append(tok)
+        parents.append(parent)
+        children[parent].add(tok)
+        children[len(tokens) - 1] = set()
+        return len(tokens) - 1
+
+    def wrong(parent: int, avoid: int | None) -> int:
+        while True:
+            tok = rng.randrange(3, VOCAB)
+            if tok != avoid and tok not in children[parent]:
+                return tok
+
+    depth = {"chain": 4, "sibling": 3, "slm": 5, "deep": min(12, len(greedy) - 1), "nowhere": 0}[shape]
+    depth = min(depth, len(greedy) - 1)
+    node = 0
+    for d in range(depth):
+        if shape in ("sibling", "slm", "deep"):  # decoys first, so accepted rows are not contiguous
+            for _ in range(rng.randrange(1, 3)):
+                if len(tokens) < budget:
+                    add(node, wrong(node, greedy[d]))
+        if len(tokens) >= budget:
+            depth = d
+            break
+        node = add(node, greedy[d])
+    if shape == "nowhere":
+        for _ in range(4):
+            add(0, wrong(0, greedy[0]))
+    while len(tokens) < budget + 1:  # fill with random nodes below random rows (never a greedy twin)
+        p = rng.randrange(len(tokens))
+        add(p, wrong(p, None if p not in _greedy_rows(tokens, parents, greedy) else
+                     greedy[_depth(parents, p)]))
+    return tokens, parents, depth
+
+
+def _depth(parents, i):
+    d = 0
+    while parents[i] != -1:
+        i, d = parents[i], d + 1
+    return d
+
+
+def _greedy_rows(tokens, parents, greedy) -> set[int]:
+    rows = {0}
+    for i in range(1, len(tokens)):
+        d = _depth(parents, i)
+        if parents[i] in rows and d - 1 < len(greedy) and tokens[i] == greedy[d - 1]:
+            rows.add(i)
+    return rows
+
+
+def _run_sessions(hy, prompts, refs, shapes, seed=0):
+    """Interleaved sessions (their trees share steps); returns the committed streams."""
+    rng = random.Random(seed)
+    handles = [hy.open(prompt_token_ids=p, temperature=0.0, max_tokens=GEN, ignore_eos=True) for p in prompts]
+    state = {h.sid: {"root": h.root, "out": [], "round": 0, "ref": r} for h, r in zip(handles, refs)}
+    while state:
+        batch, planted = [], {}
+        for sid, st in state.items():
+            done = len(st["out"])
+            shape = rng.choice(shapes)
+            toks, pars, depth = _tree(st["root"], st["ref"][done:], shape, rng)
+            batch.append((sid, st["round"], toks, pars))
+            planted[sid] = depth
+        for v in hy.submit_many(batch):
+            st = state[v.sid]
+            exp = st["ref"][len(st["out"]):len(st["out"]) + planted[v.sid] + 1]
+            assert v.committed == exp, (v.sid, v.round, v.path_rows, v.committed, exp)
+            st["out"] += v.committed
+            st["root"], st["round"] = v.bonus, st["round"] + 1
+            if v.finished:
+                assert v.finish_reason == "length"
+                refs_out = state.pop(v.sid)
+                assert refs_out["out"] == refs_out["ref"]
+    return True
+
+
+def test_chain_trees_reproduce_plain_greedy(llm, hy):
+    prompts = _prompts(2, seed=3)
+    refs = _reference(llm, prompts)
+    assert _run_sessions(hy, prompts, refs, shapes=["chain"])
+
+
+def test_tree_shapes_reproduce_plain_greedy(llm, hy):
+    prompts = _prompts(20, seed=5)
+    refs = _reference(llm, prompts)
+    for i in range(0, 20, 5):
+        assert _run_sessions(hy, prompts[i:i + 5], refs[i:i + 5],
+                             shapes=["chain", "sibling", "slm", "deep", "nowhere"], seed=i)

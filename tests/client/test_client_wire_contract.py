@@ -67,7 +67,7 @@ def test_phone_built_client_frames_equal_the_golden_bytes():
     ksh = decode_client_frame(read("frame_start_chat.msgpack")).hyco.keep_set_hash
     resume = StartFrame("chat.completions", None,
                         HycoOptions("exact", None, caps, ksh, ResumeRequest(bytes.fromhex(MANIFEST["session_id"]), 2,
-                                                                            True)))
+                                                                            True), phone_spec().fingerprint))
     assert encode_frame(resume) == read("frame_start_resume.msgpack")
     assert encode_frame(TreeFrame.from_lists(0, [2], [-1])) == read("frame_tree_root_only.msgpack")
     for name in ("frame_start_chat.msgpack", "frame_start_completions.msgpack", "frame_tree_32.msgpack"):

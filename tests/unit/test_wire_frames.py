@@ -54,7 +54,7 @@ CLIENT_FRAMES = [
     StartFrame("chat.completions", CHAT, HycoOptions()),
     StartFrame("completions", {"prompt": [1, 2, 3]}, HycoOptions("epsilon", 0.002, ClientCapabilities(8, False),
                                                                    b"\x01" * 32)),
-    StartFrame("chat.completions", None, HycoOptions(resume=ResumeRequest(SID, -1, True))),
+    StartFrame("chat.completions", None, HycoOptions(resume=ResumeRequest(SID, -1, True), fingerprint=SID)),
     tree32(), tree32(labels=False), TreeFrame.from_lists(0, [5], [-1], [0]),
 ]
 SERVER_FRAMES = [
@@ -149,6 +149,7 @@ START = CLIENT_FRAMES[0]
     (dict(hyco={"mode": "exact", "capabilities": {**ClientCapabilities().to_wire(), "max_message_bytes": 10}}),
      "bad_field_value"),
     (dict(hyco={**HycoOptions().to_wire(), "keep_set_hash": b""}), "bad_hyco"),
+    (dict(hyco={**HycoOptions().to_wire(), "fingerprint": b"x" * 15}), "bad_hyco"),
     (dict(hyco={**HycoOptions().to_wire(), "resume": {"session_id": b"x", "last_round": 0, "need_seed": False}}),
      "bad_hyco"),
     (dict(hyco={**HycoOptions().to_wire(), "resume": ResumeRequest(SID, 0).to_wire()}), "bad_request"),

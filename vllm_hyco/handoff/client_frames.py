@@ -25,6 +25,7 @@ import numpy as np
 from vllm_hyco.errors import FrameError
 from vllm_hyco.handoff._fields import Fields, pack
 from vllm_hyco.handoff.limits import AIOHTTP_DEFAULT_MAX_MSG, WireLimits
+from vllm_hyco.handoff.schema import FINGERPRINT_BYTES
 
 SESSION_ID_BYTES = 16
 ROOT_PARENT = 0xFF
@@ -100,6 +101,7 @@ class HycoOptions:
     capabilities: ClientCapabilities = field(default_factory=ClientCapabilities)
     keep_set_hash: bytes | None = None  # sha256 of the phone's keep set (tokenizer + list)
     resume: ResumeRequest | None = None
+    fingerprint: bytes | None = None  # 16 bytes: the model fingerprint of the phone's bundle (schema.py)
 
     def to_wire(self) -> dict:
         out: dict = {"mode": self.mode}
@@ -110,6 +112,8 @@ class HycoOptions:
             out["keep_set_hash"] = self.keep_set_hash
         if self.resume is not None:
             out["resume"] = self.resume.to_wire()
+        if self.fingerprint is not None:
+            out["fingerprint"] = self.fingerprint
         return out
 
     @classmethod
@@ -126,8 +130,12 @@ class HycoOptions:
             raise _E(f"start.hyco.keep_set_hash must be 1..64 bytes, got {len(ksh)}", code="bad_hyco")
         resume_raw = f.get("resume", dict, optional=True)
         resume = None if resume_raw is None else ResumeRequest.from_wire(resume_raw, limits)
+        fingerprint = f.bin("fingerprint", optional=True)
+        if fingerprint is not None and len(fingerprint) != FINGERPRINT_BYTES:
+            raise _E(f"start.hyco.fingerprint must be {FINGERPRINT_BYTES} bytes, got {len(fingerprint)}",
+                     code="bad_hyco")
         f.done()
-        return cls(mode, eps, caps, ksh, resume)
+        return cls(mode, eps, caps, ksh, resume, fingerprint)
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,7 @@ def _tree32() -> TreeFrame:
 def golden_files() -> dict[str, tuple[str, bytes]]:
     """name -> (kind, bytes). kinds: scales, handoff, client_frame, server_frame."""
     spec = golden_spec()
+    fp = spec.fingerprint
     chat = {"model": "hyco-tiny", "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 16,
             "temperature": 0.0, "stream": True}
     caps = ClientCapabilities(max_nodes=32, labels=True, handoff_schemas=(HANDOFF_SCHEMA_VERSION,))
@@ -74,12 +75,12 @@ def golden_files() -> dict[str, tuple[str, bytes]]:
     chat_chunk = lambda text, reason=None, role=None: openai_chunk(  # noqa: E731
         "chat.completion.chunk", "chatcmpl-golden", "hyco-tiny", text, reason, created=CREATED, role=role)
     frames = {
-        "start_chat": StartFrame("chat.completions", chat, HycoOptions("exact", None, caps, KEEP_SET_HASH)),
+        "start_chat": StartFrame("chat.completions", chat, HycoOptions("exact", None, caps, KEEP_SET_HASH, fingerprint=fp)),
         "start_completions": StartFrame(
             "completions", {"model": "hyco-tiny", "prompt": "In the beginning", "max_tokens": 8},
             HycoOptions("epsilon", 0.001, ClientCapabilities(labels=False), None)),
         "start_resume": StartFrame("chat.completions", None, HycoOptions(
-            "exact", None, caps, KEEP_SET_HASH, ResumeRequest(SESSION_ID, 2, need_seed=True))),
+            "exact", None, caps, KEEP_SET_HASH, ResumeRequest(SESSION_ID, 2, need_seed=True), fp)),
         "tree_32": _tree32(),
         "tree_root_only": TreeFrame.from_lists(0, [2], [-1]),
     }

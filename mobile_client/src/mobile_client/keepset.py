@@ -263,3 +263,15 @@ def tokenizer_parts(tokenizer: Any) -> tuple[list[int], list[int], int]:
         if getattr(tok, "special", False):
             special.add(int(i))
     return sorted(special), byte_token_ids(vocab), len(vocab)
+
+
+def keep_set_from_texts(tokenizer: Any, texts: Iterable[str], *, size: int,
+                        always_keep_ranges: Iterable[tuple[int, int]] = (),
+                        vocab_size: int | None = None) -> KeepSet:
+    """``build_keep_set`` over a Hugging Face tokenizer and the answer texts of a corpus (paper: the
+    assistant turns of UC-tr), with the tokenizer's special and byte tokens. ``vocab_size`` defaults to the
+    tokenizer's (pass the model's when its embedding table is larger)."""
+    special, byte, n = tokenizer_parts(tokenizer)
+    seqs = (tokenizer(t, add_special_tokens=False).input_ids for t in texts)
+    return build_keep_set(seqs, size=size, vocab_size=vocab_size or n, special_ids=special, byte_ids=byte,
+                          always_keep_ranges=always_keep_ranges)

@@ -26,3 +26,7 @@ def tol(op: str, dtype: torch.dtype) -> dict[str, float]:
 TOLERANCES[("mtp_step", torch.float32)] = (1e-4, 1e-4)
 TOLERANCES[("slm_logits", torch.float32)] = (1e-3, 1e-4)
 TOLERANCES[("mtp_step_int8_kv", torch.float32)] = (0.25, 0.05)  # 8-bit K/V rows vs float rows, logits ~ +-30
+# QNN agreement ladder (toy twins): max |a - b| / max |a| of the logits; top-1 equal and top-5 overlap >= 0.8
+# are asserted beside it. Measured: sim->cpu-qdq 1e-4..5e-2, cpu-qdq->x86 HTP emulator 3e-3..1e-2.
+TOLERANCES[("qnn_sim_vs_cpu_qdq", torch.float32)] = (0.1, 0.0)
+TOLERANCES[("qnn_cpu_qdq_vs_htp_emulator", torch.float32)] = (0.03, 0.0)

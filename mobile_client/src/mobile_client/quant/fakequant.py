@@ -108,7 +108,7 @@ class ActQuant(nn.Module):
             return (q - zp) * scale
         return x
 
-    def finish_observe(self, percentile: float = 99.99, margin: float = 1.0) -> None:
+    def finish_observe(self, percentile: float = 99.99, margin: float = 1.25) -> None:
         """Fix the range from the collected samples: [pct_low, pct_high] * margin, zero included."""
         assert self._samples, "no calibration samples reached this point"
         data = torch.cat(self._samples)
@@ -153,7 +153,7 @@ def set_weight_quant(model: nn.Module, enabled: bool) -> None:
 
 
 @torch.no_grad()
-def calibrate(model: nn.Module, batches, run, percentile: float = 99.99, margin: float = 1.0) -> None:
+def calibrate(model: nn.Module, batches, run, percentile: float = 99.99, margin: float = 1.25) -> None:
     """Fix every ActQuant range from ``run(model, batch)`` over ``batches``; points never reached stay off."""
     set_act_mode(model, "observe")
     for batch in batches:

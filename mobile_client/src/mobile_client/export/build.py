@@ -1,0 +1,188 @@
+"""The one build command for a phone app: ``python -m mobile_client.export.build OUT [--full]``.
+
+Writes under OUT: for each drafter step (``mtp``, ``slm``) the float ONNX, the QDQ ONNX, its encodings
+JSON, the compiled QNN context model (``*_ctx.onnx`` + ``*_ctx_qnn.bin``, SM8850 / HTP v81, CPU fallback
+disabled), golden input/output vectors (``*_golden.npz``: inputs, ORT-CPU QDQ outputs and HTP-emulator
+outputs), ``keep_ids.npy``, the MTP Drafter's 8-bit embedding table, a copy of docs/protocol.md when the
+repo has one, and ``manifest.json`` (versions, shapes, ladder numbers, sha256 of every file).
+
+Without a checkpoint directory the drafters are the random-weight toy twins (same graphs as production,
+tiny widths, production windows and row counts). ``--mtp-dir``/``--slm-dir`` take Hugging Face folders
+(``config.json`` + ``model.safetensors``; e.g. the trained fixtures). ``--full`` exports full-size
+random-weight graphs instead and compiles them only (no emulation; slow, never in CI).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mobile_client.drafters.mtp import MTP_INPUTS, MTP_OUTPUTS, EmbedLut, MtpHead
+from mobile_client.drafters.spec import (MtpSpec, SlmSpec, full_mtp_spec, random_mtp_state_dict, toy_mtp_spec)
+from mobile_client.export import qnn
+from mobile_client.export.calib import mtp_feeds
+from mobile_client.export.pipeline import StepArtifacts, build_step, fake_quant_copy, run_ladder, sha256
+
+ROOT = Path(__file__).resolve().parents[4]
+MTP_WINDOW = 1024
+
+
+def load_hf_dir(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    cfg = json.loads((path / "config.json").read_text())
+    sd = {}
+    for f in sorted(path.glob("*.safetensors")):
+        sd.update(load_file(str(f)))
+    return cfg, sd
+
+
+def build_mtp(out: Path, spec: MtpSpec, sd: dict, keep_ids: list[int], target_embed: torch.Tensor,
+              compile: bool = True, emulate: bool = True, n_calib: int = 12, n_golden: int = 2,
+              head: torch.nn.Module | None = None) -> tuple[StepArtifacts, dict]:
+    """MTP step: float head -> W4/A16 copy (or the given QAT ``head``) -> ONNX/QDQ/context + ladder."""
+    float_head = MtpHead.from_hf_state_dict(spec, sd, keep_ids)
+    lut = EmbedLut.from_embedding(target_embed, keep_ids)
+    feeds = mtp_feeds(spec, float_head, lut, keep_ids, MTP_WINDOW, n_calib + n_golden, seed=1)
+    qhead = fake_quant_copy(head if head is not None else float_head, feeds[:n_calib], MTP_INPUTS)
+    art = build_step("mtp", qhead, out, MTP_INPUTS, MTP_OUTPUTS, feeds[:n_calib], compile=compile)
+    np.savez(out / "mtp_embed_lut.npz", table=lut.table, scale=lut.scale)
+    ladder = _golden(out / "mtp_golden.npz", float_head, qhead, art, feeds[n_calib:], MTP_INPUTS,
+                     emulate and compile)
+    return art, ladder
+
+
+def _golden(path: Path, float_m, quant_m, art: StepArtifacts, feeds, names, emulate: bool) -> dict:
+    """Save inputs and per-rung outputs of the golden feeds; return the ladder comparisons."""
+    sessions: dict = {}
+    arrays, stats = {}, []
+    for i, f in enumerate(feeds):
+        lad = run_ladder(float_m, quant_m, art, f, names, htp=emulate, sessions=sessions)
+        for n in names:
+            arrays[f"{i}/in/{n}"] = f[n]
+        for rung, v in lad.outputs.items():
+            arrays[f"{i}/out/{rung}"] = v
+        pairs = [("float", "fake_quant"), ("fake_quant", "ort_cpu_qdq")]
+        if emulate:
+            pairs.append(("ort_cpu_qdq", "htp_emulator"))
+        stats.append({f"{a}->{b}": lad.compare(a, b) for a, b in pairs})
+    np.savez(path, **arrays)
+    return {"feeds": len(feeds), "per_feed": stats}
+
+
+def build_slm(out: Path, spec: SlmSpec, sd: dict, keep_ids: list[int], compile: bool = True,
+              emulate: bool = True) -> tuple[StepArtifacts, dict] | None:
+    """SLM 32-row step (see ``mobile_client.drafters.slm``); None when that module is unavailable."""
+    try:
+        from mobile_client.export.slm_build import build_slm_step
+    except ImportError:
+        return None
+    return build_slm_step(out, spec, sd, keep_ids, compile=compile, emulate=emulate)
+
+
+def manifest(out: Path, steps: dict[str, tuple[StepArtifacts, dict]], keep_ids: list[int], extra: dict) -> dict:
+    files = sorted(p for p in out.iterdir() if p.is_file() and p.name != "manifest.json")
+    info = {
+        "format": "hyco-phone-build/1",
+        "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "target": {"soc": "SM8850", "soc_model": qnn.SOC_MODEL, "htp_arch": qnn.HTP_ARCH,
+                   "cpu_fallback": "disabled"},
+        "versions": {**qnn.versions(), "torch": torch.__version__, "python": platform.python_version(),
+                     "onnx": __import__("onnx").__version__},
+        "keep_set": {"size": len(keep_ids), "sha256": _keep_hash(keep_ids)},
+        "labels": {"float": "simulated(torch fp32)", "fake_quant": "simulated(fake-quant)",
+                   "ort_cpu_qdq": "simulated(cpu-qdq)", "htp_emulator": "emulated(x86-HTP)"},
+        "steps": {name: {"inputs": art.input_shapes, "ops": art.ops, "compile": art.compile, "ladder": lad,
+                         "encodings_sha256": sha256(art.float_onnx.with_suffix(".encodings.json"))}
+                  for name, (art, lad) in steps.items()},
+        "files": {p.name: {"bytes": p.stat().st_size, "sha256": sha256(p)} for p in files},
+        **extra,
+    }
+    (out / "manifest.json").write_text(json.dumps(info, indent=1, sort_keys=True))
+    return info
+
+
+def _keep_hash(keep_ids: list[int]) -> str:
+    import hashlib
+
+    return hashlib.sha256(np.asarray(keep_ids, dtype="<i4").tobytes()).hexdigest()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m mobile_client.export.build", description=__doc__.split("\n")[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--mtp-dir", type=Path, help="HF gemma4_assistant folder (default: random toy twin)")
+    ap.add_argument("--target-dir", type=Path, help="HF verifier folder (its embed_tokens feed the 8-bit LUT)")
+    ap.add_argument("--slm-dir", type=Path, help="HF Gemma-4 text folder for the SLM Drafter")
+    ap.add_argument("--keep-ids", type=Path, help=".npy/.json list of kept token ids (default: every id)")
+    ap.add_argument("--full", action="store_true", help="full-size random graphs, compile only (slow)")
+    ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    torch.manual_seed(args.seed)
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    compile = not args.no_compile
+    emulate = compile and not args.full
+
+    if args.mtp_dir:
+        cfg, msd = load_hf_dir(args.mtp_dir)
+        mspec = MtpSpec.from_hf_config(cfg)
+    else:
+        mspec = full_mtp_spec() if args.full else toy_mtp_spec(sliding_window=MTP_WINDOW // 2)
+        msd = random_mtp_state_dict(mspec, seed=args.seed)
+    keep = _load_keep(args.keep_ids, mspec.vocab)
+    if args.full and not args.keep_ids:
+        keep = keep[:86_089]  # the paper's keep-set size (ids are placeholders without a corpus)
+    if args.target_dir:
+        _, tsd = load_hf_dir(args.target_dir)
+        embed = next(v for k, v in tsd.items() if k.endswith("embed_tokens.weight"))
+    else:
+        embed = torch.randn(mspec.vocab, mspec.backbone, generator=torch.Generator().manual_seed(args.seed))
+    steps = {"mtp": build_mtp(out, mspec, msd, keep, embed, compile=compile, emulate=emulate,
+                              n_calib=4 if args.full else 12, n_golden=0 if args.full else 2)}
+    slm = _maybe_slm(args, out, keep, compile, emulate)
+    if slm is not None:
+        steps["slm"] = slm
+    np.save(out / "keep_ids.npy", np.asarray(keep, dtype=np.int32))
+    proto = ROOT / "docs" / "protocol.md"
+    if proto.exists():
+        shutil.copy(proto, out / "protocol.md")
+    info = manifest(out, steps, keep, {"weights": "random" if not args.mtp_dir else str(args.mtp_dir),
+                                       "full_size": args.full})
+    print(json.dumps({k: v["compile"] for k, v in info["steps"].items()}, indent=1))
+    return 0
+
+
+def _maybe_slm(args, out: Path, keep: list[int], compile: bool, emulate: bool):
+    try:
+        from mobile_client.drafters.spec import e2b_slm_spec, random_slm_state_dict, toy_slm_spec
+    except ImportError:
+        return None
+    if args.slm_dir:
+        cfg, ssd = load_hf_dir(args.slm_dir)
+        sspec = SlmSpec.from_hf_config(cfg)
+    else:
+        sspec = e2b_slm_spec(num_layers=35) if args.full else toy_slm_spec(vocab=max(keep) + 1)
+        ssd = random_slm_state_dict(sspec, seed=args.seed + 1)
+    skeep = [k for k in keep if k < sspec.vocab]
+    return build_slm(out, sspec, ssd, skeep, compile=compile, emulate=emulate)
+
+
+def _load_keep(path: Path | None, vocab: int) -> list[int]:
+    if path is None:
+        return list(range(vocab))
+    ids = np.load(path) if path.suffix == ".npy" else np.asarray(json.loads(path.read_text()))
+    return sorted(int(i) for i in ids)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -234,3 +234,22 @@ def test_kernel_random_batches(seed, dtype):
     got = tree_attention(q, kc, vc, meta, 0.2, window, cap, backend="triton")
     want = brute_force(q, kc, vc, meta, rows, 0.2, window, cap)
     _assert_close(got, want, "attention", dtype, (seed, prefix, rows, hq, hkv, dim, bs, window, cap))
+
+
+def test_dense_ref_on_window_keys_only():
+    """The CPU engine may gather only the keys inside the window (key_offset); dropping more is an error."""
+    from vllm_hyco.kernels.tree_attention import first_visible_key
+
+    q, kc, vc, meta = make_case([90], [TREES["bushy33"]], 2, 1, 64, 16, torch.float32, seed=5)
+    idx = torch.arange(int(meta.seq_lens[0]))
+    blocks = meta.block_table[0].long().cpu()[idx // 16]
+    k, v = kc.cpu()[blocks, idx % 16], vc.cpu()[blocks, idx % 16]
+    masks, depths = meta.ancestor_mask.cpu(), meta.depths.cpu()
+    first = first_visible_key(90, depths, 12)
+    assert first == 90 - 12 + 1
+    full = tree_attention_dense_ref(q.cpu(), k, v, 90, masks, depths, 0.1, 12)
+    part = tree_attention_dense_ref(q.cpu(), k[first:], v[first:], 90, masks, depths, 0.1, 12, key_offset=first)
+    torch.testing.assert_close(part, full, **tol("attention", torch.float32))
+    with pytest.raises(KernelInputError):
+        tree_attention_dense_ref(q.cpu(), k[first + 1:], v[first + 1:], 90, masks, depths, 0.1, 12,
+                                 key_offset=first + 1)

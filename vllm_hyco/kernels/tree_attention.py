@@ -164,11 +164,14 @@ def tree_attention_dense_ref(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    key_offset: int = 0,
 ) -> torch.Tensor:
     """Tree attention of ONE request over gathered contiguous K/V (fp32 math, output in ``q.dtype``).
 
-    Shape: q [n, num_q_heads, D]; k, v [prefix_len + n, num_kv_heads, D] (k may be v); masks/depths [n].
-    This is what the CPU engine calls on K/V it gathers from its own cache layout.
+    Shape: q [n, num_q_heads, D]; k, v [prefix_len - key_offset + n, num_kv_heads, D] (k may be v), the
+    keys of cache indices ``[key_offset, prefix_len + n)``; masks/depths [n]. With a sliding window, pass
+    ``key_offset = first_visible_key(prefix_len, depths, window)`` and gather only those keys. This is what
+    the CPU engine calls on K/V it gathers from its own cache layout.
 
     >>> q = torch.randn(2, 2, 16); kv = torch.randn(5, 1, 16)
     >>> tree_attention_dense_ref(q, kv, kv, 3, torch.tensor([1, 3]), torch.tensor([0, 1]), 0.25).shape
@@ -176,24 +179,40 @@ def tree_attention_dense_ref(
     """
     n, hq, _ = q.shape
     hkv = k.shape[1]
-    if k.shape[0] != prefix_len + n or hq % hkv:
-        raise KernelInputError(f"k has {k.shape[0]} rows for prefix {prefix_len} + {n}; heads {hq}/{hkv}")
-    vis = visibility_mask(n, prefix_len, ancestor_mask, depths, sliding_window)  # [n, t + n]
+    if k.shape[0] != prefix_len - key_offset + n or hq % hkv:
+        raise KernelInputError(f"k has {k.shape[0]} rows for keys [{key_offset}, {prefix_len} + {n}); "
+                               f"heads {hq}/{hkv}")
+    if key_offset > first_visible_key(prefix_len, depths, sliding_window):
+        raise KernelInputError(f"key_offset {key_offset} drops keys a row can see")
+    vis = visibility_mask(n, prefix_len, ancestor_mask, depths, sliding_window)[:, key_offset:]  # [n, keys]
     qf = q.float().transpose(0, 1)  # [hq, n, D]
-    kf = k.float().repeat_interleave(hq // hkv, dim=1).transpose(0, 1)  # [hq, t + n, D]
-    vf = v.float().repeat_interleave(hq // hkv, dim=1).transpose(0, 1)
+    kf = k.float().transpose(0, 1)  # [hkv, t + n, D]
+    vf = v.float().transpose(0, 1)
+    if not softcap:  # fused fp32 SDPA; every row sees at least itself, so no row is all -inf
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qf, kf, vf, attn_mask=vis, scale=scale, enable_gqa=hq != hkv)  # [hq, n, D]
+        return o.transpose(0, 1).to(q.dtype)
+    kf, vf = kf.repeat_interleave(hq // hkv, dim=0), vf.repeat_interleave(hq // hkv, dim=0)  # [hq, t + n, D]
     s = torch.matmul(qf, kf.transpose(1, 2)) * scale  # [hq, n, t + n]
-    if softcap:
-        s = softcap * torch.tanh(s / softcap)
+    s = softcap * torch.tanh(s / softcap)
     s = s.masked_fill(~vis, float("-inf"))
     o = torch.matmul(torch.softmax(s, dim=-1), vf)  # [hq, n, D]
     return o.transpose(0, 1).to(q.dtype)
 
 
-def gather_request_kv(cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """[seq_len, num_kv_heads, D]: the first ``seq_len`` cache indices of one request, contiguous."""
+def first_visible_key(prefix_len: int, depths: torch.Tensor, sliding_window: int | None) -> int:
+    """The lowest cache index any row of the request can see (0 without a window)."""
+    if not sliding_window or depths.numel() == 0:
+        return 0
+    return max(0, min(prefix_len, prefix_len + int(depths.min()) - sliding_window + 1))
+
+
+def gather_request_kv(
+    cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int, start: int = 0
+) -> torch.Tensor:
+    """[seq_len - start, num_kv_heads, D]: cache indices [start, seq_len) of one request, contiguous."""
     bs = cache.shape[1]
-    idx = torch.arange(seq_len, device=cache.device)
+    idx = torch.arange(start, seq_len, device=cache.device)
     blocks = block_table_row.to(torch.int64)[idx // bs]
     return cache[blocks, idx % bs]
 
@@ -232,11 +251,13 @@ def tree_attention_ref(
         a, b = qsl[r], qsl[r + 1]
         if b == a:
             continue
-        k = gather_request_kv(k_cache, meta.block_table[r], seq[r])
-        v = k if _same_storage(k_cache, v_cache) else gather_request_kv(v_cache, meta.block_table[r], seq[r])
+        t, depths = seq[r] - (b - a), meta.depths[a:b]
+        first = first_visible_key(t, depths, sliding_window)
+        k = gather_request_kv(k_cache, meta.block_table[r], seq[r], first)
+        same = _same_storage(k_cache, v_cache)
+        v = k if same else gather_request_kv(v_cache, meta.block_table[r], seq[r], first)
         out[a:b] = tree_attention_dense_ref(
-            q[a:b], k, v, seq[r] - (b - a), meta.ancestor_mask[a:b], meta.depths[a:b],
-            scale, sliding_window, softcap,
+            q[a:b], k, v, t, meta.ancestor_mask[a:b], depths, scale, sliding_window, softcap, first
         )
     return out
 

@@ -165,6 +165,8 @@ def test_chainless_first_round_tree():
     (lambda: build_tree(R, [C1], [], torch.randn(2, 9) + 5.0), "log-probabilities"),
     (lambda: build_tree(R, [C1], [], torch.full((2, 9), float("nan"))), "NaN"),
     (lambda: build_tree(-1, [C1], [], torch.zeros(2, 9)), "root"),
+    (lambda: build_draft_tree(R, [], [], torch.zeros(1, 3), keep_ids=np.array([4, 2, 9])), "increasing"),
+    (lambda: build_draft_tree(R, [], [], torch.zeros(1, 3), keep_ids=np.array([2, 4])), "increasing"),
 ])
 def test_bad_inputs_raise_typed_errors(bad, match):
     with pytest.raises(TreeBuildError, match=match):

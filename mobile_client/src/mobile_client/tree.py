@@ -301,6 +301,14 @@ def _row_exact(row: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return row[cols], cols.astype(np.int64)
 
 
+def _checked_ids(ids: Any, v: int) -> np.ndarray:
+    ids = np.asarray(ids, dtype=np.int64)
+    if ids.shape != (v,) or (v > 1 and not bool(np.all(ids[1:] > ids[:-1]))):
+        raise TreeBuildError(f"keep_ids must be {v} strictly increasing full-vocabulary ids, one per "
+                             f"column, got shape {ids.shape}")
+    return ids
+
+
 def top_candidates(lp: Any, k: int, ids: Any = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Each row's k most likely tokens, ties to the lower token id (D5); -inf entries are never proposed.
 
@@ -331,7 +339,7 @@ def top_candidates(lp: Any, k: int, ids: Any = None) -> tuple[np.ndarray, np.nda
             f"SLM rows must be log-probabilities (log_softmax), got a value {vals.max():.3g} > 0")
     rows = np.repeat(np.arange(R, dtype=np.int64), k)
     vals, cols = vals.reshape(-1), cols.reshape(-1)
-    tokens = cols if ids is None else np.asarray(ids, dtype=np.int64)[cols]
+    tokens = cols if ids is None else _checked_ids(ids, V)[cols]
     finite = vals > -math.inf
     rows, tokens, vals = rows[finite], tokens[finite], vals[finite]
     order = np.lexsort((tokens, -vals, rows))

@@ -1,6 +1,6 @@
 """Bytes on the wire per round (up: tree frame; down: verdict with its hand-off) and for the seed.
 
-    .venv/bin/python benchmarks/bench_wire_bytes.py [--out benchmarks/out/wire_bytes.json] [--fixture-config PATH]
+    .venv/bin/python benchmarks/bench_wire_bytes.py [--out FILE.json] [--fixture-config PATH]
 
 Counts are exact (every number is the length of a real encoding, vllm_hyco.handoff.sizes), for Gemma 4
 26B-A4B (config inferred from the paper's byte counts, decisions.md) and for the tiny fixture verifier
@@ -32,27 +32,44 @@ def fixture_config(path: str | None) -> tuple[dict, str]:
 
 
 def print_report(name: str, r: dict, seed_positions: int) -> None:
-    print(f"\n== {name}: hidden {r['hidden_size']}, layers "
-          + ", ".join(f"{ly['id']}:{ly['kind']} {ly['kv_heads']}x{ly['head_dim']}" for ly in r["layers"]))
+    print(
+        f"\n== {name}: hidden {r['hidden_size']}, layers "
+        + ", ".join(f"{ly['id']}:{ly['kind']} {ly['kv_heads']}x{ly['head_dim']}" for ly in r["layers"])
+    )
     print(f"values: {r['values_per_round']} per round (e, h), {r['values_per_position']} per position (K/V)")
-    print(f"hand-off bytes: {r['handoff_fixed_bytes']} fixed + {r['handoff_bytes_per_position']} per position "
-          f"(paper: {r['paper_fixed_bytes']} + {r['values_per_position']})")
+    print(
+        f"hand-off bytes: {r['handoff_fixed_bytes']} fixed + {r['handoff_bytes_per_position']} per position "
+        f"(paper: {r['paper_fixed_bytes']} + {r['values_per_position']})"
+    )
     t = r["tree_frame_bytes"]
-    print("up   (tree frame, labels / no labels): " + ", ".join(
-        f"{n} nodes {t[n]}/{r['tree_frame_bytes_no_labels'][n]} B" for n in t))
-    print(f"{'accepted':>8} {'positions':>9} {'verdict B':>10} {'hand-off B':>10} {'paper B':>9} {'ours/paper':>10}")
+    print(
+        "up   (tree frame, labels / no labels): "
+        + ", ".join(f"{n} nodes {t[n]}/{r['tree_frame_bytes_no_labels'][n]} B" for n in t)
+    )
+    print(
+        f"{'accepted':>8} {'positions':>9} {'verdict B':>10} {'hand-off B':>10} {'paper B':>9} "
+        f"{'ours/paper':>10}"
+    )
     for a, row in r["rounds"].items():
-        print(f"{a:>8} {a + 1:>9} {row['verdict']:>10} {row['handoff']:>10} {row['paper_handoff']:>9} "
-              f"{row['handoff'] / row['paper_handoff']:>10.4f}")
+        print(
+            f"{a:>8} {a + 1:>9} {row['verdict']:>10} {row['handoff']:>10} {row['paper_handoff']:>9} "
+            f"{row['handoff'] / row['paper_handoff']:>10.4f}"
+        )
     s = r["seed"]
-    print(f"seed ({seed_positions} positions): hand-off {s['handoff']} B (paper {s['paper_handoff']} B), "
-          f"{s['chunks']} chunk(s) of <= {s['chunk_bytes']} B, largest frame {s['max_frame']} B")
+    print(
+        f"seed ({seed_positions} positions): hand-off {s['handoff']} B (paper {s['paper_handoff']} B), "
+        f"{s['chunks']} chunk(s) of <= {s['chunk_bytes']} B, largest frame {s['max_frame']} B"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "out" / "wire_bytes.json"))
-    parser.add_argument("--fixture-config", default=None, help="a verifier config.json to use for the fixture")
+    parser.add_argument(
+        "--fixture-config", default=None, help="a verifier config.json to use for the fixture"
+    )
     parser.add_argument("--max-accepted", type=int, default=4)
     args = parser.parse_args(argv)
     fix_cfg, fix_src = fixture_config(args.fixture_config)
@@ -61,8 +78,13 @@ def main(argv: list[str] | None = None) -> int:
         "gemma-4-26B-A4B": (GEMMA4_26B_A4B_CONFIG, 1024, "inferred (decisions.md; sizes.py)"),
         "fixture-verifier": (fix_cfg, fix_w, fix_src),
     }
-    results = {"limits": {"chunk_bytes": DEFAULT_LIMITS.chunk_bytes,
-                          "max_server_frame_bytes": DEFAULT_LIMITS.max_server_frame_bytes}, "models": {}}
+    results = {
+        "limits": {
+            "chunk_bytes": DEFAULT_LIMITS.chunk_bytes,
+            "max_server_frame_bytes": DEFAULT_LIMITS.max_server_frame_bytes,
+        },
+        "models": {},
+    }
     for name, (cfg, w, src) in models.items():
         r = size_report(cfg, w, args.max_accepted)
         print_report(f"{name} [{src}]", r, w)

@@ -12,9 +12,21 @@ from pathlib import Path
 
 import pytest
 
-from vllm_hyco.handoff import (ClientCapabilities, HandoffAssembler, HycoOptions, ResumeRequest, StartFrame,
-                               TreeFrame, VerdictFrame, decode_client_frame, decode_handoff, decode_server_frame,
-                               encode_frame, encode_handoff, load_scales)
+from vllm_hyco.handoff import (
+    ClientCapabilities,
+    HandoffAssembler,
+    HycoOptions,
+    ResumeRequest,
+    StartFrame,
+    TreeFrame,
+    VerdictFrame,
+    decode_client_frame,
+    decode_handoff,
+    decode_server_frame,
+    encode_frame,
+    encode_handoff,
+    load_scales,
+)
 from vllm_hyco.handoff.schema import HandoffSpec
 from vllm_hyco.handoff.sizes import FIXTURE_VERIFIER_CONFIG, layers_from_hf_config
 
@@ -25,7 +37,9 @@ MANIFEST = json.loads((GOLDEN / "manifest.json").read_text())
 def phone_spec() -> HandoffSpec:
     """What a phone knows: its model bundle's verifier config and scales file."""
     _, layers = layers_from_hf_config(MANIFEST["verifier_config"])
-    return HandoffSpec.from_scales(MANIFEST["verifier_config"], layers, load_scales(GOLDEN / "scales_fixture.npz"))
+    return HandoffSpec.from_scales(
+        MANIFEST["verifier_config"], layers, load_scales(GOLDEN / "scales_fixture.npz")
+    )
 
 
 def read(name: str) -> bytes:
@@ -54,8 +68,10 @@ def test_phone_applies_the_chunked_seed():
     verdict = decode_server_frame(read("frame_verdict_seed.msgpack"))
     assert isinstance(verdict, VerdictFrame) and verdict.handoff is None and verdict.round == 0
     asm = HandoffAssembler(0, verdict.handoff_ref)
-    done = [asm.add(decode_server_frame(read(f"frame_handoff_chunk_{i}.msgpack")))
-            for i in range(verdict.handoff_ref.chunks)]
+    done = [
+        asm.add(decode_server_frame(read(f"frame_handoff_chunk_{i}.msgpack")))
+        for i in range(verdict.handoff_ref.chunks)
+    ]
     assert done[-1] and not any(done[:-1])
     seed = asm.payload(expect=phone_spec())
     assert seed.bonus_token == verdict.bonus and seed.header.span_start == 0
@@ -65,9 +81,18 @@ def test_phone_applies_the_chunked_seed():
 def test_phone_built_client_frames_equal_the_golden_bytes():
     caps = ClientCapabilities(max_nodes=32, labels=True, handoff_schemas=(1,))
     ksh = decode_client_frame(read("frame_start_chat.msgpack")).hyco.keep_set_hash
-    resume = StartFrame("chat.completions", None,
-                        HycoOptions("exact", None, caps, ksh, ResumeRequest(bytes.fromhex(MANIFEST["session_id"]), 2,
-                                                                            True), phone_spec().fingerprint))
+    resume = StartFrame(
+        "chat.completions",
+        None,
+        HycoOptions(
+            "exact",
+            None,
+            caps,
+            ksh,
+            ResumeRequest(bytes.fromhex(MANIFEST["session_id"]), 2, True),
+            phone_spec().fingerprint,
+        ),
+    )
     assert encode_frame(resume) == read("frame_start_resume.msgpack")
     assert encode_frame(TreeFrame.from_lists(0, [2], [-1])) == read("frame_tree_root_only.msgpack")
     for name in ("frame_start_chat.msgpack", "frame_start_completions.msgpack", "frame_tree_32.msgpack"):
@@ -75,7 +100,9 @@ def test_phone_built_client_frames_equal_the_golden_bytes():
 
 
 def test_the_wire_package_imports_without_vllm_or_torch():
-    code = ("import sys, vllm_hyco.handoff, vllm_hyco.handoff.golden, vllm_hyco.handoff.sizes; "
-            "print(sorted(m for m in ('vllm', 'torch', 'transformers') if m in sys.modules))")
+    code = (
+        "import sys, vllm_hyco.handoff, vllm_hyco.handoff.golden, vllm_hyco.handoff.sizes; "
+        "print(sorted(m for m in ('vllm', 'torch', 'transformers') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

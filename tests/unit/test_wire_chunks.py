@@ -1,4 +1,4 @@
-"""Seed hand-offs in chunks: splitting, planning and reassembly with typed errors (vllm_hyco.handoff.chunks)."""
+"""Seed hand-offs in chunks: splitting, planning, reassembly with typed errors (vllm_hyco.handoff.chunks)."""
 
 import dataclasses
 
@@ -11,8 +11,9 @@ from vllm_hyco.handoff.limits import WireLimits
 from vllm_hyco.handoff.schema import HandoffPayload, HandoffSpec, LayerSpec, encode_handoff
 from vllm_hyco.handoff.server_frames import HandoffChunkFrame
 
-SPEC = HandoffSpec(bytes(16), 32, (LayerSpec(0, "sliding", 2, 16, 64), LayerSpec(1, "full", 1, 32, 0, True)),
-                   bytes(16))
+SPEC = HandoffSpec(
+    bytes(16), 32, (LayerSpec(0, "sliding", 2, 16, 64), LayerSpec(1, "full", 1, 32, 0, True)), bytes(16)
+)
 SEED = HandoffPayload.make_dummy(SPEC, 0, 64, bonus_token=3)
 LIMITS = WireLimits(chunk_bytes=2000, max_server_frame_bytes=4096)
 

@@ -1,20 +1,33 @@
-"""Frames of both directions: round trips, size bounds and every validation path (vllm_hyco.handoff.frames)."""
+"""Frames of both directions: round trips, size bounds, every validation path (vllm_hyco.handoff.frames)."""
 
 import msgpack
 import pytest
 
 from vllm_hyco.errors import ConfigError, FrameError, HandoffSchemaError
-from vllm_hyco.handoff.client_frames import (ClientCapabilities, HycoOptions, NodeLabel, ResumeRequest,
-                                             StartFrame, TreeFrame)
+from vllm_hyco.handoff.client_frames import (
+    ClientCapabilities,
+    HycoOptions,
+    NodeLabel,
+    ResumeRequest,
+    StartFrame,
+    TreeFrame,
+)
 from vllm_hyco.handoff.frames import decode_client_frame, decode_server_frame, encode_frame, frame_to_wire
 from vllm_hyco.handoff.limits import ERROR_CODES, WireLimits
 from vllm_hyco.handoff.schema import HandoffPayload, HandoffSpec, LayerSpec
-from vllm_hyco.handoff.server_frames import (ErrorFrame, FinalFrame, HandoffChunkFrame, HandoffRef,
-                                             VerdictFrame, openai_chunk)
+from vllm_hyco.handoff.server_frames import (
+    ErrorFrame,
+    FinalFrame,
+    HandoffChunkFrame,
+    HandoffRef,
+    VerdictFrame,
+    openai_chunk,
+)
 
 SID = bytes(range(16))
-SPEC = HandoffSpec(bytes(16), 4, (LayerSpec(0, "sliding", 1, 4, 16), LayerSpec(1, "full", 1, 8, 0, True)),
-                   bytes(16))
+SPEC = HandoffSpec(
+    bytes(16), 4, (LayerSpec(0, "sliding", 1, 4, 16), LayerSpec(1, "full", 1, 8, 0, True)), bytes(16)
+)
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
 
 
@@ -25,9 +38,17 @@ def tree32(labels=True):
 
 
 def verdict(**kw):
-    args = dict(session_id=SID, round=2, path=(1, 3), tokens=(7, 8, 9), bonus=9,
-                handoff=HandoffPayload.make_dummy(SPEC, 10, 13, bonus_token=9), handoff_ref=None, budget=32,
-                chunk=openai_chunk("chat.completion.chunk", "c", "m", "abc", created=5))
+    args = dict(
+        session_id=SID,
+        round=2,
+        path=(1, 3),
+        tokens=(7, 8, 9),
+        bonus=9,
+        handoff=HandoffPayload.make_dummy(SPEC, 10, 13, bonus_token=9),
+        handoff_ref=None,
+        budget=32,
+        chunk=openai_chunk("chat.completion.chunk", "c", "m", "abc", created=5),
+    )
     args.update(kw)
     return VerdictFrame(**args)
 
@@ -52,17 +73,30 @@ def err(fn, data, code, **kw):
 
 CLIENT_FRAMES = [
     StartFrame("chat.completions", CHAT, HycoOptions()),
-    StartFrame("completions", {"prompt": [1, 2, 3]}, HycoOptions("epsilon", 0.002, ClientCapabilities(8, False),
-                                                                   b"\x01" * 32)),
+    StartFrame(
+        "completions",
+        {"prompt": [1, 2, 3]},
+        HycoOptions("epsilon", 0.002, ClientCapabilities(8, False), b"\x01" * 32),
+    ),
     StartFrame("chat.completions", None, HycoOptions(resume=ResumeRequest(SID, -1, True), fingerprint=SID)),
-    tree32(), tree32(labels=False), TreeFrame.from_lists(0, [5], [-1], [0]),
+    tree32(),
+    tree32(labels=False),
+    TreeFrame.from_lists(0, [5], [-1], [0]),
 ]
 SERVER_FRAMES = [
-    verdict(), verdict(handoff=None, handoff_ref=HandoffRef(2, 10, 8, bytes(32))),
-    verdict(bonus=None, handoff=None, tokens=(7,), budget=0,
-            chunk=openai_chunk("text_completion", "c", "m", "x", "length", created=5)),
-    HandoffChunkFrame(0, 1, 2, b"ab"), ErrorFrame("bad_round", "send round 3", False, 2),
-    ErrorFrame("internal_error", "boom", True), FinalFrame(SID, 10, 20, 6, 20 / 6, 1000, 90000),
+    verdict(),
+    verdict(handoff=None, handoff_ref=HandoffRef(2, 10, 8, bytes(32))),
+    verdict(
+        bonus=None,
+        handoff=None,
+        tokens=(7,),
+        budget=0,
+        chunk=openai_chunk("text_completion", "c", "m", "x", "length", created=5),
+    ),
+    HandoffChunkFrame(0, 1, 2, b"ab"),
+    ErrorFrame("bad_round", "send round 3", False, 2),
+    ErrorFrame("internal_error", "boom", True),
+    FinalFrame(SID, 10, 20, 6, 20 / 6, 1000, 90000),
 ]
 
 
@@ -94,26 +128,32 @@ def test_tree_wire_layout():
     assert int.from_bytes(w["tokens"][:4], "little") == 262143
 
 
-@pytest.mark.parametrize("changes, code", [
-    (dict(tokens=b"\x01\x00\x00"), "bad_tokens"),
-    (dict(tokens=b""), "bad_tokens"),
-    (dict(tokens=b"\xff\xff\xff\xff" * 33), "bad_tokens"),
-    (dict(tokens=b"\x01\x00\x00\x00" * 34, parents=b"\xff" + bytes(33), labels=KeyError), "too_many_nodes"),
-    (dict(parents=b"\x00" * 33), "bad_parents"),
-    (dict(parents=b"\xff" + bytes(31)), "bad_parents"),
-    (dict(parents=b"\xff\x00\x02" + bytes(30)), "bad_parents"),
-    (dict(parents=[255] + [0] * 32), "bad_field_type"),
-    (dict(labels=b"\x01" * 33), "bad_labels"),
-    (dict(labels=b"\x00" + b"\x05" * 32), "bad_labels"),
-    (dict(labels=b"\x00" * 3), "bad_labels"),
-    (dict(round=-1), "bad_field_value"),
-    (dict(round=1.0), "bad_field_type"),
-    (dict(round=KeyError), "missing_field"),
-    (dict(session="x"), "unknown_field"),
-    (dict(v=2), "unsupported_version"),
-    (dict(type="verdict"), "unknown_type"),
-    (dict(type=None), "bad_field_type"),
-])
+@pytest.mark.parametrize(
+    "changes, code",
+    [
+        (dict(tokens=b"\x01\x00\x00"), "bad_tokens"),
+        (dict(tokens=b""), "bad_tokens"),
+        (dict(tokens=b"\xff\xff\xff\xff" * 33), "bad_tokens"),
+        (
+            dict(tokens=b"\x01\x00\x00\x00" * 34, parents=b"\xff" + bytes(33), labels=KeyError),
+            "too_many_nodes",
+        ),
+        (dict(parents=b"\x00" * 33), "bad_parents"),
+        (dict(parents=b"\xff" + bytes(31)), "bad_parents"),
+        (dict(parents=b"\xff\x00\x02" + bytes(30)), "bad_parents"),
+        (dict(parents=[255] + [0] * 32), "bad_field_type"),
+        (dict(labels=b"\x01" * 33), "bad_labels"),
+        (dict(labels=b"\x00" + b"\x05" * 32), "bad_labels"),
+        (dict(labels=b"\x00" * 3), "bad_labels"),
+        (dict(round=-1), "bad_field_value"),
+        (dict(round=1.0), "bad_field_type"),
+        (dict(round=KeyError), "missing_field"),
+        (dict(session="x"), "unknown_field"),
+        (dict(v=2), "unsupported_version"),
+        (dict(type="verdict"), "unknown_type"),
+        (dict(type=None), "bad_field_type"),
+    ],
+)
 def test_tree_defects(changes, code):
     err(decode_client_frame, raw(tree32(), **changes), code)
 
@@ -130,30 +170,62 @@ def test_parent_error_message_says_what_to_fix():
 START = CLIENT_FRAMES[0]
 
 
-@pytest.mark.parametrize("changes, code", [
-    (dict(endpoint="embeddings"), "bad_field_value"),
-    (dict(request=KeyError), "bad_request"),
-    (dict(request={**CHAT, "stream": False}), "bad_request"),
-    (dict(request={"messages": []}), "bad_request"),
-    (dict(request={"messages": [{"content": "x"}]}), "bad_request"),
-    (dict(request={"messages": "hi"}), "bad_request"),
-    (dict(request={"messages": [{"role": "user", "content": "x" * 2000}]}), "request_too_large"),
-    (dict(hyco={"mode": "exact", "epsilon": 0.1, "capabilities": ClientCapabilities().to_wire()}), "bad_hyco"),
-    (dict(hyco={"mode": "epsilon", "epsilon": 1.0, "capabilities": ClientCapabilities().to_wire()}), "bad_hyco"),
-    (dict(hyco={"mode": "epsilon", "epsilon": 0, "capabilities": ClientCapabilities().to_wire()}),
-     "bad_field_type"),
-    (dict(hyco={"mode": "lossy", "capabilities": ClientCapabilities().to_wire()}), "bad_field_value"),
-    (dict(hyco={"mode": "exact"}), "missing_field"),
-    (dict(hyco={"mode": "exact", "capabilities": {**ClientCapabilities().to_wire(), "handoff_schemas": []}}),
-     "bad_hyco"),
-    (dict(hyco={"mode": "exact", "capabilities": {**ClientCapabilities().to_wire(), "max_message_bytes": 10}}),
-     "bad_field_value"),
-    (dict(hyco={**HycoOptions().to_wire(), "keep_set_hash": b""}), "bad_hyco"),
-    (dict(hyco={**HycoOptions().to_wire(), "fingerprint": b"x" * 15}), "bad_hyco"),
-    (dict(hyco={**HycoOptions().to_wire(), "resume": {"session_id": b"x", "last_round": 0, "need_seed": False}}),
-     "bad_hyco"),
-    (dict(hyco={**HycoOptions().to_wire(), "resume": ResumeRequest(SID, 0).to_wire()}), "bad_request"),
-])
+@pytest.mark.parametrize(
+    "changes, code",
+    [
+        (dict(endpoint="embeddings"), "bad_field_value"),
+        (dict(request=KeyError), "bad_request"),
+        (dict(request={**CHAT, "stream": False}), "bad_request"),
+        (dict(request={"messages": []}), "bad_request"),
+        (dict(request={"messages": [{"content": "x"}]}), "bad_request"),
+        (dict(request={"messages": "hi"}), "bad_request"),
+        (dict(request={"messages": [{"role": "user", "content": "x" * 2000}]}), "request_too_large"),
+        (
+            dict(hyco={"mode": "exact", "epsilon": 0.1, "capabilities": ClientCapabilities().to_wire()}),
+            "bad_hyco",
+        ),
+        (
+            dict(hyco={"mode": "epsilon", "epsilon": 1.0, "capabilities": ClientCapabilities().to_wire()}),
+            "bad_hyco",
+        ),
+        (
+            dict(hyco={"mode": "epsilon", "epsilon": 0, "capabilities": ClientCapabilities().to_wire()}),
+            "bad_field_type",
+        ),
+        (dict(hyco={"mode": "lossy", "capabilities": ClientCapabilities().to_wire()}), "bad_field_value"),
+        (dict(hyco={"mode": "exact"}), "missing_field"),
+        (
+            dict(
+                hyco={
+                    "mode": "exact",
+                    "capabilities": {**ClientCapabilities().to_wire(), "handoff_schemas": []},
+                }
+            ),
+            "bad_hyco",
+        ),
+        (
+            dict(
+                hyco={
+                    "mode": "exact",
+                    "capabilities": {**ClientCapabilities().to_wire(), "max_message_bytes": 10},
+                }
+            ),
+            "bad_field_value",
+        ),
+        (dict(hyco={**HycoOptions().to_wire(), "keep_set_hash": b""}), "bad_hyco"),
+        (dict(hyco={**HycoOptions().to_wire(), "fingerprint": b"x" * 15}), "bad_hyco"),
+        (
+            dict(
+                hyco={
+                    **HycoOptions().to_wire(),
+                    "resume": {"session_id": b"x", "last_round": 0, "need_seed": False},
+                }
+            ),
+            "bad_hyco",
+        ),
+        (dict(hyco={**HycoOptions().to_wire(), "resume": ResumeRequest(SID, 0).to_wire()}), "bad_request"),
+    ],
+)
 def test_start_defects(changes, code):
     err(decode_client_frame, raw(START, **changes), code, limits=WireLimits(max_prompt_bytes=1000))
 
@@ -163,23 +235,42 @@ def test_completions_start_needs_a_prompt():
     err(decode_client_frame, encode_frame(frame), "bad_request")
 
 
-@pytest.mark.parametrize("kw, code", [
-    (dict(bonus=8), "bad_verdict"),
-    (dict(tokens=(7, 9)), "bad_verdict"),
-    (dict(path=(3, 1)), "bad_verdict"),
-    (dict(path=(0, 1)), "bad_verdict"),
-    (dict(budget=0), "bad_verdict"),
-    (dict(handoff=None), "bad_verdict"),
-    (dict(handoff_ref=HandoffRef(2, 10, 8, bytes(32))), "bad_verdict"),
-    (dict(handoff=HandoffPayload.make_dummy(SPEC, 10, 13, bonus_token=5)), "bad_verdict"),
-    (dict(bonus=None, tokens=(7,), chunk=openai_chunk("chat.completion.chunk", "c", "m", "", "stop", created=1)),
-     "bad_verdict"),
-    (dict(session_id=b"short"), "bad_field_value"),
-    (dict(chunk={"id": "c"}), "missing_field"),
-    (dict(chunk={**openai_chunk("text_completion", "c", "m", "x", created=1), "choices": []}), "bad_field_value"),
-    (dict(chunk={**openai_chunk("text_completion", "c", "m", "x", created=1), "object": "chat.completion"}),
-     "bad_field_value"),
-])
+@pytest.mark.parametrize(
+    "kw, code",
+    [
+        (dict(bonus=8), "bad_verdict"),
+        (dict(tokens=(7, 9)), "bad_verdict"),
+        (dict(path=(3, 1)), "bad_verdict"),
+        (dict(path=(0, 1)), "bad_verdict"),
+        (dict(budget=0), "bad_verdict"),
+        (dict(handoff=None), "bad_verdict"),
+        (dict(handoff_ref=HandoffRef(2, 10, 8, bytes(32))), "bad_verdict"),
+        (dict(handoff=HandoffPayload.make_dummy(SPEC, 10, 13, bonus_token=5)), "bad_verdict"),
+        (
+            dict(
+                bonus=None,
+                tokens=(7,),
+                chunk=openai_chunk("chat.completion.chunk", "c", "m", "", "stop", created=1),
+            ),
+            "bad_verdict",
+        ),
+        (dict(session_id=b"short"), "bad_field_value"),
+        (dict(chunk={"id": "c"}), "missing_field"),
+        (
+            dict(chunk={**openai_chunk("text_completion", "c", "m", "x", created=1), "choices": []}),
+            "bad_field_value",
+        ),
+        (
+            dict(
+                chunk={
+                    **openai_chunk("text_completion", "c", "m", "x", created=1),
+                    "object": "chat.completion",
+                }
+            ),
+            "bad_field_value",
+        ),
+    ],
+)
 def test_verdict_defects(kw, code):
     err(decode_server_frame, encode_frame(verdict(**kw)), code)
 
@@ -194,10 +285,13 @@ def test_verdict_passes_extra_openai_fields_through():
     assert decode_server_frame(encode_frame(verdict(chunk=chunk))).chunk["system_fingerprint"] == "fp"
 
 
-@pytest.mark.parametrize("frame, changes, code", [
-    (HandoffRef(2, 10, 8, bytes(32)), dict(chunks=3), "bad_field_value"),
-    (HandoffRef(2, 10, 8, bytes(32)), dict(sha256=b"x"), "bad_field_value"),
-])
+@pytest.mark.parametrize(
+    "frame, changes, code",
+    [
+        (HandoffRef(2, 10, 8, bytes(32)), dict(chunks=3), "bad_field_value"),
+        (HandoffRef(2, 10, 8, bytes(32)), dict(sha256=b"x"), "bad_field_value"),
+    ],
+)
 def test_handoff_ref_defects(frame, changes, code):
     v = verdict(handoff=None, handoff_ref=frame)
     obj = frame_to_wire(v)
@@ -205,29 +299,57 @@ def test_handoff_ref_defects(frame, changes, code):
     err(decode_server_frame, msgpack.packb(obj, use_bin_type=True), code)
 
 
-@pytest.mark.parametrize("frame, changes, code", [
-    (SERVER_FRAMES[3], dict(index=2), "bad_field_value"),
-    (SERVER_FRAMES[3], dict(data=b""), "bad_field_value"),
-    (SERVER_FRAMES[4], dict(code=""), "bad_field_value"),
-    (SERVER_FRAMES[4], dict(fatal=1), "bad_field_type"),
-    (SERVER_FRAMES[6], dict(usage={"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 4}),
-     "bad_field_value"),
-    (SERVER_FRAMES[6], dict(stats={"rounds": 1, "mat": float("nan"), "bytes_up": 1, "bytes_down": 1}),
-     "bad_field_value"),
-    (SERVER_FRAMES[6], dict(type="tree"), "unknown_type"),
-])
+@pytest.mark.parametrize(
+    "frame, changes, code",
+    [
+        (SERVER_FRAMES[3], dict(index=2), "bad_field_value"),
+        (SERVER_FRAMES[3], dict(data=b""), "bad_field_value"),
+        (SERVER_FRAMES[4], dict(code=""), "bad_field_value"),
+        (SERVER_FRAMES[4], dict(fatal=1), "bad_field_type"),
+        (
+            SERVER_FRAMES[6],
+            dict(usage={"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 4}),
+            "bad_field_value",
+        ),
+        (
+            SERVER_FRAMES[6],
+            dict(stats={"rounds": 1, "mat": float("nan"), "bytes_up": 1, "bytes_down": 1}),
+            "bad_field_value",
+        ),
+        (SERVER_FRAMES[6], dict(type="tree"), "unknown_type"),
+    ],
+)
 def test_other_server_frame_defects(frame, changes, code):
     err(decode_server_frame, raw(frame, **changes), code)
 
 
 def test_frame_size_limits_per_direction():
-    err(decode_client_frame, encode_frame(tree32()), "frame_too_large", limits=WireLimits(max_client_frame_bytes=100))
+    err(
+        decode_client_frame,
+        encode_frame(tree32()),
+        "frame_too_large",
+        limits=WireLimits(max_client_frame_bytes=100),
+    )
     big = encode_frame(HandoffChunkFrame(0, 0, 1, b"x" * 5000))
-    err(decode_server_frame, big, "frame_too_large",
-        limits=WireLimits(max_server_frame_bytes=4096, chunk_bytes=1024))
+    err(
+        decode_server_frame,
+        big,
+        "frame_too_large",
+        limits=WireLimits(max_server_frame_bytes=4096, chunk_bytes=1024),
+    )
 
 
 def test_limits_are_validated():
     for bad in (dict(max_nodes=0), dict(max_nodes=300), dict(chunk_bytes=4 << 20), dict(max_round=True)):
         with pytest.raises(ConfigError):
             WireLimits(**bad)
+
+
+def test_decoded_tree_feeds_the_semantic_validator():
+    tree_mod = pytest.importorskip("vllm_hyco.spec_decode.tree")
+    frame = decode_client_frame(encode_frame(tree32()))
+    tree = tree_mod.TokenTree.from_wire(frame.tree_dict(), vocab_size=262144)
+    assert list(tree.tokens.tolist()) == list(frame.tokens)
+    dup = TreeFrame.from_lists(0, [5, 6, 6], [-1, 0, 0])  # structurally fine, semantically not (D3)
+    with pytest.raises(tree_mod.TreeValidationError):
+        tree_mod.TokenTree.from_wire(decode_client_frame(encode_frame(dup)).tree_dict(), vocab_size=100)

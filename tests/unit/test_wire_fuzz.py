@@ -25,21 +25,30 @@ DECODERS = {
     "handoff": lambda b: decode_handoff(b, limits=LIMITS),
 }
 ENCODERS = {"client_frame": encode_frame, "server_frame": encode_frame, "handoff": encode_handoff}
-SEEDS = [(kind, data) for name, (kind, data) in sorted(golden_files().items())
-         if kind in DECODERS and len(data) < 20000]
+SEEDS = [
+    (kind, data)
+    for name, (kind, data) in sorted(golden_files().items())
+    if kind in DECODERS and len(data) < 20000
+]
 
 
 def random_value(rng: random.Random, depth: int = 0):
     choice = rng.randrange(14 if depth < 3 else 10)
     return [
-        lambda: None, lambda: rng.random() < 0.5, lambda: rng.randint(-2**63, 2**64 - 1),
-        lambda: rng.choice([0, -1, 1, 255, 256, 2**31, 2**32, -2**31]), lambda: rng.choice([float("nan"),
-        float("inf"), -0.0, 1e308, 0.5]), lambda: "x" * rng.randrange(0, 70), lambda: rng.randbytes(rng.randrange(0, 40)),
+        lambda: None,
+        lambda: rng.random() < 0.5,
+        lambda: rng.randint(-(2**63), 2**64 - 1),
+        lambda: rng.choice([0, -1, 1, 255, 256, 2**31, 2**32, -(2**31)]),
+        lambda: rng.choice([float("nan"), float("inf"), -0.0, 1e308, 0.5]),
+        lambda: "x" * rng.randrange(0, 70),
+        lambda: rng.randbytes(rng.randrange(0, 40)),
         lambda: rng.choice(["tree", "start", "verdict", "final", "error", "handoff_chunk", "exact", "full"]),
-        lambda: b"\xff" * rng.randrange(0, 40), lambda: rng.randrange(0, 40),
+        lambda: b"\xff" * rng.randrange(0, 40),
+        lambda: rng.randrange(0, 40),
         lambda: [random_value(rng, depth + 1) for _ in range(rng.randrange(0, 4))],
         lambda: {str(rng.randrange(5)): random_value(rng, depth + 1) for _ in range(rng.randrange(0, 3))},
-        lambda: [0] * rng.randrange(0, 2000), lambda: {"type": "tree", "v": 1},
+        lambda: [0] * rng.randrange(0, 2000),
+        lambda: {"type": "tree", "v": 1},
     ][choice]()
 
 
@@ -80,7 +89,7 @@ def mutate_bytes(rng: random.Random, data: bytes) -> bytes:
         for _ in range(rng.randint(1, 8)):
             b[rng.randrange(len(b))] = rng.randrange(256)
     elif op == 1:
-        del b[rng.randrange(len(b)):]
+        del b[rng.randrange(len(b)) :]
     elif op == 2:
         i = rng.randrange(len(b))
         b[i:i] = rng.randbytes(rng.randint(1, 16))
@@ -88,8 +97,19 @@ def mutate_bytes(rng: random.Random, data: bytes) -> bytes:
         i, j = sorted(rng.sample(range(len(b) + 1), 2))
         b += b[i:j]
     elif op == 4:  # a container or bin header that claims far more than the buffer holds
-        b = bytearray(rng.choice([b"\xdd\xff\xff\xff\xff", b"\xdf\xff\xff\xff\xff", b"\xc6\xff\xff\xff\xf0",
-                                  b"\xdb\x7f\xff\xff\xff"])) + b
+        b = (
+            bytearray(
+                rng.choice(
+                    [
+                        b"\xdd\xff\xff\xff\xff",
+                        b"\xdf\xff\xff\xff\xff",
+                        b"\xc6\xff\xff\xff\xf0",
+                        b"\xdb\x7f\xff\xff\xff",
+                    ]
+                )
+            )
+            + b
+        )
     else:
         b = bytearray(rng.randbytes(rng.randrange(0, 300)))
     return bytes(b)
@@ -113,7 +133,7 @@ def test_decoders_only_raise_typed_errors(seed):
     outcomes = {"typed": 0, "ok": 0}
     for i in range(2600):
         kind, data = SEEDS[i % len(SEEDS)]
-        for target in ([kind] if i % 5 else list(DECODERS)):  # also feed frames to the wrong decoder
+        for target in [kind] if i % 5 else list(DECODERS):  # also feed frames to the wrong decoder
             mutated = mutate_structure(rng, data) if i % 2 else mutate_bytes(rng, data)
             check(target, mutated, outcomes)
     assert sum(outcomes.values()) >= 2600
@@ -124,9 +144,19 @@ def test_pathological_inputs():
     outcomes = {"typed": 0, "ok": 0}
     deep = b"\x91" * 100_000 + b"\xc0"  # 100k nested one-element arrays
     deep_map = b"\x81\xa1a" * 50_000 + b"\xc0"
-    for data in (deep, deep_map, b"", b"\xc0", b"\x80", b"\xc1", b"\xd4\x01\x02", msgpack.packb({1: 2}),
-                 msgpack.packb({"type": "tree", "v": 1, "round": 0, "tokens": b"\0" * 4, "parents": "\xff"}),
-                 bytearray(b"\x80"), memoryview(b"\x80")):
+    for data in (
+        deep,
+        deep_map,
+        b"",
+        b"\xc0",
+        b"\x80",
+        b"\xc1",
+        b"\xd4\x01\x02",
+        msgpack.packb({1: 2}),
+        msgpack.packb({"type": "tree", "v": 1, "round": 0, "tokens": b"\0" * 4, "parents": "\xff"}),
+        bytearray(b"\x80"),
+        memoryview(b"\x80"),
+    ):
         for kind in DECODERS:
             check(kind, data, outcomes)
     for kind in DECODERS:

@@ -1,5 +1,5 @@
 """Golden files, server direction: the generator reproduces tests/golden byte for byte, and every file
-decodes and re-encodes to the same bytes (the phone direction is tests/client/test_client_wire_contract.py)."""
+decodes and re-encodes to the same bytes (phone direction: tests/client/test_client_wire_contract.py)."""
 
 import hashlib
 import json

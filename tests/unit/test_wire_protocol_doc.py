@@ -18,4 +18,7 @@ def test_every_error_code_is_in_the_table_and_no_other():
 
 
 def test_versions_in_the_title():
-    assert f"protocol version {PROTOCOL_VERSION}, hand-off schema {HANDOFF_SCHEMA_VERSION}" in DOC.splitlines()[0]
+    assert (
+        f"protocol version {PROTOCOL_VERSION}, hand-off schema {HANDOFF_SCHEMA_VERSION}"
+        in DOC.splitlines()[0]
+    )

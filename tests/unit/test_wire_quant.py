@@ -4,8 +4,15 @@ import numpy as np
 import pytest
 
 from vllm_hyco.errors import HandoffSchemaError
-from vllm_hyco.handoff.quant import (HandoffScales, absmax_scales, dequantize, load_scales, quantize,
-                                     round_half_away_from_zero, save_scales)
+from vllm_hyco.handoff.quant import (
+    HandoffScales,
+    absmax_scales,
+    dequantize,
+    load_scales,
+    quantize,
+    round_half_away_from_zero,
+    save_scales,
+)
 
 
 def test_rounding_halves_go_away_from_zero_and_near_halves_do_not():
@@ -99,7 +106,9 @@ def test_scales_file_edits_are_detected(tmp_path):
         load_scales(tmp_path / "junk.npz")
 
 
-@pytest.mark.parametrize("bad", [np.zeros(8, np.float32), np.full(8, np.nan, np.float32), np.ones(8, np.float64)])
+@pytest.mark.parametrize(
+    "bad", [np.zeros(8, np.float32), np.full(8, np.nan, np.float32), np.ones(8, np.float64)]
+)
 def test_scales_must_be_positive_finite_float32(bad):
     s = _scales()
     with pytest.raises(HandoffSchemaError) as e:

@@ -9,11 +9,21 @@ import pytest
 from vllm_hyco.errors import ConfigError, HandoffSchemaError
 from vllm_hyco.handoff.limits import WireLimits
 from vllm_hyco.handoff.quant import HandoffScales, dequantize
-from vllm_hyco.handoff.schema import (HandoffHeader, HandoffPayload, HandoffSpec, LayerSpec, decode_handoff,
-                                      encode_handoff, handoff_to_wire, model_fingerprint)
+from vllm_hyco.handoff.schema import (
+    HandoffHeader,
+    HandoffPayload,
+    HandoffSpec,
+    LayerSpec,
+    decode_handoff,
+    encode_handoff,
+    handoff_to_wire,
+    model_fingerprint,
+)
 
-LAYERS = (LayerSpec(2, "sliding", kv_heads=2, head_dim=4, window=8),
-          LayerSpec(3, "full", kv_heads=1, head_dim=8, window=0, k_eq_v=True))
+LAYERS = (
+    LayerSpec(2, "sliding", kv_heads=2, head_dim=4, window=8),
+    LayerSpec(3, "full", kv_heads=1, head_dim=8, window=0, k_eq_v=True),
+)
 SPEC = HandoffSpec(fingerprint=bytes(range(16)), hidden_size=6, layers=LAYERS, scales_id=bytes(range(16, 32)))
 
 
@@ -57,9 +67,14 @@ def test_layer_without_v_round_trips_with_nil():
 
 def test_quantized_payload_dequantizes_within_half_a_step():
     rng = np.random.default_rng(0)
-    scales = HandoffScales(np.full(6, 0.1, np.float32), np.full(6, 0.2, np.float32),
-                           ((2, np.full((2, 4), 0.05, np.float32), np.full((2, 4), 0.05, np.float32)),
-                            (3, np.full((1, 8), 0.03, np.float32), np.full((1, 8), 0.03, np.float32))))
+    scales = HandoffScales(
+        np.full(6, 0.1, np.float32),
+        np.full(6, 0.2, np.float32),
+        (
+            (2, np.full((2, 4), 0.05, np.float32), np.full((2, 4), 0.05, np.float32)),
+            (3, np.full((1, 8), 0.03, np.float32), np.full((1, 8), 0.03, np.float32)),
+        ),
+    )
     header = HandoffHeader(SPEC, 0, 3)
     k = [rng.uniform(-3, 3, (3, ly.kv_heads, ly.head_dim)).astype(np.float32) for ly in LAYERS]
     v = [rng.uniform(-3, 3, (3, ly.kv_heads, ly.head_dim)).astype(np.float32) for ly in LAYERS]
@@ -79,13 +94,16 @@ def test_fingerprint_is_deterministic_and_sensitive():
         model_fingerprint({"x": object()}, bytes(16))
 
 
-@pytest.mark.parametrize("change, code", [
-    (dict(hidden_size=8), "layout_mismatch"),
-    (dict(layers=LAYERS[:1]), "layout_mismatch"),
-    (dict(layers=(LAYERS[0], dataclasses.replace(LAYERS[1], kv_heads=2))), "layout_mismatch"),
-    (dict(scales_id=bytes(16)), "scales_mismatch"),
-    (dict(fingerprint=bytes(16)), "fingerprint_mismatch"),
-])
+@pytest.mark.parametrize(
+    "change, code",
+    [
+        (dict(hidden_size=8), "layout_mismatch"),
+        (dict(layers=LAYERS[:1]), "layout_mismatch"),
+        (dict(layers=(LAYERS[0], dataclasses.replace(LAYERS[1], kv_heads=2))), "layout_mismatch"),
+        (dict(scales_id=bytes(16)), "scales_mismatch"),
+        (dict(fingerprint=bytes(16)), "fingerprint_mismatch"),
+    ],
+)
 def test_expect_reports_the_first_difference(change, code):
     other = dataclasses.replace(SPEC, **change)
     with pytest.raises(HandoffSchemaError) as e:
@@ -93,32 +111,35 @@ def test_expect_reports_the_first_difference(change, code):
     assert e.value.code == code
 
 
-@pytest.mark.parametrize("changes, code, text", [
-    ({"header.schema": 2}, "handoff_version", "schema 2"),
-    ({"header.schema": True}, "bad_field_type", "schema"),
-    ({"header.fingerprint": b"short"}, "bad_handoff", "fingerprint"),
-    ({"header.hidden": 0}, "bad_field_value", "hidden"),
-    ({"header.layers": []}, "bad_handoff", "0 layers"),
-    ({"header.layers.0.kind": "local"}, "bad_field_value", "kind"),
-    ({"header.layers.0.window": 0}, "bad_handoff", "window"),
-    ({"header.layers.1.window": 4}, "bad_handoff", "window"),
-    ({"header.layers.1.id": 2}, "bad_handoff", "twice"),
-    ({"header.layers.0.extra": 1}, "unknown_field", "extra"),
-    ({"header.layers.0.kv_heads": KeyError}, "missing_field", "kv_heads"),
-    ({"header.quant.scheme": "fp8"}, "bad_field_value", "scheme"),
-    ({"header.span": [6, 8]}, "bad_handoff", "k of layer 2"),
-    ({"header.span": [5, 9]}, "bad_handoff", "span"),
-    ({"header.span": [8, 8], "header.root": 8}, "bad_handoff", "span"),
-    ({"header.span": [-1, 8]}, "bad_handoff", "span"),
-    ({"header.span": [0, 2000], "header.root": 2000}, "bad_handoff", "over the limit"),
-    ({"bonus": -1}, "bad_field_value", "bonus"),
-    ({"e": b"\x00" * 5}, "bad_handoff", "e must be"),
-    ({"h": "text"}, "bad_field_type", "'h'"),
-    ({"kv": []}, "bad_handoff", "kv has 0"),
-    ({"kv.0": [b"", None, None]}, "bad_handoff", "[k, v|nil]"),
-    ({"kv.1.1": None}, "bad_handoff", "v of layer 3"),
-    ({"extra": 1}, "unknown_field", "extra"),
-])
+@pytest.mark.parametrize(
+    "changes, code, text",
+    [
+        ({"header.schema": 2}, "handoff_version", "schema 2"),
+        ({"header.schema": True}, "bad_field_type", "schema"),
+        ({"header.fingerprint": b"short"}, "bad_handoff", "fingerprint"),
+        ({"header.hidden": 0}, "bad_field_value", "hidden"),
+        ({"header.layers": []}, "bad_handoff", "0 layers"),
+        ({"header.layers.0.kind": "local"}, "bad_field_value", "kind"),
+        ({"header.layers.0.window": 0}, "bad_handoff", "window"),
+        ({"header.layers.1.window": 4}, "bad_handoff", "window"),
+        ({"header.layers.1.id": 2}, "bad_handoff", "twice"),
+        ({"header.layers.0.extra": 1}, "unknown_field", "extra"),
+        ({"header.layers.0.kv_heads": KeyError}, "missing_field", "kv_heads"),
+        ({"header.quant.scheme": "fp8"}, "bad_field_value", "scheme"),
+        ({"header.span": [6, 8]}, "bad_handoff", "k of layer 2"),
+        ({"header.span": [5, 9]}, "bad_handoff", "span"),
+        ({"header.span": [8, 8], "header.root": 8}, "bad_handoff", "span"),
+        ({"header.span": [-1, 8]}, "bad_handoff", "span"),
+        ({"header.span": [0, 2000], "header.root": 2000}, "bad_handoff", "over the limit"),
+        ({"bonus": -1}, "bad_field_value", "bonus"),
+        ({"e": b"\x00" * 5}, "bad_handoff", "e must be"),
+        ({"h": "text"}, "bad_field_type", "'h'"),
+        ({"kv": []}, "bad_handoff", "kv has 0"),
+        ({"kv.0": [b"", None, None]}, "bad_handoff", "[k, v|nil]"),
+        ({"kv.1.1": None}, "bad_handoff", "v of layer 3"),
+        ({"extra": 1}, "unknown_field", "extra"),
+    ],
+)
 def test_every_defect_raises_a_typed_error(changes, code, text):
     with pytest.raises(HandoffSchemaError, match=text) as e:
         decode_handoff(wire(**changes))

@@ -3,9 +3,17 @@
 import pytest
 
 from vllm_hyco.handoff.limits import AIOHTTP_DEFAULT_MAX_MSG
-from vllm_hyco.handoff.sizes import (FIXTURE_VERIFIER_CONFIG, GEMMA4_26B_A4B_CONFIG, handoff_bytes,
-                                     layers_from_hf_config, paper_handoff_bytes, seed_bytes, size_report,
-                                     spec_from_hf_config, tree_frame_bytes)
+from vllm_hyco.handoff.sizes import (
+    FIXTURE_VERIFIER_CONFIG,
+    GEMMA4_26B_A4B_CONFIG,
+    handoff_bytes,
+    layers_from_hf_config,
+    paper_handoff_bytes,
+    seed_bytes,
+    size_report,
+    spec_from_hf_config,
+    tree_frame_bytes,
+)
 
 
 def test_26b_a4b_value_counts_match_the_paper():
@@ -41,10 +49,15 @@ def test_32_node_tree_frame_is_at_most_256_bytes(labels):
 def test_fixture_config_matches_the_fixture_generator_defaults():
     build = pytest.importorskip("vllm_hyco.fixtures.build")
     o = build.FixtureOptions()
-    want = {"hidden_size": o.verifier_hidden, "layer_types": list(o.verifier_layers),
-            "num_key_value_heads": o.verifier_kv_heads, "num_global_key_value_heads": o.verifier_global_kv_heads,
-            "head_dim": o.verifier_head_dim, "global_head_dim": o.verifier_global_head_dim,
-            "sliding_window": o.window}
+    want = {
+        "hidden_size": o.verifier_hidden,
+        "layer_types": list(o.verifier_layers),
+        "num_key_value_heads": o.verifier_kv_heads,
+        "num_global_key_value_heads": o.verifier_global_kv_heads,
+        "head_dim": o.verifier_head_dim,
+        "global_head_dim": o.verifier_global_head_dim,
+        "sliding_window": o.window,
+    }
     assert {k: FIXTURE_VERIFIER_CONFIG[k] for k in want} == want
     hidden, layers = layers_from_hf_config(FIXTURE_VERIFIER_CONFIG)
     assert hidden == 256 and [ly.row_values for ly in layers] == [1024, 1024]

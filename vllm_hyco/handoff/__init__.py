@@ -7,22 +7,70 @@ decode), ``chunks`` (seed chunking and reassembly), ``limits`` (WireLimits, erro
 """
 
 from vllm_hyco.handoff.chunks import HandoffAssembler, plan_handoff, split_handoff
-from vllm_hyco.handoff.client_frames import (ClientCapabilities, HycoOptions, NodeLabel, ResumeRequest,
-                                             StartFrame, TreeFrame)
-from vllm_hyco.handoff.frames import (PROTOCOL_VERSION, decode_client_frame, decode_server_frame,
-                                      encode_frame)
+from vllm_hyco.handoff.client_frames import (
+    ClientCapabilities,
+    HycoOptions,
+    NodeLabel,
+    ResumeRequest,
+    StartFrame,
+    TreeFrame,
+)
+from vllm_hyco.handoff.frames import PROTOCOL_VERSION, decode_client_frame, decode_server_frame, encode_frame
 from vllm_hyco.handoff.limits import DEFAULT_LIMITS, ERROR_CODES, WireLimits
 from vllm_hyco.handoff.quant import HandoffScales, dequantize, load_scales, quantize, save_scales
-from vllm_hyco.handoff.schema import (HANDOFF_SCHEMA_VERSION, HandoffHeader, HandoffPayload, HandoffSpec,
-                                      LayerSpec, decode_handoff, encode_handoff, model_fingerprint)
-from vllm_hyco.handoff.server_frames import (ErrorFrame, FinalFrame, HandoffChunkFrame, HandoffRef,
-                                             VerdictFrame, openai_chunk)
+from vllm_hyco.handoff.schema import (
+    HANDOFF_SCHEMA_VERSION,
+    HandoffHeader,
+    HandoffPayload,
+    HandoffSpec,
+    LayerSpec,
+    decode_handoff,
+    encode_handoff,
+    model_fingerprint,
+)
+from vllm_hyco.handoff.server_frames import (
+    ErrorFrame,
+    FinalFrame,
+    HandoffChunkFrame,
+    HandoffRef,
+    VerdictFrame,
+    openai_chunk,
+)
 
 __all__ = [
-    "ClientCapabilities", "DEFAULT_LIMITS", "ERROR_CODES", "ErrorFrame", "FinalFrame", "HANDOFF_SCHEMA_VERSION",
-    "HandoffAssembler", "HandoffChunkFrame", "HandoffHeader", "HandoffPayload", "HandoffRef", "HandoffScales",
-    "HandoffSpec", "HycoOptions", "LayerSpec", "NodeLabel", "PROTOCOL_VERSION", "ResumeRequest", "StartFrame",
-    "TreeFrame", "VerdictFrame", "WireLimits", "decode_client_frame", "decode_handoff", "decode_server_frame",
-    "dequantize", "encode_frame", "encode_handoff", "load_scales", "model_fingerprint", "openai_chunk",
-    "plan_handoff", "quantize", "save_scales", "split_handoff",
+    "ClientCapabilities",
+    "DEFAULT_LIMITS",
+    "ERROR_CODES",
+    "ErrorFrame",
+    "FinalFrame",
+    "HANDOFF_SCHEMA_VERSION",
+    "HandoffAssembler",
+    "HandoffChunkFrame",
+    "HandoffHeader",
+    "HandoffPayload",
+    "HandoffRef",
+    "HandoffScales",
+    "HandoffSpec",
+    "HycoOptions",
+    "LayerSpec",
+    "NodeLabel",
+    "PROTOCOL_VERSION",
+    "ResumeRequest",
+    "StartFrame",
+    "TreeFrame",
+    "VerdictFrame",
+    "WireLimits",
+    "decode_client_frame",
+    "decode_handoff",
+    "decode_server_frame",
+    "dequantize",
+    "encode_frame",
+    "encode_handoff",
+    "load_scales",
+    "model_fingerprint",
+    "openai_chunk",
+    "plan_handoff",
+    "quantize",
+    "save_scales",
+    "split_handoff",
 ]

@@ -32,10 +32,20 @@ def unpack(data: Any, err: type[HycoError], max_bytes: int, what: str) -> Any:
     try:
         # unpackb bounds every str/bin/array/map length by the buffer's own size (msgpack >= 1.0)
         return msgpack.unpackb(bytes(data), raw=False, use_list=True, strict_map_key=True)
-    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError,
-            RecursionError, UnicodeDecodeError, OverflowError, MemoryError) as e:
-        raise err(f"{what}: not a valid msgpack message ({type(e).__name__}: {e})",
-                  code="bad_msgpack") from None
+    except (
+        ValueError,
+        TypeError,
+        msgpack.ExtraData,
+        msgpack.FormatError,
+        msgpack.StackError,
+        RecursionError,
+        UnicodeDecodeError,
+        OverflowError,
+        MemoryError,
+    ) as e:
+        raise err(
+            f"{what}: not a valid msgpack message ({type(e).__name__}: {e})", code="bad_msgpack"
+        ) from None
     except Exception as e:  # msgpack's C extension may raise other internals on corrupt input
         raise err(f"{what}: not a valid msgpack message ({type(e).__name__})", code="bad_msgpack") from None
 
@@ -56,15 +66,18 @@ class Fields:
                 return default
             raise self.err(f"{self.where}: missing field {key!r}", code="missing_field")
         if not _is_type(value, typ):
-            raise self.err(f"{self.where}: field {key!r} must be {_expect_name(typ)}, got {_type_name(value)}",
-                           code="bad_field_type")
+            raise self.err(
+                f"{self.where}: field {key!r} must be {_expect_name(typ)}, got {_type_name(value)}",
+                code="bad_field_type",
+            )
         return value
 
     def int(self, key: str, lo: int, hi: int, *, optional: bool = False):
         value = self.get(key, int, optional=optional)
         if value is not None and not lo <= value <= hi:
-            raise self.err(f"{self.where}: field {key!r} = {value} is outside [{lo}, {hi}]",
-                           code="bad_field_value")
+            raise self.err(
+                f"{self.where}: field {key!r} = {value} is outside [{lo}, {hi}]", code="bad_field_value"
+            )
         return value
 
     def bin(self, key: str, *, optional: bool = False) -> bytes | None:
@@ -73,15 +86,20 @@ class Fields:
     def choice(self, key: str, allowed: tuple[str, ...], *, optional: bool = False, default: Any = None):
         value = self.get(key, str, optional=optional, default=default)
         if value is not None and value not in allowed:
-            raise self.err(f"{self.where}: field {key!r} = {value!r}; expected one of {list(allowed)}",
-                           code="bad_field_value")
+            raise self.err(
+                f"{self.where}: field {key!r} = {value!r}; expected one of {list(allowed)}",
+                code="bad_field_value",
+            )
         return value
 
     def done(self) -> None:
         extra = [k for k in self.obj if k not in self.seen]
         if extra:
-            raise self.err(f"{self.where}: unknown field(s) {sorted(map(str, extra))}; this protocol version "
-                           f"does not define them", code="unknown_field")
+            raise self.err(
+                f"{self.where}: unknown field(s) {sorted(map(str, extra))}; this protocol version "
+                f"does not define them",
+                code="unknown_field",
+            )
 
 
 def _is_type(value: Any, typ: type | tuple[type, ...]) -> bool:

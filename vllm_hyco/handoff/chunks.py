@@ -33,13 +33,19 @@ def split_handoff(encoded: bytes, round: int, chunk_bytes: int) -> tuple[Handoff
     """Cut an encoded hand-off into chunk frames of ``chunk_bytes`` (the last one shorter)."""
     count = -(-len(encoded) // chunk_bytes)
     ref = HandoffRef(count, len(encoded), chunk_bytes, hashlib.sha256(encoded).digest())
-    frames = [HandoffChunkFrame(round, i, count, encoded[i * chunk_bytes:(i + 1) * chunk_bytes])
-              for i in range(count)]
+    frames = [
+        HandoffChunkFrame(round, i, count, encoded[i * chunk_bytes : (i + 1) * chunk_bytes])
+        for i in range(count)
+    ]
     return ref, frames
 
 
-def plan_handoff(payload: HandoffPayload, round: int, limits: WireLimits = DEFAULT_LIMITS,
-                 client_max_message_bytes: int | None = None):
+def plan_handoff(
+    payload: HandoffPayload,
+    round: int,
+    limits: WireLimits = DEFAULT_LIMITS,
+    client_max_message_bytes: int | None = None,
+):
     """How the server sends one hand-off: ``(inline_payload, ref, chunk_frames)``.
 
     Inline (``(payload, None, [])``) when the encoding fits in one chunk, else ``(None, ref, frames)``.
@@ -60,8 +66,10 @@ class HandoffAssembler:
 
     def __init__(self, round: int, ref: HandoffRef, limits: WireLimits = DEFAULT_LIMITS):
         if ref.total_bytes > limits.max_handoff_bytes:
-            raise _E(f"hand-off of {ref.total_bytes} bytes is over the limit of {limits.max_handoff_bytes}",
-                     code="bad_handoff")
+            raise _E(
+                f"hand-off of {ref.total_bytes} bytes is over the limit of {limits.max_handoff_bytes}",
+                code="bad_handoff",
+            )
         self.round, self.ref, self.limits = round, ref, limits
         self._parts: list[bytes] = []
 
@@ -72,34 +80,50 @@ class HandoffAssembler:
     def add(self, chunk: HandoffChunkFrame) -> bool:
         """Take the next chunk; True once all have arrived. Raises HandoffSchemaError on any defect."""
         if chunk.round != self.round:
-            raise _E(f"hand-off chunk of round {chunk.round} while assembling round {self.round}",
-                     code="chunk_out_of_order")
+            raise _E(
+                f"hand-off chunk of round {chunk.round} while assembling round {self.round}",
+                code="chunk_out_of_order",
+            )
         if chunk.count != self.ref.chunks:
-            raise _E(f"hand-off chunk says {chunk.count} chunks, the verdict announced {self.ref.chunks}",
-                     code="chunk_corrupt")
+            raise _E(
+                f"hand-off chunk says {chunk.count} chunks, the verdict announced {self.ref.chunks}",
+                code="chunk_corrupt",
+            )
         expected = len(self._parts)
         if chunk.index < expected:
-            raise _E(f"hand-off chunk {chunk.index} of round {self.round} arrived twice", code="chunk_duplicate")
+            raise _E(
+                f"hand-off chunk {chunk.index} of round {self.round} arrived twice", code="chunk_duplicate"
+            )
         if chunk.index > expected:
-            raise _E(f"hand-off chunk {chunk.index} of round {self.round} arrived before chunk {expected}",
-                     code="chunk_out_of_order")
+            raise _E(
+                f"hand-off chunk {chunk.index} of round {self.round} arrived before chunk {expected}",
+                code="chunk_out_of_order",
+            )
         last = chunk.index == self.ref.chunks - 1
         want = self.ref.total_bytes - self.ref.chunk_bytes * chunk.index if last else self.ref.chunk_bytes
         if len(chunk.data) != want:
-            raise _E(f"hand-off chunk {chunk.index} has {len(chunk.data)} bytes, expected {want}",
-                     code="chunk_corrupt")
+            raise _E(
+                f"hand-off chunk {chunk.index} has {len(chunk.data)} bytes, expected {want}",
+                code="chunk_corrupt",
+            )
         self._parts.append(chunk.data)
         return self.complete
 
     def data(self) -> bytes:
         """The reassembled encoding; raises chunk_missing if incomplete, chunk_corrupt on a bad digest."""
         if not self.complete:
-            raise _E(f"hand-off of round {self.round}: {len(self._parts)} of {self.ref.chunks} chunks arrived; "
-                     f"chunk {len(self._parts)} is missing (resume with need_seed)", code="chunk_missing")
+            raise _E(
+                f"hand-off of round {self.round}: {len(self._parts)} of {self.ref.chunks} chunks arrived; "
+                f"chunk {len(self._parts)} is missing (resume with need_seed)",
+                code="chunk_missing",
+            )
         data = b"".join(self._parts)
         if hashlib.sha256(data).digest() != self.ref.sha256:
-            raise _E(f"hand-off of round {self.round}: sha256 of the {len(data)} reassembled bytes differs "
-                     f"from the verdict's reference", code="chunk_corrupt")
+            raise _E(
+                f"hand-off of round {self.round}: sha256 of the {len(data)} reassembled bytes differs "
+                f"from the verdict's reference",
+                code="chunk_corrupt",
+            )
         return data
 
     def payload(self, expect: HandoffSpec | None = None) -> HandoffPayload:

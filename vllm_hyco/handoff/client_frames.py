@@ -53,19 +53,28 @@ class ClientCapabilities:
     max_message_bytes: int = AIOHTTP_DEFAULT_MAX_MSG  # its WebSocket receive limit
 
     def to_wire(self) -> dict:
-        return {"max_nodes": self.max_nodes, "labels": self.labels,
-                "handoff_schemas": list(self.handoff_schemas), "max_message_bytes": self.max_message_bytes}
+        return {
+            "max_nodes": self.max_nodes,
+            "labels": self.labels,
+            "handoff_schemas": list(self.handoff_schemas),
+            "max_message_bytes": self.max_message_bytes,
+        }
 
     @classmethod
     def from_wire(cls, obj, limits: WireLimits) -> ClientCapabilities:
         f = Fields(obj, _E, "start.hyco.capabilities")
         schemas = f.get("handoff_schemas", list)
         if not schemas or len(schemas) > 16 or not all(type(s) is int and 1 <= s <= 255 for s in schemas):
-            raise _E("start.hyco.capabilities.handoff_schemas must list 1..16 schema versions (ints 1..255)",
-                     code="bad_hyco")
-        caps = cls(max_nodes=f.int("max_nodes", 1, 254), labels=f.get("labels", bool),
-                   handoff_schemas=tuple(schemas),
-                   max_message_bytes=f.int("max_message_bytes", MIN_CLIENT_MESSAGE_BYTES, 1 << 40))
+            raise _E(
+                "start.hyco.capabilities.handoff_schemas must list 1..16 schema versions (ints 1..255)",
+                code="bad_hyco",
+            )
+        caps = cls(
+            max_nodes=f.int("max_nodes", 1, 254),
+            labels=f.get("labels", bool),
+            handoff_schemas=tuple(schemas),
+            max_message_bytes=f.int("max_message_bytes", MIN_CLIENT_MESSAGE_BYTES, 1 << 40),
+        )
         f.done()
         return caps
 
@@ -84,8 +93,10 @@ class ResumeRequest:
         f = Fields(obj, _E, "start.hyco.resume")
         sid = f.bin("session_id")
         if len(sid) != SESSION_ID_BYTES:
-            raise _E(f"start.hyco.resume.session_id must be {SESSION_ID_BYTES} bytes, got {len(sid)}",
-                     code="bad_hyco")
+            raise _E(
+                f"start.hyco.resume.session_id must be {SESSION_ID_BYTES} bytes, got {len(sid)}",
+                code="bad_hyco",
+            )
         out = cls(sid, f.int("last_round", -1, limits.max_round), f.get("need_seed", bool))
         f.done()
         return out
@@ -122,8 +133,10 @@ class HycoOptions:
         mode = f.choice("mode", MODES)
         eps = f.get("epsilon", float, optional=True)
         if eps is not None and (mode != "epsilon" or not 0.0 < eps < 1.0):
-            raise _E(f"start.hyco.epsilon={eps!r}: allowed only with mode 'epsilon', strictly between 0 and 1",
-                     code="bad_hyco")
+            raise _E(
+                f"start.hyco.epsilon={eps!r}: allowed only with mode 'epsilon', strictly between 0 and 1",
+                code="bad_hyco",
+            )
         caps = ClientCapabilities.from_wire(f.get("capabilities", dict), limits)
         ksh = f.bin("keep_set_hash", optional=True)
         if ksh is not None and not 1 <= len(ksh) <= 64:
@@ -132,8 +145,10 @@ class HycoOptions:
         resume = None if resume_raw is None else ResumeRequest.from_wire(resume_raw, limits)
         fingerprint = f.bin("fingerprint", optional=True)
         if fingerprint is not None and len(fingerprint) != FINGERPRINT_BYTES:
-            raise _E(f"start.hyco.fingerprint must be {FINGERPRINT_BYTES} bytes, got {len(fingerprint)}",
-                     code="bad_hyco")
+            raise _E(
+                f"start.hyco.fingerprint must be {FINGERPRINT_BYTES} bytes, got {len(fingerprint)}",
+                code="bad_hyco",
+            )
         f.done()
         return cls(mode, eps, caps, ksh, resume, fingerprint)
 
@@ -161,8 +176,10 @@ class StartFrame:
         hyco = HycoOptions.from_wire(f.get("hyco", dict), limits)
         f.done()
         if (request is None) == (hyco.resume is None):
-            raise _E("start: send `request` to open a session or `hyco.resume` to resume one (exactly one)",
-                     code="bad_request")
+            raise _E(
+                "start: send `request` to open a session or `hyco.resume` to resume one (exactly one)",
+                code="bad_request",
+            )
         if request is not None:
             _check_openai_body(endpoint, request, limits)
         return cls(endpoint, request, hyco)
@@ -172,21 +189,32 @@ def _check_openai_body(endpoint: str, body: dict, limits: WireLimits) -> None:
     """Structural checks only; vLLM's own request models validate the rest at the endpoint."""
     size = len(pack(body))
     if size > limits.max_prompt_bytes:
-        raise _E(f"start.request is {size} bytes, over the limit of {limits.max_prompt_bytes}; shorten the "
-                 f"prompt", code="request_too_large")
+        raise _E(
+            f"start.request is {size} bytes, over the limit of {limits.max_prompt_bytes}; shorten the prompt",
+            code="request_too_large",
+        )
     if body.get("stream", True) is not True:
-        raise _E("start.request.stream must be true or absent: the WebSocket protocol always streams",
-                 code="bad_request")
+        raise _E(
+            "start.request.stream must be true or absent: the WebSocket protocol always streams",
+            code="bad_request",
+        )
     if endpoint == "chat.completions":
         messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
-            raise _E("start.request.messages must be a non-empty array of maps with a `role` (chat.completions)",
-                     code="bad_request")
+        if (
+            not isinstance(messages, list)
+            or not messages
+            or not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages)
+        ):
+            raise _E(
+                "start.request.messages must be a non-empty array of maps with a `role` (chat.completions)",
+                code="bad_request",
+            )
     else:
         prompt = body.get("prompt")
         if not (isinstance(prompt, str) and prompt) and not (isinstance(prompt, list) and prompt):
-            raise _E("start.request.prompt must be a non-empty string or array (completions)", code="bad_request")
+            raise _E(
+                "start.request.prompt must be a non-empty string or array (completions)", code="bad_request"
+            )
 
 
 @dataclass(frozen=True)
@@ -205,13 +233,26 @@ class TreeFrame:
 
     @classmethod
     def from_lists(cls, round: int, tokens, parents, labels=None) -> TreeFrame:
-        return cls(int(round), tuple(int(t) for t in tokens), tuple(int(p) for p in parents),
-                   None if labels is None else tuple(int(x) for x in labels))
+        return cls(
+            int(round),
+            tuple(int(t) for t in tokens),
+            tuple(int(p) for p in parents),
+            None if labels is None else tuple(int(x) for x in labels),
+        )
+
+    def tree_dict(self) -> dict:
+        """``{"tokens", "parents", "labels"}`` as lists (labels None if absent), the form
+        ``vllm_hyco.spec_decode.tree.TokenTree.from_wire`` validates semantically."""
+        labels = None if self.labels is None else list(self.labels)
+        return {"tokens": list(self.tokens), "parents": list(self.parents), "labels": labels}
 
     def to_wire(self) -> dict:
         parents = [ROOT_PARENT if p < 0 else p for p in self.parents]
-        out = {"round": self.round, "tokens": np.asarray(self.tokens, dtype="<u4").tobytes(),
-               "parents": bytes(parents)}
+        out = {
+            "round": self.round,
+            "tokens": np.asarray(self.tokens, dtype="<u4").tobytes(),
+            "parents": bytes(parents),
+        }
         if self.labels is not None:
             out["labels"] = bytes(self.labels)
         return out
@@ -223,14 +264,18 @@ class TreeFrame:
         labels_raw = f.bin("labels", optional=True)
         f.done()
         if len(tokens_raw) % 4 or not tokens_raw:
-            raise _E(f"tree.tokens must be (n+1) x 4 bytes of uint32 ids, got {len(tokens_raw)} bytes",
-                     code="bad_tokens")
+            raise _E(
+                f"tree.tokens must be (n+1) x 4 bytes of uint32 ids, got {len(tokens_raw)} bytes",
+                code="bad_tokens",
+            )
         n = len(tokens_raw) // 4 - 1
         if n > limits.max_nodes:
             raise _E(f"tree has {n} nodes, over the limit of {limits.max_nodes}", code="too_many_nodes")
         tokens = np.frombuffer(tokens_raw, dtype="<u4")
         if int(tokens.max()) > limits.max_token_id:
-            raise _E(f"tree.tokens holds id {int(tokens.max())}, over {limits.max_token_id}", code="bad_tokens")
+            raise _E(
+                f"tree.tokens holds id {int(tokens.max())}, over {limits.max_token_id}", code="bad_tokens"
+            )
         return cls(rnd, tuple(int(t) for t in tokens), _parents(parents_raw, n), _labels(labels_raw, n))
 
 
@@ -242,8 +287,11 @@ def _parents(raw: bytes, n: int) -> tuple[int, ...]:
     bad = [i for i in range(1, n + 1) if raw[i] >= i]
     if bad:
         i = bad[0]
-        raise _E(f"tree.parents[{i}] = {raw[i]}: a node's parent must be an earlier row (0 <= parent < {i}); "
-                 f"send rows in insertion order", code="bad_parents")
+        raise _E(
+            f"tree.parents[{i}] = {raw[i]}: a node's parent must be an earlier row (0 <= parent < {i}); "
+            f"send rows in insertion order",
+            code="bad_parents",
+        )
     return (-1, *raw[1:])
 
 
@@ -253,6 +301,9 @@ def _labels(raw: bytes | None, n: int) -> tuple[int, ...] | None:
     if len(raw) != n + 1:
         raise _E(f"tree.labels has {len(raw)} bytes for {n + 1} rows", code="bad_labels")
     if raw[0] != NodeLabel.ROOT or any(not NodeLabel.CHAIN <= x <= NodeLabel.OTHER for x in raw[1:]):
-        raise _E(f"tree.labels must be 0 (ROOT) for row 0 and 1..4 (CHAIN, RUNNER_UP, SLM, OTHER) for the "
-                 f"others, got {list(raw)}", code="bad_labels")
+        raise _E(
+            f"tree.labels must be 0 (ROOT) for row 0 and 1..4 (CHAIN, RUNNER_UP, SLM, OTHER) for the "
+            f"others, got {list(raw)}",
+            code="bad_labels",
+        )
     return tuple(raw)

@@ -49,8 +49,9 @@ def decode_client_frame(data, limits: WireLimits = DEFAULT_LIMITS) -> ClientFram
     return CLIENT_FRAMES[ftype].from_wire(f, limits)
 
 
-def decode_server_frame(data, limits: WireLimits = DEFAULT_LIMITS,
-                        expect: HandoffSpec | None = None) -> ServerFrame:
+def decode_server_frame(
+    data, limits: WireLimits = DEFAULT_LIMITS, expect: HandoffSpec | None = None
+) -> ServerFrame:
     """What the phone calls on each message from the server; ``expect`` checks inline hand-offs."""
     f, ftype = _envelope(data, limits.max_server_frame_bytes, SERVER_FRAMES, "server -> phone")
     if ftype == VerdictFrame.TYPE:
@@ -64,10 +65,14 @@ def _envelope(data, max_bytes: int, allowed: dict, direction: str) -> tuple[Fiel
     ftype = f.get("type", str)
     version = f.get("v", int)
     if version not in SUPPORTED_PROTOCOL_VERSIONS:
-        raise FrameError(f"protocol version {version} is not supported (supported: "
-                         f"{list(SUPPORTED_PROTOCOL_VERSIONS)})", code="unsupported_version")
+        raise FrameError(
+            f"protocol version {version} is not supported (supported: {list(SUPPORTED_PROTOCOL_VERSIONS)})",
+            code="unsupported_version",
+        )
     if ftype not in allowed:
-        raise FrameError(f"{direction} frame type {ftype[:64]!r} is unknown; expected one of {sorted(allowed)}",
-                         code="unknown_type")
+        raise FrameError(
+            f"{direction} frame type {ftype[:64]!r} is unknown; expected one of {sorted(allowed)}",
+            code="unknown_type",
+        )
     f.where = f"{ftype} frame"
     return f, ftype

@@ -19,8 +19,13 @@ from pathlib import Path
 import numpy as np
 
 from vllm_hyco.handoff.chunks import split_handoff
-from vllm_hyco.handoff.client_frames import (ClientCapabilities, HycoOptions, ResumeRequest, StartFrame,
-                                             TreeFrame)
+from vllm_hyco.handoff.client_frames import (
+    ClientCapabilities,
+    HycoOptions,
+    ResumeRequest,
+    StartFrame,
+    TreeFrame,
+)
 from vllm_hyco.handoff.frames import PROTOCOL_VERSION, encode_frame
 from vllm_hyco.handoff.quant import HandoffScales, save_scales
 from vllm_hyco.handoff.schema import HANDOFF_SCHEMA_VERSION, HandoffPayload, HandoffSpec, encode_handoff
@@ -40,12 +45,21 @@ def golden_scales() -> HandoffScales:
 
     def pat(shape, salt):
         n = int(np.prod(shape))
-        return np.ldexp(np.float32(1.0), ((np.arange(n) * 7 + salt) % 5 - 9)).astype(np.float32).reshape(shape)
+        return (
+            np.ldexp(np.float32(1.0), ((np.arange(n) * 7 + salt) % 5 - 9)).astype(np.float32).reshape(shape)
+        )
 
-    per_layer = tuple((ly.layer_id, pat((ly.kv_heads, ly.head_dim), 3 + i),
-                       pat((ly.kv_heads, ly.head_dim), 4 + i) if ly.has_v else None)
-                      for i, ly in enumerate(layers))
-    return HandoffScales(e=pat((hidden,), 1), h=pat((hidden,), 2), layers=per_layer, model="hyco-tiny-verifier")
+    per_layer = tuple(
+        (
+            ly.layer_id,
+            pat((ly.kv_heads, ly.head_dim), 3 + i),
+            pat((ly.kv_heads, ly.head_dim), 4 + i) if ly.has_v else None,
+        )
+        for i, ly in enumerate(layers)
+    )
+    return HandoffScales(
+        e=pat((hidden,), 1), h=pat((hidden,), 2), layers=per_layer, model="hyco-tiny-verifier"
+    )
 
 
 def golden_spec(scales: HandoffScales | None = None) -> HandoffSpec:
@@ -66,36 +80,56 @@ def golden_files() -> dict[str, tuple[str, bytes]]:
     """name -> (kind, bytes). kinds: scales, handoff, client_frame, server_frame."""
     spec = golden_spec()
     fp = spec.fingerprint
-    chat = {"model": "hyco-tiny", "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 16,
-            "temperature": 0.0, "stream": True}
+    chat = {
+        "model": "hyco-tiny",
+        "messages": [{"role": "user", "content": "Say hi."}],
+        "max_tokens": 16,
+        "temperature": 0.0,
+        "stream": True,
+    }
     caps = ClientCapabilities(max_nodes=32, labels=True, handoff_schemas=(HANDOFF_SCHEMA_VERSION,))
     round_handoff = HandoffPayload.make_dummy(spec, 40, 43, bonus_token=77, salt=5)
     seed = HandoffPayload.make_dummy(spec, 0, SEED_POSITIONS, bonus_token=55, salt=9)
     seed_ref, seed_chunks = split_handoff(encode_handoff(seed), 0, SEED_CHUNK_BYTES)
     chat_chunk = lambda text, reason=None, role=None: openai_chunk(  # noqa: E731
-        "chat.completion.chunk", "chatcmpl-golden", "hyco-tiny", text, reason, created=CREATED, role=role)
+        "chat.completion.chunk", "chatcmpl-golden", "hyco-tiny", text, reason, created=CREATED, role=role
+    )
     frames = {
-        "start_chat": StartFrame("chat.completions", chat, HycoOptions("exact", None, caps, KEEP_SET_HASH, fingerprint=fp)),
+        "start_chat": StartFrame(
+            "chat.completions", chat, HycoOptions("exact", None, caps, KEEP_SET_HASH, fingerprint=fp)
+        ),
         "start_completions": StartFrame(
-            "completions", {"model": "hyco-tiny", "prompt": "In the beginning", "max_tokens": 8},
-            HycoOptions("epsilon", 0.001, ClientCapabilities(labels=False), None)),
-        "start_resume": StartFrame("chat.completions", None, HycoOptions(
-            "exact", None, caps, KEEP_SET_HASH, ResumeRequest(SESSION_ID, 2, need_seed=True), fp)),
+            "completions",
+            {"model": "hyco-tiny", "prompt": "In the beginning", "max_tokens": 8},
+            HycoOptions("epsilon", 0.001, ClientCapabilities(labels=False), None),
+        ),
+        "start_resume": StartFrame(
+            "chat.completions",
+            None,
+            HycoOptions("exact", None, caps, KEEP_SET_HASH, ResumeRequest(SESSION_ID, 2, need_seed=True), fp),
+        ),
         "tree_32": _tree32(),
         "tree_root_only": TreeFrame.from_lists(0, [2], [-1]),
     }
     server = {
-        "verdict_seed": VerdictFrame(SESSION_ID, 0, (), (55,), 55, None, seed_ref, 32,
-                                     chat_chunk("Hi", role="assistant")),
-        "verdict_round": VerdictFrame(SESSION_ID, 3, (1, 2), (1017, 1034, 77), 77, round_handoff, None, 24,
-                                      chat_chunk(" re")),
+        "verdict_seed": VerdictFrame(
+            SESSION_ID, 0, (), (55,), 55, None, seed_ref, 32, chat_chunk("Hi", role="assistant")
+        ),
+        "verdict_round": VerdictFrame(
+            SESSION_ID, 3, (1, 2), (1017, 1034, 77), 77, round_handoff, None, 24, chat_chunk(" re")
+        ),
         "verdict_final": VerdictFrame(SESSION_ID, 4, (1,), (1,), None, None, None, 0, chat_chunk("", "stop")),
         **{f"handoff_chunk_{c.index}": c for c in seed_chunks},
-        "error": ErrorFrame("bad_parents", "tree.parents[5] = 7: a node's parent must be an earlier row", False, 3),
+        "error": ErrorFrame(
+            "bad_parents", "tree.parents[5] = 7: a node's parent must be an earlier row", False, 3
+        ),
         "final": FinalFrame(SESSION_ID, 9, 8, 5, 1.6, 1234, 56789),
     }
-    out = {"scales_fixture.npz": ("scales", b""), "handoff_round.msgpack": ("handoff", encode_handoff(round_handoff)),
-           "handoff_seed.msgpack": ("handoff", encode_handoff(seed))}
+    out = {
+        "scales_fixture.npz": ("scales", b""),
+        "handoff_round.msgpack": ("handoff", encode_handoff(round_handoff)),
+        "handoff_seed.msgpack": ("handoff", encode_handoff(seed)),
+    }
     out.update({f"frame_{k}.msgpack": ("client_frame", encode_frame(v)) for k, v in frames.items()})
     out.update({f"frame_{k}.msgpack": ("server_frame", encode_frame(v)) for k, v in server.items()})
     return out
@@ -116,10 +150,14 @@ def write_golden(out_dir: str | Path) -> dict:
     spec = golden_spec()
     manifest = {
         "generator": "python -m vllm_hyco.handoff.golden DIR",
-        "protocol_version": PROTOCOL_VERSION, "handoff_schema": HANDOFF_SCHEMA_VERSION,
-        "fingerprint": spec.fingerprint.hex(), "scales_id": spec.scales_id.hex(),
-        "session_id": SESSION_ID.hex(), "seed_chunk_bytes": SEED_CHUNK_BYTES,
-        "verifier_config": FIXTURE_VERIFIER_CONFIG, "files": entries,
+        "protocol_version": PROTOCOL_VERSION,
+        "handoff_schema": HANDOFF_SCHEMA_VERSION,
+        "fingerprint": spec.fingerprint.hex(),
+        "scales_id": spec.scales_id.hex(),
+        "session_id": SESSION_ID.hex(),
+        "seed_chunk_bytes": SEED_CHUNK_BYTES,
+        "verifier_config": FIXTURE_VERIFIER_CONFIG,
+        "files": entries,
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     return manifest
@@ -130,12 +168,17 @@ def check_golden(golden_dir: str | Path, scratch: str | Path) -> list[str]:
     write_golden(scratch)
     a, b = Path(golden_dir), Path(scratch)
     names = sorted({p.name for p in a.iterdir()} | {p.name for p in b.iterdir()})
-    return [n for n in names if not (a / n).is_file() or not (b / n).is_file()
-            or (a / n).read_bytes() != (b / n).read_bytes()]
+    return [
+        n
+        for n in names
+        if not (a / n).is_file() or not (b / n).is_file() or (a / n).read_bytes() != (b / n).read_bytes()
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("dir", help="golden directory, e.g. tests/golden")
     parser.add_argument("--check", action="store_true", help="compare instead of writing; exit 1 on drift")
     args = parser.parse_args(argv)
@@ -145,8 +188,11 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             drift = check_golden(args.dir, tmp)
         if drift:
-            print(f"golden files differ from the generator: {drift}\nregenerate with: "
-                  f"python -m vllm_hyco.handoff.golden {args.dir}", file=sys.stderr)
+            print(
+                f"golden files differ from the generator: {drift}\nregenerate with: "
+                f"python -m vllm_hyco.handoff.golden {args.dir}",
+                file=sys.stderr,
+            )
             return 1
         print(f"{args.dir}: golden files match the generator")
         return 0

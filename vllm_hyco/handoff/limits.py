@@ -38,12 +38,16 @@ class WireLimits:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"WireLimits.{f.name} must be a positive int, got {value!r}")
         if self.max_nodes > 254:
-            raise ConfigError(f"WireLimits.max_nodes={self.max_nodes}: parents travel as uint8 with 0xFF for "
-                              f"the root, so at most 254 nodes fit; lower it")
+            raise ConfigError(
+                f"WireLimits.max_nodes={self.max_nodes}: parents travel as uint8 with 0xFF for "
+                f"the root, so at most 254 nodes fit; lower it"
+            )
         if self.chunk_bytes + 1024 > self.max_server_frame_bytes:
-            raise ConfigError(f"WireLimits.chunk_bytes={self.chunk_bytes} leaves no room for the chunk frame's "
-                              f"own fields under max_server_frame_bytes={self.max_server_frame_bytes}; "
-                              f"use at most max_server_frame_bytes - 1024")
+            raise ConfigError(
+                f"WireLimits.chunk_bytes={self.chunk_bytes} leaves no room for the chunk frame's "
+                f"own fields under max_server_frame_bytes={self.max_server_frame_bytes}; "
+                f"use at most max_server_frame_bytes - 1024"
+            )
 
 
 DEFAULT_LIMITS = WireLimits()
@@ -72,7 +76,10 @@ ERROR_CODES: dict[str, tuple[bool, str]] = {
     # hand-off (raised by vllm_hyco.handoff.schema / chunks / quant)
     "bad_handoff": (True, "a malformed hand-off"),
     "handoff_version": (True, "the hand-off schema version is not one this side decodes"),
-    "fingerprint_mismatch": (True, "server and phone run different models or scales; update the model bundle"),
+    "fingerprint_mismatch": (
+        True,
+        "server and phone run different models or scales; update the model bundle",
+    ),
     "layout_mismatch": (True, "the hand-off's layer layout differs from the phone's model"),
     "scales_mismatch": (True, "the hand-off was quantized with other scales than the phone ships"),
     "bad_scales": (True, "a scales file or scale array is malformed"),

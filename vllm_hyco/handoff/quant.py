@@ -62,7 +62,7 @@ def quantize(x: np.ndarray, scale: np.ndarray) -> np.ndarray:
     """
     x32 = np.asarray(x, dtype=np.float32)
     s32 = np.asarray(scale, dtype=np.float32)
-    if x32.shape[x32.ndim - s32.ndim:] != s32.shape:
+    if x32.shape[x32.ndim - s32.ndim :] != s32.shape:
         raise HandoffSchemaError(
             f"quantize: value shape {x32.shape} does not end with the scale shape {s32.shape}",
             code="bad_scales",
@@ -85,7 +85,7 @@ def absmax_scales(samples: np.ndarray, channel_ndim: int, percentile: float = 10
     Shape: samples [..., *channels] -> [*channels] float32. Channels that were always 0 get scale 1.
     """
     x = np.abs(np.asarray(samples, dtype=np.float32))
-    chan = x.shape[x.ndim - channel_ndim:]
+    chan = x.shape[x.ndim - channel_ndim :]
     flat = x.reshape(-1, *chan)  # [num_samples, *channels]
     amax = np.percentile(flat, percentile, axis=0) if percentile < 100.0 else flat.max(axis=0)
     scale = (amax / np.float32(QMAX)).astype(np.float32)
@@ -116,11 +116,13 @@ class HandoffScales:
             if not isinstance(arr, np.ndarray) or arr.dtype != np.float32:
                 raise HandoffSchemaError(f"scale {name!r} must be a float32 numpy array", code="bad_scales")
             if not np.all(np.isfinite(arr)) or not np.all(arr > 0):
-                raise HandoffSchemaError(f"scale {name!r} must be finite and > 0 everywhere",
-                                         code="bad_scales")
+                raise HandoffSchemaError(
+                    f"scale {name!r} must be finite and > 0 everywhere", code="bad_scales"
+                )
         if self.e.ndim != 1 or self.e.shape != self.h.shape:
-            raise HandoffSchemaError(f"scales e {self.e.shape} and h {self.h.shape} must both be [hidden]",
-                                     code="bad_scales")
+            raise HandoffSchemaError(
+                f"scales e {self.e.shape} and h {self.h.shape} must both be [hidden]", code="bad_scales"
+            )
 
     def layer(self, layer_id: int) -> tuple[np.ndarray, np.ndarray | None]:
         for lid, k, v in self.layers:
@@ -192,7 +194,9 @@ def load_scales(path: str | Path) -> HandoffScales:
     if meta.get("format") != SCALES_FORMAT or meta.get("version") != SCALES_FORMAT_VERSION:
         raise HandoffSchemaError(
             f"{path} is not a {SCALES_FORMAT} v{SCALES_FORMAT_VERSION} file (meta {meta.get('format')!r} "
-            f"v{meta.get('version')!r})", code="bad_scales")
+            f"v{meta.get('version')!r})",
+            code="bad_scales",
+        )
     try:
         layers = tuple(
             (int(ly["id"]), arrays[f"k.{ly['id']}"], arrays[f"v.{ly['id']}"] if ly["v"] is not None else None)
@@ -204,5 +208,7 @@ def load_scales(path: str | Path) -> HandoffScales:
     if scales.scales_id.hex() != meta.get("scales_id"):
         raise HandoffSchemaError(
             f"scales file {path}: stored scales_id {meta.get('scales_id')} != recomputed "
-            f"{scales.scales_id.hex()} (the file was edited or is corrupt)", code="bad_scales")
+            f"{scales.scales_id.hex()} (the file was edited or is corrupt)",
+            code="bad_scales",
+        )
     return scales

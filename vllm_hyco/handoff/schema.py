@@ -69,8 +69,15 @@ class LayerSpec:
         return self.kv_heads * self.head_dim * (2 if self.has_v else 1)
 
     def to_wire(self) -> dict:
-        return {"id": self.layer_id, "kind": self.kind, "kv_heads": self.kv_heads, "head_dim": self.head_dim,
-                "window": self.window, "k_eq_v": self.k_eq_v, "has_v": self.has_v}
+        return {
+            "id": self.layer_id,
+            "kind": self.kind,
+            "kv_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "window": self.window,
+            "k_eq_v": self.k_eq_v,
+            "has_v": self.has_v,
+        }
 
 
 @dataclass(frozen=True)
@@ -95,29 +102,45 @@ class HandoffSpec:
     def check_matches(self, expected: HandoffSpec) -> None:
         """Raise HandoffSchemaError naming the first difference between this (received) and ``expected``."""
         if self.hidden_size != expected.hidden_size or len(self.layers) != len(expected.layers):
-            raise _E(f"hand-off layout: hidden {self.hidden_size} with {len(self.layers)} layers, this side "
-                     f"expects hidden {expected.hidden_size} with {len(expected.layers)} layers; the phone and "
-                     f"server run different models", code="layout_mismatch")
+            raise _E(
+                f"hand-off layout: hidden {self.hidden_size} with {len(self.layers)} layers, this side "
+                f"expects hidden {expected.hidden_size} with {len(expected.layers)} layers; the phone and "
+                f"server run different models",
+                code="layout_mismatch",
+            )
         for got, want in zip(self.layers, expected.layers):
             if got != want:
-                raise _E(f"hand-off layer {got} differs from this side's {want}; the phone and server run "
-                         f"different models", code="layout_mismatch")
+                raise _E(
+                    f"hand-off layer {got} differs from this side's {want}; the phone and server run "
+                    f"different models",
+                    code="layout_mismatch",
+                )
         if self.scheme != expected.scheme or self.scales_id != expected.scales_id:
-            raise _E(f"hand-off quantized as {self.scheme} with scales {self.scales_id.hex()}, this side ships "
-                     f"{expected.scheme} with scales {expected.scales_id.hex()}; update the model bundle",
-                     code="scales_mismatch")
+            raise _E(
+                f"hand-off quantized as {self.scheme} with scales {self.scales_id.hex()}, this side ships "
+                f"{expected.scheme} with scales {expected.scales_id.hex()}; update the model bundle",
+                code="scales_mismatch",
+            )
         if self.fingerprint != expected.fingerprint:
-            raise _E(f"hand-off model fingerprint {self.fingerprint.hex()} != this side's "
-                     f"{expected.fingerprint.hex()}: same layout and scales but another verifier config; "
-                     f"update the model bundle", code="fingerprint_mismatch")
+            raise _E(
+                f"hand-off model fingerprint {self.fingerprint.hex()} != this side's "
+                f"{expected.fingerprint.hex()}: same layout and scales but another verifier config; "
+                f"update the model bundle",
+                code="fingerprint_mismatch",
+            )
 
     @classmethod
-    def from_scales(cls, verifier_config: dict, layers: tuple[LayerSpec, ...],
-                    scales: HandoffScales) -> HandoffSpec:
+    def from_scales(
+        cls, verifier_config: dict, layers: tuple[LayerSpec, ...], scales: HandoffScales
+    ) -> HandoffSpec:
         """The spec of a model: its fingerprint ties the verifier config to the scales it ships."""
         sid = scales.scales_id
-        return cls(fingerprint=model_fingerprint(verifier_config, sid), hidden_size=int(scales.e.shape[0]),
-                   layers=tuple(layers), scales_id=sid)
+        return cls(
+            fingerprint=model_fingerprint(verifier_config, sid),
+            hidden_size=int(scales.e.shape[0]),
+            layers=tuple(layers),
+            scales_id=sid,
+        )
 
 
 @dataclass(frozen=True)
@@ -149,14 +172,18 @@ class HandoffPayload:
         if not isinstance(other, HandoffPayload):
             return NotImplemented
         arrays = lambda p: [p.e_bonus, p.h, *p.k, *p.v]  # noqa: E731
-        return (self.header == other.header and self.bonus_token == other.bonus_token
-                and all(_same(a, b) for a, b in zip(arrays(self), arrays(other))))
+        return (
+            self.header == other.header
+            and self.bonus_token == other.bonus_token
+            and all(_same(a, b) for a, b in zip(arrays(self), arrays(other)))
+        )
 
     __hash__ = None
 
     @classmethod
-    def quantized(cls, header: HandoffHeader, scales: HandoffScales, bonus_token: int, e_bonus, h,
-                  k: list, v: list) -> HandoffPayload:
+    def quantized(
+        cls, header: HandoffHeader, scales: HandoffScales, bonus_token: int, e_bonus, h, k: list, v: list
+    ) -> HandoffPayload:
         """Quantize float rows with the model's fixed scales (the numpy twin of the server's quantizer).
 
         Shape: e_bonus, h [hidden]; k[i], v[i] [positions, kv_heads, head_dim] (v[i] None if not has_v).
@@ -166,12 +193,14 @@ class HandoffPayload:
             k_scale, v_scale = scales.layer(layer.layer_id)
             qk.append(quantize(ki, k_scale))
             qv.append(None if vi is None else quantize(vi, v_scale))
-        return cls(header, int(bonus_token), quantize(e_bonus, scales.e), quantize(h, scales.h),
-                   tuple(qk), tuple(qv))
+        return cls(
+            header, int(bonus_token), quantize(e_bonus, scales.e), quantize(h, scales.h), tuple(qk), tuple(qv)
+        )
 
     @classmethod
-    def make_dummy(cls, spec: HandoffSpec, span_start: int, root_position: int, bonus_token: int = 0,
-                   salt: int = 0) -> HandoffPayload:
+    def make_dummy(
+        cls, spec: HandoffSpec, span_start: int, root_position: int, bonus_token: int = 0, salt: int = 0
+    ) -> HandoffPayload:
         """A payload with deterministic int8 patterns (no RNG, so golden files never drift)."""
         header = HandoffHeader(spec, span_start, root_position)
         n, hid = header.num_positions, spec.hidden_size
@@ -180,8 +209,9 @@ class HandoffPayload:
             shape = (n, layer.kv_heads, layer.head_dim)
             ks.append(_pattern(shape, salt + 3 + 2 * i))
             vs.append(_pattern(shape, salt + 4 + 2 * i) if layer.has_v else None)
-        return cls(header, bonus_token, _pattern((hid,), salt + 1), _pattern((hid,), salt + 2),
-                   tuple(ks), tuple(vs))
+        return cls(
+            header, bonus_token, _pattern((hid,), salt + 1), _pattern((hid,), salt + 2), tuple(ks), tuple(vs)
+        )
 
 
 def _pattern(shape: tuple[int, ...], salt: int) -> np.ndarray:
@@ -198,8 +228,9 @@ def _same(a: np.ndarray | None, b: np.ndarray | None) -> bool:
 
 def canonical_json(obj) -> bytes:
     try:
-        return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
-                          allow_nan=False).encode()
+        return json.dumps(
+            obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
+        ).encode()
     except (TypeError, ValueError) as e:
         raise ConfigError(f"the verifier config must be plain JSON data to fingerprint it: {e}") from e
 
@@ -214,10 +245,15 @@ def model_fingerprint(verifier_config: dict, scales_id: bytes) -> bytes:
 
 def handoff_to_wire(p: HandoffPayload) -> dict:
     hd, spec = p.header, p.header.spec
-    header = {"schema": hd.schema_version, "fingerprint": spec.fingerprint, "hidden": spec.hidden_size,
-              "layers": [layer.to_wire() for layer in spec.layers],
-              "quant": {"scheme": spec.scheme, "scales_id": spec.scales_id},
-              "span": [hd.span_start, hd.root_position], "root": hd.root_position}
+    header = {
+        "schema": hd.schema_version,
+        "fingerprint": spec.fingerprint,
+        "hidden": spec.hidden_size,
+        "layers": [layer.to_wire() for layer in spec.layers],
+        "quant": {"scheme": spec.scheme, "scales_id": spec.scales_id},
+        "span": [hd.span_start, hd.root_position],
+        "root": hd.root_position,
+    }
     kv = [[_bytes(k), None if v is None else _bytes(v)] for k, v in zip(p.k, p.v)]
     return {"header": header, "bonus": p.bonus_token, "e": _bytes(p.e_bonus), "h": _bytes(p.h), "kv": kv}
 
@@ -231,8 +267,9 @@ def encode_handoff(p: HandoffPayload) -> bytes:
     return pack(handoff_to_wire(p))
 
 
-def decode_handoff(data, *, expect: HandoffSpec | None = None,
-                   limits: WireLimits = DEFAULT_LIMITS) -> HandoffPayload:
+def decode_handoff(
+    data, *, expect: HandoffSpec | None = None, limits: WireLimits = DEFAULT_LIMITS
+) -> HandoffPayload:
     """bytes (or an already-unpacked map) -> HandoffPayload, validating everything.
 
     ``expect``: this side's spec; any difference raises HandoffSchemaError (layout_mismatch,
@@ -250,7 +287,9 @@ def decode_handoff(data, *, expect: HandoffSpec | None = None,
     kv = top.get("kv", list)
     top.done()
     if len(kv) != len(spec.layers):
-        raise _E(f"hand-off: kv has {len(kv)} entries for {len(spec.layers)} header layers", code="bad_handoff")
+        raise _E(
+            f"hand-off: kv has {len(kv)} entries for {len(spec.layers)} header layers", code="bad_handoff"
+        )
     ks, vs = [], []
     for layer, pair in zip(spec.layers, kv):
         if not isinstance(pair, list) or len(pair) != 2:
@@ -260,7 +299,9 @@ def decode_handoff(data, *, expect: HandoffSpec | None = None,
         if layer.has_v:
             vs.append(_int8(pair[1], shape, f"v of layer {layer.layer_id}"))
         elif pair[1] is not None:
-            raise _E(f"hand-off: layer {layer.layer_id} has has_v=false but carries V rows", code="bad_handoff")
+            raise _E(
+                f"hand-off: layer {layer.layer_id} has has_v=false but carries V rows", code="bad_handoff"
+            )
         else:
             vs.append(None)
     return HandoffPayload(header, bonus, e, h, tuple(ks), tuple(vs))
@@ -270,8 +311,9 @@ def _int8(raw, shape: tuple[int, ...], what: str) -> np.ndarray:
     want = int(np.prod(shape, dtype=np.int64))
     if not isinstance(raw, bytes) or len(raw) != want:
         got = f"{len(raw)} bytes" if isinstance(raw, bytes) else type(raw).__name__
-        raise _E(f"hand-off: {what} must be bin of {want} int8 values {list(shape)}, got {got}",
-                 code="bad_handoff")
+        raise _E(
+            f"hand-off: {what} must be bin of {want} int8 values {list(shape)}, got {got}", code="bad_handoff"
+        )
     return np.frombuffer(raw, dtype=np.int8).reshape(shape)
 
 
@@ -279,14 +321,18 @@ def _header_from_wire(obj: dict, limits: WireLimits) -> HandoffHeader:
     f = Fields(obj, _E, "hand-off header")
     version = f.get("schema", int)
     if version not in SUPPORTED_HANDOFF_SCHEMAS:
-        raise _E(f"hand-off schema {version} is not supported here (supported: "
-                 f"{list(SUPPORTED_HANDOFF_SCHEMAS)}); upgrade the older side", code="handoff_version")
+        raise _E(
+            f"hand-off schema {version} is not supported here (supported: "
+            f"{list(SUPPORTED_HANDOFF_SCHEMAS)}); upgrade the older side",
+            code="handoff_version",
+        )
     fingerprint = _bin16(f.bin("fingerprint"), "fingerprint")
     hidden = f.int("hidden", 1, limits.max_hidden_size)
     layers_raw = f.get("layers", list)
     if not 1 <= len(layers_raw) <= limits.max_layers:
-        raise _E(f"hand-off header: {len(layers_raw)} layers; expected 1..{limits.max_layers}",
-                 code="bad_handoff")
+        raise _E(
+            f"hand-off header: {len(layers_raw)} layers; expected 1..{limits.max_layers}", code="bad_handoff"
+        )
     layers = tuple(_layer_from_wire(x, i, limits) for i, x in enumerate(layers_raw))
     if len({layer.layer_id for layer in layers}) != len(layers):
         raise _E("hand-off header: a layer id is listed twice", code="bad_handoff")
@@ -298,32 +344,49 @@ def _header_from_wire(obj: dict, limits: WireLimits) -> HandoffHeader:
     root = f.int("root", 1, MAX_POSITION)
     f.done()
     if len(span) != 2 or not all(type(x) is int for x in span) or span[1] != root or not 0 <= span[0] < root:
-        raise _E(f"hand-off header: span {span} must be [a, root] with 0 <= a < root = {root}",
-                 code="bad_handoff")
+        raise _E(
+            f"hand-off header: span {span} must be [a, root] with 0 <= a < root = {root}", code="bad_handoff"
+        )
     if root - span[0] > limits.max_handoff_positions:
-        raise _E(f"hand-off header: span {span} has {root - span[0]} positions, over the limit of "
-                 f"{limits.max_handoff_positions}", code="bad_handoff")
+        raise _E(
+            f"hand-off header: span {span} has {root - span[0]} positions, over the limit of "
+            f"{limits.max_handoff_positions}",
+            code="bad_handoff",
+        )
     spec = HandoffSpec(fingerprint, hidden, layers, scales_id, scheme)
     return HandoffHeader(spec, span[0], root, version)
 
 
 def _bin16(raw: bytes, what: str) -> bytes:
     if len(raw) != FINGERPRINT_BYTES:
-        raise _E(f"hand-off header: {what} must be {FINGERPRINT_BYTES} bytes, got {len(raw)}", code="bad_handoff")
+        raise _E(
+            f"hand-off header: {what} must be {FINGERPRINT_BYTES} bytes, got {len(raw)}", code="bad_handoff"
+        )
     return raw
 
 
 def _layer_from_wire(obj, index: int, limits: WireLimits) -> LayerSpec:
     f = Fields(obj, _E, f"hand-off header layer {index}")
     layer = LayerSpec(
-        layer_id=f.int("id", 0, 1 << 16), kind=f.choice("kind", LAYER_KINDS),
-        kv_heads=f.int("kv_heads", 1, limits.max_kv_channels), head_dim=f.int("head_dim", 1, limits.max_kv_channels),
-        window=f.int("window", 0, 1 << 30), k_eq_v=f.get("k_eq_v", bool), has_v=f.get("has_v", bool))
+        layer_id=f.int("id", 0, 1 << 16),
+        kind=f.choice("kind", LAYER_KINDS),
+        kv_heads=f.int("kv_heads", 1, limits.max_kv_channels),
+        head_dim=f.int("head_dim", 1, limits.max_kv_channels),
+        window=f.int("window", 0, 1 << 30),
+        k_eq_v=f.get("k_eq_v", bool),
+        has_v=f.get("has_v", bool),
+    )
     f.done()
     if layer.kv_heads * layer.head_dim > limits.max_kv_channels:
-        raise _E(f"hand-off header layer {index}: kv_heads x head_dim = {layer.kv_heads * layer.head_dim} is over "
-                 f"{limits.max_kv_channels}", code="bad_handoff")
+        raise _E(
+            f"hand-off header layer {index}: kv_heads x head_dim = {layer.kv_heads * layer.head_dim} is over "
+            f"{limits.max_kv_channels}",
+            code="bad_handoff",
+        )
     if (layer.kind == "full") != (layer.window == 0):
-        raise _E(f"hand-off header layer {index}: a {layer.kind} layer must have window "
-                 f"{'0' if layer.kind == 'full' else '> 0'}, got {layer.window}", code="bad_handoff")
+        raise _E(
+            f"hand-off header layer {index}: a {layer.kind} layer must have window "
+            f"{'0' if layer.kind == 'full' else '> 0'}, got {layer.window}",
+            code="bad_handoff",
+        )
     return layer

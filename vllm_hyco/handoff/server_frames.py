@@ -26,8 +26,16 @@ CHUNK_OBJECTS = ("chat.completion.chunk", "text_completion")
 _E = FrameError
 
 
-def openai_chunk(kind: str, completion_id: str, model: str, text: str, finish_reason: str | None = None,
-                 *, created: int | None = None, role: str | None = None) -> dict:
+def openai_chunk(
+    kind: str,
+    completion_id: str,
+    model: str,
+    text: str,
+    finish_reason: str | None = None,
+    *,
+    created: int | None = None,
+    role: str | None = None,
+) -> dict:
     """An OpenAI streaming chunk: ``chat.completion.chunk`` (choices[0].delta) or ``text_completion``.
 
     >>> openai_chunk("text_completion", "cmpl-1", "m", "Hi", created=0)["choices"]
@@ -54,7 +62,9 @@ def chunk_finish_reason(chunk: dict, limits: WireLimits) -> str | None:
     f.int("created", 0, 1 << 62)
     choices = f.get("choices", list)
     if len(choices) != 1:
-        raise _E(f"verdict.chunk.choices must hold exactly one choice, got {len(choices)}", code="bad_field_value")
+        raise _E(
+            f"verdict.chunk.choices must hold exactly one choice, got {len(choices)}", code="bad_field_value"
+        )
     c = Fields(choices[0], _E, "verdict.chunk.choices[0]")
     c.int("index", 0, 0)
     reason = c.get("finish_reason", str, optional=True)
@@ -77,20 +87,31 @@ class HandoffRef:
     sha256: bytes  # of the encoded hand-off
 
     def to_wire(self) -> dict:
-        return {"chunks": self.chunks, "bytes": self.total_bytes, "chunk_bytes": self.chunk_bytes,
-                "sha256": self.sha256}
+        return {
+            "chunks": self.chunks,
+            "bytes": self.total_bytes,
+            "chunk_bytes": self.chunk_bytes,
+            "sha256": self.sha256,
+        }
 
     @classmethod
     def from_wire(cls, obj, limits: WireLimits) -> HandoffRef:
         f = Fields(obj, _E, "verdict.handoff_ref")
-        ref = cls(f.int("chunks", 1, 1 << 20), f.int("bytes", 1, limits.max_handoff_bytes),
-                  f.int("chunk_bytes", 1, limits.max_server_frame_bytes - 1024), f.bin("sha256"))
+        ref = cls(
+            f.int("chunks", 1, 1 << 20),
+            f.int("bytes", 1, limits.max_handoff_bytes),
+            f.int("chunk_bytes", 1, limits.max_server_frame_bytes - 1024),
+            f.bin("sha256"),
+        )
         f.done()
         if len(ref.sha256) != SHA256_BYTES:
             raise _E(f"verdict.handoff_ref.sha256 must be {SHA256_BYTES} bytes", code="bad_field_value")
         if ref.chunks != -(-ref.total_bytes // ref.chunk_bytes):
-            raise _E(f"verdict.handoff_ref: {ref.total_bytes} bytes in chunks of {ref.chunk_bytes} make "
-                     f"{-(-ref.total_bytes // ref.chunk_bytes)} chunks, not {ref.chunks}", code="bad_field_value")
+            raise _E(
+                f"verdict.handoff_ref: {ref.total_bytes} bytes in chunks of {ref.chunk_bytes} make "
+                f"{-(-ref.total_bytes // ref.chunk_bytes)} chunks, not {ref.chunks}",
+                code="bad_field_value",
+            )
         return ref
 
 
@@ -112,8 +133,13 @@ class VerdictFrame:
         return self.chunk["choices"][0].get("finish_reason")
 
     def to_wire(self) -> dict:
-        out = {"sid": self.session_id, "round": self.round, "path": bytes(self.path),
-               "tokens": np.asarray(self.tokens, dtype="<u4").tobytes(), "bonus": self.bonus}
+        out = {
+            "sid": self.session_id,
+            "round": self.round,
+            "path": bytes(self.path),
+            "tokens": np.asarray(self.tokens, dtype="<u4").tobytes(),
+            "bonus": self.bonus,
+        }
         if self.handoff is not None:
             out["handoff"] = handoff_to_wire(self.handoff)
         if self.handoff_ref is not None:
@@ -134,13 +160,20 @@ class VerdictFrame:
         chunk = f.get("chunk", dict)
         f.done()
         reason = chunk_finish_reason(chunk, limits)
-        if len(path) > limits.max_nodes or any(not 1 <= r <= limits.max_nodes for r in path) or any(
-                a >= b for a, b in zip(path, path[1:])):
-            raise _E(f"verdict.path {list(path)} must be increasing tree rows in 1..{limits.max_nodes}",
-                     code="bad_verdict")
+        if (
+            len(path) > limits.max_nodes
+            or any(not 1 <= r <= limits.max_nodes for r in path)
+            or any(a >= b for a, b in zip(path, path[1:]))
+        ):
+            raise _E(
+                f"verdict.path {list(path)} must be increasing tree rows in 1..{limits.max_nodes}",
+                code="bad_verdict",
+            )
         if len(tokens_raw) % 4 or not 4 <= len(tokens_raw) <= 4 * (len(path) + 1):
-            raise _E(f"verdict.tokens must hold 1..{len(path) + 1} uint32 ids, got {len(tokens_raw)} bytes",
-                     code="bad_verdict")
+            raise _E(
+                f"verdict.tokens must hold 1..{len(path) + 1} uint32 ids, got {len(tokens_raw)} bytes",
+                code="bad_verdict",
+            )
         tokens = tuple(int(t) for t in np.frombuffer(tokens_raw, dtype="<u4"))
         ref = None if ref_raw is None else HandoffRef.from_wire(ref_raw, limits)
         handoff = None if handoff_raw is None else decode_handoff(handoff_raw, expect=expect, limits=limits)
@@ -152,17 +185,26 @@ class VerdictFrame:
 def _check_verdict(v: VerdictFrame, reason: str | None) -> None:
     if reason is not None:
         if v.bonus is not None or v.handoff is not None or v.handoff_ref is not None or v.budget != 0:
-            raise _E("verdict: a finished round (finish_reason set) carries no bonus, no hand-off and budget 0",
-                     code="bad_verdict")
+            raise _E(
+                "verdict: a finished round (finish_reason set) carries no bonus, no hand-off and budget 0",
+                code="bad_verdict",
+            )
         return
     if v.bonus is None or len(v.tokens) != len(v.path) + 1 or v.tokens[-1] != v.bonus:
-        raise _E(f"verdict: an unfinished round commits the path's {len(v.path)} tokens then the bonus "
-                 f"{v.bonus}, got tokens {list(v.tokens)}", code="bad_verdict")
+        raise _E(
+            f"verdict: an unfinished round commits the path's {len(v.path)} tokens then the bonus "
+            f"{v.bonus}, got tokens {list(v.tokens)}",
+            code="bad_verdict",
+        )
     if (v.handoff is None) == (v.handoff_ref is None) or v.budget < 1:
-        raise _E("verdict: an unfinished round carries exactly one of handoff / handoff_ref and budget >= 1",
-                 code="bad_verdict")
+        raise _E(
+            "verdict: an unfinished round carries exactly one of handoff / handoff_ref and budget >= 1",
+            code="bad_verdict",
+        )
     if v.handoff is not None and v.handoff.bonus_token != v.bonus:
-        raise _E(f"verdict: hand-off bonus {v.handoff.bonus_token} != verdict bonus {v.bonus}", code="bad_verdict")
+        raise _E(
+            f"verdict: hand-off bonus {v.handoff.bonus_token} != verdict bonus {v.bonus}", code="bad_verdict"
+        )
 
 
 def _sid(raw: bytes, where: str) -> bytes:
@@ -230,10 +272,17 @@ class FinalFrame:
     bytes_down: int  # frame bytes it sent (this frame excluded)
 
     def to_wire(self) -> dict:
-        usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                 "total_tokens": self.prompt_tokens + self.completion_tokens}
-        stats = {"rounds": self.rounds, "mat": float(self.mat), "bytes_up": self.bytes_up,
-                 "bytes_down": self.bytes_down}
+        usage = {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
+        stats = {
+            "rounds": self.rounds,
+            "mat": float(self.mat),
+            "bytes_up": self.bytes_up,
+            "bytes_down": self.bytes_down,
+        }
         return {"sid": self.session_id, "usage": usage, "stats": stats}
 
     @classmethod
@@ -245,11 +294,18 @@ class FinalFrame:
         big = 1 << 62
         prompt, completion = u.int("prompt_tokens", 0, big), u.int("completion_tokens", 0, big)
         if u.int("total_tokens", 0, big) != prompt + completion:
-            raise _E("final.usage.total_tokens must equal prompt_tokens + completion_tokens", code="bad_field_value")
+            raise _E(
+                "final.usage.total_tokens must equal prompt_tokens + completion_tokens",
+                code="bad_field_value",
+            )
         u.done()
         rounds, mat = s.int("rounds", 0, big), s.get("mat", float)
         if not 0.0 <= mat <= limits.max_nodes + 1:
-            raise _E(f"final.stats.mat = {mat} is outside [0, {limits.max_nodes + 1}]", code="bad_field_value")
-        out = cls(sid, prompt, completion, rounds, mat, s.int("bytes_up", 0, big), s.int("bytes_down", 0, big))
+            raise _E(
+                f"final.stats.mat = {mat} is outside [0, {limits.max_nodes + 1}]", code="bad_field_value"
+            )
+        out = cls(
+            sid, prompt, completion, rounds, mat, s.int("bytes_up", 0, big), s.int("bytes_down", 0, big)
+        )
         s.done()
         return out

@@ -18,8 +18,7 @@ from vllm_hyco.handoff.chunks import split_handoff
 from vllm_hyco.handoff.client_frames import SESSION_ID_BYTES, TreeFrame
 from vllm_hyco.handoff.frames import encode_frame
 from vllm_hyco.handoff.limits import DEFAULT_LIMITS, WireLimits
-from vllm_hyco.handoff.schema import (FINGERPRINT_BYTES, HandoffPayload, HandoffSpec, LayerSpec,
-                                      encode_handoff)
+from vllm_hyco.handoff.schema import FINGERPRINT_BYTES, HandoffPayload, HandoffSpec, LayerSpec, encode_handoff
 from vllm_hyco.handoff.server_frames import VerdictFrame, openai_chunk
 
 PAPER_HEADER_BYTES = 44
@@ -30,18 +29,32 @@ PAPER_HEADER_BYTES = 44
 # paper's 6,144 values per position (8*256*2 + 2*512*2), and transformers' Gemma-4 EP plan comment
 # says num_global_key_value_heads=2 for google/gemma-4-26B-A4B-it.
 GEMMA4_26B_A4B_CONFIG = {
-    "model_type": "gemma4_text", "hidden_size": 2816, "num_hidden_layers": 30,
+    "model_type": "gemma4_text",
+    "hidden_size": 2816,
+    "num_hidden_layers": 30,
     "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(30)],
-    "num_key_value_heads": 8, "num_global_key_value_heads": 2, "head_dim": 256, "global_head_dim": 512,
-    "sliding_window": 1024, "attention_k_eq_v": True, "vocab_size": 262144,
+    "num_key_value_heads": 8,
+    "num_global_key_value_heads": 2,
+    "head_dim": 256,
+    "global_head_dim": 512,
+    "sliding_window": 1024,
+    "attention_k_eq_v": True,
+    "vocab_size": 262144,
 }
 
 # The tiny verifier of vllm_hyco.fixtures (FixtureOptions defaults; a test keeps the two equal).
 FIXTURE_VERIFIER_CONFIG = {
-    "model_type": "gemma4_text", "hidden_size": 256, "num_hidden_layers": 4,
+    "model_type": "gemma4_text",
+    "hidden_size": 256,
+    "num_hidden_layers": 4,
     "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
-    "num_key_value_heads": 2, "num_global_key_value_heads": 1, "head_dim": 256, "global_head_dim": 512,
-    "sliding_window": 128, "attention_k_eq_v": True, "vocab_size": 4096,
+    "num_key_value_heads": 2,
+    "num_global_key_value_heads": 1,
+    "head_dim": 256,
+    "global_head_dim": 512,
+    "sliding_window": 128,
+    "attention_k_eq_v": True,
+    "vocab_size": 4096,
 }
 
 
@@ -73,16 +86,19 @@ def _layer_dims(cfg: dict, lid: int, global_kv: bool) -> tuple[int, int]:
     per_layer = cfg.get("per_layer_config")
     if per_layer is not None:
         over = per_layer.get(str(lid), per_layer.get(lid, {}))
-        return (int(over.get("num_key_value_heads", cfg["num_key_value_heads"])),
-                int(over.get("head_dim", cfg["head_dim"])))
+        return (
+            int(over.get("num_key_value_heads", cfg["num_key_value_heads"])),
+            int(over.get("head_dim", cfg["head_dim"])),
+        )
     if global_kv:
         heads = cfg.get("num_global_key_value_heads") or cfg["num_key_value_heads"]
         return int(heads), int(cfg.get("global_head_dim", 512))
     return int(cfg["num_key_value_heads"]), int(cfg["head_dim"])
 
 
-def spec_from_hf_config(cfg: dict, fingerprint: bytes = bytes(FINGERPRINT_BYTES),
-                        scales_id: bytes = bytes(FINGERPRINT_BYTES)) -> HandoffSpec:
+def spec_from_hf_config(
+    cfg: dict, fingerprint: bytes = bytes(FINGERPRINT_BYTES), scales_id: bytes = bytes(FINGERPRINT_BYTES)
+) -> HandoffSpec:
     hidden, layers = layers_from_hf_config(cfg)
     return HandoffSpec(fingerprint, hidden, layers, scales_id)
 
@@ -107,21 +123,43 @@ def tree_frame_bytes(num_nodes: int, labels: bool = True, round: int = 1000, tok
     return len(encode_frame(TreeFrame.from_lists(round, tokens, parents, labs)))
 
 
-def verdict_bytes(spec: HandoffSpec, accepted: int, chars_per_token: int = 4, round: int = 1000,
-                  limits: WireLimits = DEFAULT_LIMITS) -> dict:
+def verdict_bytes(
+    spec: HandoffSpec,
+    accepted: int,
+    chars_per_token: int = 4,
+    round: int = 1000,
+    limits: WireLimits = DEFAULT_LIMITS,
+) -> dict:
     """Downlink of a round that accepts ``accepted`` draft nodes (commits accepted + 1 tokens).
 
     Returns the verdict frame's bytes, its hand-off's bytes and the paper's count for the same rows.
     """
     positions = accepted + 1  # the root's row plus the accepted path's rows get K/V
     payload = HandoffPayload.make_dummy(spec, 4096 - positions, 4096, bonus_token=100_000)
-    chunk = openai_chunk("chat.completion.chunk", "chatcmpl-" + "0" * 32, "model",
-                         "x" * (chars_per_token * positions), created=1_750_000_000)
-    verdict = VerdictFrame(bytes(SESSION_ID_BYTES), round, tuple(range(1, accepted + 1)),
-                           tuple([100_000] * positions), 100_000, payload, None, limits.max_nodes, chunk)
+    chunk = openai_chunk(
+        "chat.completion.chunk",
+        "chatcmpl-" + "0" * 32,
+        "model",
+        "x" * (chars_per_token * positions),
+        created=1_750_000_000,
+    )
+    verdict = VerdictFrame(
+        bytes(SESSION_ID_BYTES),
+        round,
+        tuple(range(1, accepted + 1)),
+        tuple([100_000] * positions),
+        100_000,
+        payload,
+        None,
+        limits.max_nodes,
+        chunk,
+    )
     frame = len(encode_frame(verdict))
-    return {"verdict": frame, "handoff": len(encode_handoff(payload)),
-            "paper_handoff": paper_handoff_bytes(spec, positions)}
+    return {
+        "verdict": frame,
+        "handoff": len(encode_handoff(payload)),
+        "paper_handoff": paper_handoff_bytes(spec, positions),
+    }
 
 
 def seed_bytes(spec: HandoffSpec, positions: int, limits: WireLimits = DEFAULT_LIMITS) -> dict:
@@ -129,14 +167,19 @@ def seed_bytes(spec: HandoffSpec, positions: int, limits: WireLimits = DEFAULT_L
     payload = HandoffPayload.make_dummy(spec, 0, positions, bonus_token=100_000)
     encoded = encode_handoff(payload)
     ref, frames = split_handoff(encoded, 0, limits.chunk_bytes)
-    return {"handoff": len(encoded), "chunks": ref.chunks, "chunk_bytes": ref.chunk_bytes,
-            "chunk_frames": sum(len(encode_frame(f)) for f in frames),
-            "max_frame": max(len(encode_frame(f)) for f in frames),
-            "paper_handoff": paper_handoff_bytes(spec, positions)}
+    return {
+        "handoff": len(encoded),
+        "chunks": ref.chunks,
+        "chunk_bytes": ref.chunk_bytes,
+        "chunk_frames": sum(len(encode_frame(f)) for f in frames),
+        "max_frame": max(len(encode_frame(f)) for f in frames),
+        "paper_handoff": paper_handoff_bytes(spec, positions),
+    }
 
 
-def size_report(cfg: dict, seed_positions: int, max_accepted: int = 4,
-                limits: WireLimits = DEFAULT_LIMITS) -> dict:
+def size_report(
+    cfg: dict, seed_positions: int, max_accepted: int = 4, limits: WireLimits = DEFAULT_LIMITS
+) -> dict:
     """Everything the benchmark prints for one model: per-round up/down, per-position, seed."""
     spec = spec_from_hf_config(cfg)
     one, two = handoff_bytes(spec, 1), handoff_bytes(spec, 2)

@@ -253,3 +253,17 @@ def test_dense_ref_on_window_keys_only():
     with pytest.raises(KernelInputError):
         tree_attention_dense_ref(q.cpu(), k[first + 1:], v[first + 1:], 90, masks, depths, 0.1, 12,
                                  key_offset=first + 1)
+
+
+@needs_triton
+@pytest.mark.parametrize("splits", [2, 3, 7])
+@pytest.mark.parametrize("name", ["mixed_batch_f32", "hyco33_ctx200_win64_f16", "d512_k_eq_v_f32"])
+def test_kernel_split_k_matches_twin(name, splits):
+    """Flash-decoding splits (the GPU picks them by SM count): empty splits and windows included."""
+    from vllm_hyco.kernels.tree_attention import tree_attention_triton
+
+    prefix, rows, hq, hkv, dim, bs, window, cap, k_eq_v, dtype = KERNEL_CASES[name]
+    q, kc, vc, meta = make_case(prefix, rows, hq, hkv, dim, bs, dtype, seed=13, k_eq_v=k_eq_v)
+    got = tree_attention_triton(q, kc, vc, meta, 0.1, window, cap, num_splits=splits)
+    twin = tree_attention_ref(q, kc, vc, meta, 0.1, window, cap)
+    _assert_close(got, twin, "attention", dtype, (name, splits))

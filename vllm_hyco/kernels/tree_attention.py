@@ -280,6 +280,16 @@ def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a is b or (a.data_ptr() == b.data_ptr() and a.stride() == b.stride() and a.shape == b.shape)
 
 
+def _num_splits(meta: TreeAttentionMetadata, programs: int, tile_n: int, device: torch.device) -> int:
+    """Key-range splits so that about two waves of programs cover the GPU (1 on CPU / small contexts)."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    by_occupancy = -(-2 * sms // max(programs, 1))
+    by_length = max(1, meta.max_seq_len // (tile_n * 8))  # at least ~8 key tiles per split
+    return max(1, min(by_occupancy, by_length, 32))
+
+
 def tree_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -289,32 +299,51 @@ def tree_attention_triton(
     sliding_window: int | None = None,
     softcap: float | None = None,
     out: torch.Tensor | None = None,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
-    """Triton launcher (same signature and result as :func:`tree_attention_ref`)."""
-    from vllm_hyco.kernels._triton.tree_attention import tree_attention_kernel
+    """Triton launcher (same signature and result as :func:`tree_attention_ref`).
+
+    ``num_splits`` (launcher only) splits each request's key range across programs and merges the partial
+    results (flash-decoding); ``None`` picks it from the GPU's SM count, 1 on CPU.
+    """
+    from vllm_hyco.kernels._triton.tree_attention import tree_attention_kernel, tree_attention_reduce_kernel
 
     _check_inputs(q, k_cache, v_cache, meta)
     if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise KernelInputError("the head_dim axis of q and of the caches must be contiguous")
     out = torch.empty_like(q) if out is None else out
+    num_rows, num_q_heads = q.shape[0], q.shape[1]
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    qpk = q.shape[1] // num_kv_heads
+    qpk = num_q_heads // num_kv_heads
     qpk_p, head_dim_p = next_pow2(qpk), max(16, next_pow2(head_dim))
     block_q, tile_n, num_warps = _launch_config(head_dim_p, qpk_p, meta.max_query_len)
+    q_blocks = max(1, -(-meta.max_query_len // block_q))
+    programs = meta.num_reqs * num_kv_heads * q_blocks
+    splits = num_splits or _num_splits(meta, programs, tile_n, q.device)
+    part = lse = out  # placeholders: unused when splits == 1
+    if splits > 1:
+        part = torch.empty(num_rows, num_q_heads, splits, head_dim_p, dtype=torch.float32, device=q.device)
+        lse = torch.empty(num_rows, num_q_heads, splits, dtype=torch.float32, device=q.device)
     upcast = upcast_dot(q.dtype)
     dot_prec = "ieee" if (q.dtype == torch.float32 or upcast) else "tf32"
-    grid = (meta.num_reqs, num_kv_heads, max(1, -(-meta.max_query_len // block_q)))
-    tree_attention_kernel[grid](
-        out, q, k_cache, v_cache,
+    tree_attention_kernel[(q_blocks, num_kv_heads * splits, meta.num_reqs)](
+        out, part, lse, q, k_cache, v_cache,
         meta.block_table, meta.query_start_loc, meta.seq_lens, meta.ancestor_mask, meta.depths,
         float(scale), float(softcap or 0.0),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         meta.block_table.stride(0),
+        NUM_Q_HEADS=num_q_heads, NUM_SPLITS=splits,
         QPK=qpk, QPK_P=qpk_p, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_Q=block_q, BLOCK_M=block_q * qpk_p, TILE_N=tile_n,
         WINDOW=int(sliding_window or 0), USE_SOFTCAP=bool(softcap), K_EQ_V=_same_storage(k_cache, v_cache),
         UPCAST=upcast, DOT_PREC=dot_prec, num_warps=num_warps,
     )
+    if splits > 1 and num_rows:
+        tree_attention_reduce_kernel[(num_rows, num_q_heads)](
+            out, part, lse, out.stride(0), out.stride(1),
+            NUM_Q_HEADS=num_q_heads, NUM_SPLITS=splits, SPLITS_P=next_pow2(splits),
+            HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
+        )
     return out

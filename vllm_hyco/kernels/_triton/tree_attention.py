@@ -1,9 +1,12 @@
 """@triton.jit body of paged tree attention (launcher and layout notes: ``kernels/tree_attention.py``).
 
-One program = one request x one KV head x one block of BLOCK_Q query rows. The BLOCK_Q rows and the
-QPK_P query heads that share the KV head are packed into BLOCK_M = BLOCK_Q * QPK_P rows of one tile, so
-K/V tiles are read once per KV head (GQA). Keys are walked by cache index in tiles of TILE_N; a key's
-position is its index in the committed prefix and ``t + depth`` for the rows written this step.
+One program = one block of BLOCK_Q query rows x one KV head x one split of the key range x one request.
+The BLOCK_Q rows and the QPK_P query heads that share the KV head are packed into BLOCK_M = BLOCK_Q * QPK_P
+rows of one tile, so K/V tiles are read once per KV head (GQA); the query block is the fastest grid axis, so
+programs that read the same K/V tiles run side by side (L2 reuse). Keys are walked by cache index in tiles
+of TILE_N; a key's position is its index in the committed prefix and ``t + depth`` for the step's rows.
+With NUM_SPLITS > 1 each split writes a normalized partial output and its log-sum-exp, and
+``tree_attention_reduce_kernel`` merges them (flash-decoding), so batch-1 long contexts fill the GPU.
 Written against the API common to Triton 3.6 and 3.9.
 """
 
@@ -23,6 +26,8 @@ def _softcap(s, cap):
 @triton.jit
 def tree_attention_kernel(
     out_ptr,  # [num_rows, num_q_heads, head_dim]
+    part_ptr,  # [num_rows, num_q_heads, NUM_SPLITS, HEAD_DIM_P] fp32 (NUM_SPLITS > 1 only)
+    lse_ptr,  # [num_rows, num_q_heads, NUM_SPLITS] fp32 (NUM_SPLITS > 1 only)
     q_ptr,  # [num_rows, num_q_heads, head_dim]
     k_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim] (unused when K_EQ_V)
@@ -38,6 +43,8 @@ def tree_attention_kernel(
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_bt,
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
     QPK: tl.constexpr,  # query heads per KV head
     QPK_P: tl.constexpr,  # QPK rounded up to a power of two
     HEAD_DIM: tl.constexpr,
@@ -52,9 +59,10 @@ def tree_attention_kernel(
     UPCAST: tl.constexpr,  # fp32 operands for tl.dot (interpreter bf16, P11)
     DOT_PREC: tl.constexpr,  # "ieee" for fp32 operands, so fp32 stays exact (no tf32)
 ):
-    req = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    q_block = tl.program_id(2)
+    q_block = tl.program_id(0)
+    kv_head = tl.program_id(1) // NUM_SPLITS
+    split = tl.program_id(1) % NUM_SPLITS
+    req = tl.program_id(2)
 
     q_start = tl.load(query_start_ptr + req)
     n_rows = tl.load(query_start_ptr + req + 1) - q_start
@@ -90,6 +98,11 @@ def tree_attention_kernel(
         any_tree = tl.max(tl.where(row_ok, row_mask, 0), axis=0) != 0
         lo = tl.where(any_tree, tl.minimum(lo, prefix), lo)  # tree keys: index != position
         lo = (lo // TILE_N) * TILE_N
+    if NUM_SPLITS > 1:
+        tiles = tl.cdiv(hi - lo, TILE_N)
+        per_split = tl.cdiv(tiles, NUM_SPLITS)
+        hi = tl.minimum(hi, lo + (split + 1) * per_split * TILE_N)
+        lo = lo + split * per_split * TILE_N
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -148,8 +161,43 @@ def tree_attention_kernel(
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None]
-    tl.store(
-        out_ptr + (q_start + row)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-        o.to(out_ptr.dtype.element_ty),
-        mask=row_ok[:, None] & d_ok[None, :],
-    )
+    store_ok = row_ok[:, None] & d_ok[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(
+            out_ptr + (q_start + row)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=store_ok,
+        )
+    else:
+        slot = ((q_start + row) * NUM_Q_HEADS + head) * NUM_SPLITS + split  # [BLOCK_M]
+        tl.store(part_ptr + slot[:, None].to(tl.int64) * HEAD_DIM_P + d[None, :], o, mask=store_ok)
+        lse = tl.where(l_i > 0, m_i + tl.log(l_safe), float("-inf"))
+        tl.store(lse_ptr + slot, lse, mask=row_ok)
+
+
+@triton.jit
+def tree_attention_reduce_kernel(
+    out_ptr,  # [num_rows, num_q_heads, head_dim]
+    part_ptr,  # [num_rows, num_q_heads, NUM_SPLITS, HEAD_DIM_P] fp32
+    lse_ptr,  # [num_rows, num_q_heads, NUM_SPLITS] fp32
+    stride_ot, stride_oh,
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P: tl.constexpr,
+):
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, SPLITS_P)
+    d = tl.arange(0, HEAD_DIM_P)
+    base = (row * NUM_Q_HEADS + head) * NUM_SPLITS
+    lse = tl.load(lse_ptr + base + s, mask=s < NUM_SPLITS, other=float("-inf"))  # [SPLITS_P]
+    m = tl.max(lse, axis=0)
+    w = tl.exp(lse - m)
+    w = w / tl.sum(w, axis=0)
+    parts = tl.load(part_ptr + (base + s)[:, None].to(tl.int64) * HEAD_DIM_P + d[None, :],
+                    mask=(s < NUM_SPLITS)[:, None], other=0.0)  # [SPLITS_P, HEAD_DIM_P]
+    o = tl.sum(parts * w[:, None], axis=0)
+    o = o.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_ot + head * stride_oh + d, o, mask=d < HEAD_DIM)

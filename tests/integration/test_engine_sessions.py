@@ -52,14 +52,10 @@ def _build_tiny(out) -> str:
 def llm(tmp_path_factory):
     from vllm import LLM
 
-    from vllm_hyco.engine import _dev_classes, core_ext, cpu_attention
-
-    cpu_attention.install()
-    core_ext.install()
     path = _build_tiny(tmp_path_factory.mktemp("tiny"))
     engine = LLM(model=path, dtype="float32", max_model_len=512, max_num_seqs=16, enforce_eager=True,
                  distributed_executor_backend="uni", skip_tokenizer_init=True, block_size=BLOCK, seed=0,
-                 enable_prefix_caching=False, **_dev_classes.engine_kwargs())
+                 enable_prefix_caching=False, speculative_config={"method": "hyco"})
     yield engine
     engine.llm_engine.engine_core.shutdown()
     del engine

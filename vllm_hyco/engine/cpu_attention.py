@@ -8,8 +8,9 @@ Matches vLLM 0.32 (``v1/attention/backends/cpu_attn.py``).
 * What it replaces: the backend class registered for the **static** enum member
   ``AttentionBackendEnum.CPU_ATTN`` (never a new enum name: a dynamic member cannot be unpickled in a
   spawned engine core). ``forward`` runs the stock op for the whole batch, then overwrites the output of
-  each tree request's rows with :func:`tree_attention_twin` over the prefix K/V gathered through the
-  KV view plus the fresh tree K/V. ``do_kv_cache_update`` writes as stock and also captures the tree
+  each tree request's rows with the kernels' torch twin (``tree_attention_dense_ref``) over the prefix
+  K/V gathered through the KV view (only the window's tail for sliding layers; visibility depends on
+  position differences only, so the tail is passed as a shorter prefix) plus the fresh tree K/V. ``do_kv_cache_update`` writes as stock and also captures the tree
   rows' K/V (for compaction and the hand-off). Batches without trees are untouched.
 * When it can go: when vLLM's CPU op takes a per-sequence tree mask and per-row positions.
 
@@ -24,7 +25,8 @@ import torch
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
 from vllm_hyco.engine.kv_view import cpu_kv_view, slots_for_positions
-from vllm_hyco.engine.tree_plan import CapturedKV, TreeRows, tree_attention_twin
+from vllm_hyco.engine.tree_plan import CapturedKV, TreeRows
+from vllm_hyco.kernels.tree_attention import tree_attention_dense_ref
 
 _ACTIVE_TREES: list[TreeRows] | None = None
 
@@ -83,9 +85,10 @@ class HycoCPUAttentionImpl(CPUAttentionBackendImpl):
             q = query[rows].view(tr.num_rows, self.num_heads, self.head_size)
             k_tree = key[rows].view(tr.num_rows, self.num_kv_heads, self.head_size)
             v_tree = value[rows].view(tr.num_rows, self.num_kv_heads, self.head_size)
-            res = tree_attention_twin(q, k_pre.to(q.dtype), v_pre.to(q.dtype), prefix_pos, k_tree, v_tree, tr,
-                                      scale=self.scale, window=self.sliding_window,
-                                      softcap=float(self.logits_soft_cap or 0.0))
+            window = self.sliding_window if self.sliding_window > 0 else None
+            res = tree_attention_dense_ref(q, torch.cat([k_pre.to(q.dtype), k_tree]), torch.cat([v_pre.to(q.dtype), v_tree]),
+                                           t - lo, tr.masks, tr.depths, self.scale, sliding_window=window,
+                                           softcap=float(self.logits_soft_cap or 0.0) or None)
             out[rows] = res.reshape(out[rows].shape)
         return out
 

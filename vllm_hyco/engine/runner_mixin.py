@@ -22,7 +22,6 @@ The scheduler passes trees as ``scheduler_output.hyco_trees = {req_id: (round, t
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -34,54 +33,8 @@ from vllm_hyco.engine.tree_plan import TreeRows
 PLACEHOLDER = -1
 
 
-def select_path(tokens: list[int], parents: list[int], samples: list[int],
-                logp: torch.Tensor | None, eps: float | None) -> tuple[list[int], int]:
-    """Deepest accepted path (rows, root excluded) and the number of hits on it (D4 preference order).
-
-    Node c (parent v) is *ok* iff ``tokens[c] == samples[v]`` (a hit) or, in ε mode,
-    ``p̃(tokens[c] | v) >= eps``; accepted iff ok and its parent is accepted. Among accepted nodes prefer
-    depth, then hits, then the float64 sum of log p̃ from the root, then the lowest row.
-
-    >>> select_path([5, 7, 8, 9], [-1, 0, 0, 2], samples=[8, 1, 9, 3], logp=None, eps=None)
-    ([2, 3], 2)
-    """
-    n = len(tokens)
-    best: tuple = (0, 0, 0.0, 0)
-    best_row = 0
-    info = {0: (True, 0, 0, 0.0)}  # row -> (accepted, depth, hits, sum logp)
-    for c in range(1, n):
-        v = parents[c]
-        acc_v, depth_v, hits_v, lp_v = info[v]
-        hit = tokens[c] == samples[v]
-        lp = float(logp[v, tokens[c]]) if logp is not None else 0.0
-        ok = hit or (eps is not None and logp is not None and math.exp(lp) >= eps)
-        info[c] = (acc_v and ok, depth_v + 1, hits_v + int(hit), lp_v + lp)
-        if info[c][0]:
-            key = (depth_v + 1, hits_v + int(hit), lp_v + lp, -c)
-            if key > best:
-                best, best_row = key, c
-    path = []
-    row = best_row
-    while row != 0:
-        path.append(row)
-        row = parents[row]
-    return path[::-1], best[1]
-
-
-def _probs_for(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """[rows, vocab] p̃ (private stand-in for spec_decode.sampling_probs; temperature > 0)."""
-    x = logits.float() / temperature
-    vocab = x.shape[-1]
-    if 0 < top_k < vocab:
-        kth = torch.topk(x, top_k, dim=-1).values[:, -1:]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_x, idx = torch.sort(x, dim=-1, descending=False)
-        cum = torch.softmax(sorted_x, -1).cumsum(-1)
-        drop_sorted = cum <= 1 - top_p
-        drop_sorted[:, -1] = False
-        x = x.masked_fill(torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted), float("-inf"))
-    return torch.softmax(x, dim=-1)
+def _hits(tokens: list[int], parents: list[int], samples: list[int], path: list[int]) -> int:
+    return sum(int(tokens[r] == samples[parents[r]]) for r in path)
 
 
 class HycoRunnerMixin:
@@ -98,7 +51,14 @@ class HycoRunnerMixin:
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
         st = self._hyco_state()
+        for req_id in getattr(scheduler_output, "finished_req_ids", ()) or ():
+            st["gens"].pop(req_id, None)
         specs = getattr(scheduler_output, "hyco_trees", None) or {}
+        if specs and self.device.type != "cpu":
+            from vllm_hyco.errors import HardwareUnsupportedError
+
+            raise HardwareUnsupportedError("tree verification on GPU needs the Triton tree-attention backend, "
+                                           "which is not wired into the engine yet (docs/engine.md)")
         trees = []
         for req_id, (round_, tokens, parents, eps) in specs.items():
             b = self.input_batch.req_id_to_index.get(req_id)
@@ -156,21 +116,29 @@ class HycoRunnerMixin:
         return sampler_output
 
     def _hyco_decide(self, tr: TreeRows, logits: torch.Tensor) -> dict[str, Any]:
+        """The core's decision on this request's p̃ (temperature, top-k, top-p, seed) and the session ε."""
+        from vllm_hyco.spec_decode.acceptance import select_path
+        from vllm_hyco.spec_decode.sampling import SAMPLING_EPS, draw_uniforms, sample_sparse, sampling_support
+
         params = self.requests[tr.req_id].sampling_params
         temperature = float(params.temperature) if params is not None else 0.0
-        if temperature < 1e-5:
-            # Greedy: p̃ is one-hot at the argmax, so p̃(c) >= ε iff c is the sample: ε changes nothing.
+        probs = None
+        if temperature < SAMPLING_EPS:
+            # Greedy: p̃ is one-hot at the argmax, so p̃(c) >= ε iff c is the sample: exact path.
             samples = logits.argmax(dim=-1).tolist()
-            logp = None
+            eps = None
         else:
-            probs = _probs_for(logits, temperature, int(params.top_k or 0), float(params.top_p))
+            support = sampling_support(logits, temperature, int(params.top_k or -1), float(params.top_p))
             gen = self._hyco_generator(tr.req_id, params)
-            samples = torch.multinomial(probs, 1, generator=gen).squeeze(-1).tolist()
-            logp = torch.log(probs.double())
-        path_rows, hits = select_path(tr.tokens, tr.parents, samples, logp, tr.eps)
+            samples = sample_sparse(support, draw_uniforms(tr.num_rows, gen)).tolist()
+            eps = tr.eps
+            if eps is not None:
+                probs = support.to_dense()  # [num_rows, vocab]
+        path_rows, bonus = select_path(tr.tokens, tr.parents, probs, samples, eps)
         end = path_rows[-1] if path_rows else 0
-        return {"round": tr.round, "path_rows": path_rows, "bonus": int(samples[end]), "hits": hits,
-                "num_rows": tr.num_rows, "root_pos": tr.context_len, "end_row": end}
+        return {"round": tr.round, "path_rows": path_rows, "bonus": int(bonus),
+                "hits": _hits(tr.tokens, tr.parents, samples, path_rows), "num_rows": tr.num_rows,
+                "root_pos": tr.context_len, "end_row": end, "samples": samples}
 
     def _hyco_generator(self, req_id: str, params) -> torch.Generator | None:
         gens = self._hyco_state()["gens"]

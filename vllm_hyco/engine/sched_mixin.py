@@ -32,8 +32,7 @@ from typing import Any
 
 from vllm_hyco.engine.session import RoundTree, Session, SessionRegistry, SessionState
 from vllm_hyco.errors import SessionError, TreeValidationError
-
-MAX_TREE_ROWS = 33  # root + 32 nodes (D3)
+from vllm_hyco.spec_decode.tree import DEFAULT_BUDGET, validate_tree
 
 
 def hyco_args(request) -> dict | None:
@@ -41,28 +40,6 @@ def hyco_args(request) -> dict | None:
     extra = getattr(params, "extra_args", None) or {}
     spec = extra.get("hyco")
     return spec if isinstance(spec, dict) else None
-
-
-def validate_tree_rows(tokens: list[int], parents: list[int], *, vocab_size: int, max_rows: int = MAX_TREE_ROWS) -> None:
-    """Private stand-in for spec_decode.validate_tree: root first, parents before children, no twins."""
-    n = len(tokens)
-    if n == 0 or n != len(parents):
-        raise TreeValidationError(f"tree needs tokens and parents of one length >= 1, got {n} and {len(parents)}",
-                                  code="bad_shape")
-    if n > max_rows:
-        raise TreeValidationError(f"tree has {n} rows, the budget is {max_rows}", code="over_budget")
-    if parents[0] != -1:
-        raise TreeValidationError("row 0 is the root and must have parent -1", code="bad_root")
-    seen: set[tuple[int, int]] = set()
-    for i in range(n):
-        if not 0 <= int(tokens[i]) < vocab_size:
-            raise TreeValidationError(f"token {tokens[i]} at row {i} is outside the vocabulary", code="bad_token")
-        if i and not 0 <= parents[i] < i:
-            raise TreeValidationError(f"row {i} has parent {parents[i]}; parents must precede children",
-                                      code="bad_parent")
-        if i and (parents[i], tokens[i]) in seen:
-            raise TreeValidationError(f"row {i} duplicates a sibling's token {tokens[i]}", code="duplicate_child")
-        seen.add((parents[i], tokens[i]))
 
 
 class HycoSchedulerMixin:
@@ -88,6 +65,13 @@ class HycoSchedulerMixin:
             return out
         except Exception:  # noqa: BLE001 - config not there yet or not a HyCo engine: defaults
             return {}
+
+    def _hyco_budget(self) -> int:
+        """Node budget (D3): HycoConfig's when set, capped by the engine's spec slots."""
+        cfg = getattr(self, "hyco_config", None)
+        budget = int(getattr(cfg, "node_budget", None) or DEFAULT_BUDGET)
+        spec = self.vllm_config.speculative_config
+        return min(budget, spec.num_speculative_tokens) if spec is not None else budget
 
     # -- requests ---------------------------------------------------------------------------------
     def add_request(self, request) -> None:
@@ -130,7 +114,8 @@ class HycoSchedulerMixin:
             reg.mark_finished(s, "session_finished")
             raise SessionError(f"session {sid!r} is finished", code="session_finished")
         tokens, parents = [int(x) for x in tokens], [int(x) for x in parents]
-        validate_tree_rows(tokens, parents, vocab_size=self.vllm_config.model_config.get_vocab_size())
+        validate_tree(tokens, parents, vocab_size=self.vllm_config.model_config.get_vocab_size(),
+                      budget=self._hyco_budget())
         if tokens[0] != request.all_token_ids[-1]:
             raise TreeValidationError(f"root token {tokens[0]} is not the last committed token "
                                       f"{request.all_token_ids[-1]}", code="bad_root")

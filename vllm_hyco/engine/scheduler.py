@@ -1,8 +1,10 @@
 """HycoScheduler (adapter, vLLM 0.32 ``vllm.v1.core.sched.scheduler.Scheduler``).
 
-For now it behaves exactly like vLLM's scheduler. The session issue fills it in: a phone's tree goes into
-``request.spec_token_ids``, the parents travel on ``SchedulerOutput``, and the request is parked between
-rounds (vllm-integration.md §5.2, §12).
+Sessions come from ``HycoSchedulerMixin`` (vllm_hyco/engine/sched_mixin.py): a phone's tree goes into
+``request.spec_token_ids``, the parents travel on ``SchedulerOutput.hyco_trees``, and the request is
+parked between rounds (vllm-integration.md §5.2, §12). Requests without ``extra_args["hyco"]`` are
+scheduled exactly as by vLLM's scheduler. Constructing it adds the ``hyco_*`` utility methods to
+EngineCore (vllm_hyco/engine/core_ext.py) in the engine-core process.
 """
 
 from __future__ import annotations
@@ -10,11 +12,14 @@ from __future__ import annotations
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from vllm_hyco.config import HycoConfig
+from vllm_hyco.engine import core_ext
+from vllm_hyco.engine.sched_mixin import HycoSchedulerMixin
 
 
-class HycoScheduler(Scheduler):
-    """vLLM's scheduler plus the HyCo config (``self.hyco_config``)."""
+class HycoScheduler(HycoSchedulerMixin, Scheduler):
+    """vLLM's scheduler plus HyCo sessions and the HyCo config (``self.hyco_config``)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.hyco_config = HycoConfig.maybe_from_vllm_config(self.vllm_config)
+        core_ext.install()

@@ -5,8 +5,8 @@ its rows sit in the flattened batch, the committed context length ``t`` (the roo
 row's depth and its ancestor mask. The attention override reads it to mask tree rows; the runner reads
 the K/V rows the override captured to compact the accepted path and to build the hand-off.
 
-The helpers below are private stand-ins for the tree core (``vllm_hyco.spec_decode``) and the kernels'
-torch twin (``vllm_hyco.kernels``); they are swapped for those when they land.
+Masks and depths come from ``vllm_hyco.kernels.tree_attention.ancestor_masks_from_parents`` (int64 bit
+masks, the form the kernels and their torch twin take); ``anc`` is the same mask as a bool matrix.
 
 Example (a root with two children, the second having one child)::
 
@@ -70,58 +70,22 @@ class TreeRows:
     eps: float | None
     depths: torch.Tensor  # [num_rows] int64
     anc: torch.Tensor  # [num_rows, num_rows] bool
+    masks: torch.Tensor  # [num_rows] int64 ancestor bitmask (bit j: row j is an ancestor or the row)
     captured: dict[str, CapturedKV] = field(default_factory=dict)
 
     @classmethod
     def build(cls, *, req_id: str, batch_idx: int, q_start: int, num_rows: int, context_len: int,
               round: int, tokens: list[int], parents: list[int], eps: float | None) -> "TreeRows":
+        from vllm_hyco.kernels.tree_attention import ancestor_masks_from_parents
+
         tokens, parents = list(tokens[:num_rows]), list(parents[:num_rows])
+        masks, depths = ancestor_masks_from_parents(parents)
         return cls(req_id=req_id, batch_idx=batch_idx, q_start=q_start, num_rows=num_rows,
                    context_len=context_len, round=round, tokens=tokens, parents=parents, eps=eps,
-                   depths=torch.tensor(depths_from_parents(parents), dtype=torch.int64),
-                   anc=ancestor_mask(parents))
+                   depths=torch.tensor(depths, dtype=torch.int64), anc=ancestor_mask(parents),
+                   masks=torch.tensor(masks, dtype=torch.int64))
 
     @property
     def positions(self) -> torch.Tensor:
         """[num_rows] int64: t + depth."""
         return self.context_len + self.depths
-
-
-def tree_attention_twin(
-    q: torch.Tensor,
-    k_prefix: torch.Tensor,
-    v_prefix: torch.Tensor,
-    prefix_pos: torch.Tensor,
-    k_tree: torch.Tensor,
-    v_tree: torch.Tensor,
-    tree: TreeRows,
-    *,
-    scale: float,
-    window: int,
-    softcap: float = 0.0,
-) -> torch.Tensor:
-    """Reference tree attention for one request (stand-in for kernels.tree_attention_dense_ref).
-
-    Row i (position t + depth_i) attends the committed prefix keys at positions p with
-    ``pos_i - p < window`` (all of them when ``window <= 0``), and the tree rows that are its ancestors or
-    itself. GQA: query head h reads KV head ``h // (H / Hkv)``.
-
-    Shapes: q [n, H, D]; k_prefix, v_prefix [L, Hkv, D]; prefix_pos [L]; k_tree, v_tree [n, Hkv, D].
-    Returns [n, H, D] in q's dtype (computed in fp32).
-    """
-    n, num_heads, _ = q.shape
-    group = num_heads // k_tree.shape[1]
-    k = torch.cat([k_prefix, k_tree], 0).float().repeat_interleave(group, dim=1)  # [L+n, H, D]
-    v = torch.cat([v_prefix, v_tree], 0).float().repeat_interleave(group, dim=1)  # [L+n, H, D]
-    q_pos = tree.positions  # [n]
-    pre_ok = torch.ones(n, prefix_pos.shape[0], dtype=torch.bool)
-    if window > 0:
-        pre_ok = (q_pos[:, None] - prefix_pos[None, :]) < window  # [n, L]
-    allowed = torch.cat([pre_ok, tree.anc], 1)  # [n, L+n]
-    scores = torch.einsum("nhd,khd->hnk", q.float(), k) * scale  # [H, n, L+n]
-    if softcap > 0:
-        scores = softcap * torch.tanh(scores / softcap)
-    scores = scores.masked_fill(~allowed[None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("hnk,khd->nhd", probs, v)  # [n, H, D]
-    return out.to(q.dtype)

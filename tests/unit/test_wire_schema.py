@@ -166,3 +166,26 @@ def test_size_and_msgpack_errors_are_typed():
     with pytest.raises(HandoffSchemaError) as e:
         decode_handoff(msgpack.packb([1, 2]))
     assert e.value.code == "bad_field_type"
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        dict(e_bonus=np.zeros(5, np.int8)),
+        dict(h=np.zeros(6, np.int16)),
+        dict(k=(np.zeros((3, 2, 4), np.int8),)),
+        dict(v=(np.zeros((3, 2, 4), np.int8), None)),
+        dict(k=(np.zeros((2, 2, 4), np.int8), np.zeros((3, 1, 8), np.int8))),
+    ],
+)
+def test_a_payload_that_contradicts_its_header_cannot_be_built(change):
+    with pytest.raises(HandoffSchemaError) as e:
+        dataclasses.replace(payload(), **change)
+    assert e.value.code == "bad_handoff"
+
+
+def test_v_rows_for_a_layer_declared_without_v_cannot_be_built():
+    spec = dataclasses.replace(SPEC, layers=(LAYERS[0], dataclasses.replace(LAYERS[1], has_v=False)))
+    p = HandoffPayload.make_dummy(spec, 0, 1)
+    with pytest.raises(HandoffSchemaError, match="has_v=False"):
+        dataclasses.replace(p, v=(p.v[0], np.zeros((1, 1, 8), np.int8)))

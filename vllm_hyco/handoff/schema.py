@@ -168,6 +168,28 @@ class HandoffPayload:
     # per header layer: [positions, kv_heads, head_dim] int8, or None where the layer has has_v=False
     v: tuple[np.ndarray | None, ...]
 
+    def __post_init__(self):
+        """Arrays must match the header (the encoder's guard against a mis-built payload)."""
+        spec, n = self.header.spec, self.header.num_positions
+        want = [("e", self.e_bonus, (spec.hidden_size,)), ("h", self.h, (spec.hidden_size,))]
+        if len(self.k) != len(spec.layers) or len(self.v) != len(spec.layers):
+            raise _E(
+                f"hand-off payload has {len(self.k)} K and {len(self.v)} V entries for "
+                f"{len(spec.layers)} header layers",
+                code="bad_handoff",
+            )
+        for layer, k, v in zip(spec.layers, self.k, self.v):
+            shape = (n, layer.kv_heads, layer.head_dim)
+            want.append((f"k of layer {layer.layer_id}", k, shape))
+            if layer.has_v or v is not None:
+                want.append(
+                    (f"v of layer {layer.layer_id} (has_v={layer.has_v})", v, shape if layer.has_v else None)
+                )
+        for name, arr, shape in want:
+            if shape is None or not isinstance(arr, np.ndarray) or arr.dtype != np.int8 or arr.shape != shape:
+                got = (arr.dtype, arr.shape) if isinstance(arr, np.ndarray) else type(arr).__name__
+                raise _E(f"hand-off payload: {name} must be int8 {shape}, got {got}", code="bad_handoff")
+
     def __eq__(self, other):
         if not isinstance(other, HandoffPayload):
             return NotImplemented

@@ -168,8 +168,11 @@ def torch_step(head: nn.Module) -> StepFn:
 
 
 def dequantize_rows(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
-    """Symmetric int8 -> float: ``x = q * scale``; scale [kvh, d] (fixed per channel) broadcasts over rows."""
-    return q.astype(np.float32) * np.asarray(scale, dtype=np.float32)
+    """Symmetric int8 -> float: ``x = q * scale``; scale [kvh, d] (fixed per channel) broadcasts over rows.
+    The convention is the wire format's (``vllm_hyco.handoff.quant``, vLLM-free)."""
+    from vllm_hyco.handoff.quant import dequantize
+
+    return dequantize(q, scale)
 
 
 class MtpDrafter:

@@ -1,0 +1,35 @@
+"""Record/replay of tree-attention calls (what the GPU script uses to re-run the CPU engine's batches)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tolerances import tol
+
+from vllm_hyco.kernels import HAS_TRITON, TreeAttentionMetadata, interpreting
+from vllm_hyco.kernels.replay import (
+    load_tree_attention_case,
+    record_tree_attention_case,
+    replay_tree_attention_case,
+)
+
+TRITON_OK = HAS_TRITON and (torch.cuda.is_available() or interpreting())
+
+
+@pytest.mark.parametrize("k_eq_v", [False, True])
+def test_record_is_compact_and_replays_exactly(tmp_path, k_eq_v):
+    meta = TreeAttentionMetadata.make_dummy([40, 3], [[-1, 0, 0, 1, 1], 2], block_size=16, num_blocks=50)
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(50, 16, 2, 32, generator=g)
+    v = k if k_eq_v else torch.randn(50, 16, 2, 32, generator=g)
+    q = torch.randn(7, 4, 32, generator=g)
+    path = record_tree_attention_case(tmp_path / "case.pt", q, k, v, meta, 0.2, 8, None, note="unit")
+    case = load_tree_attention_case(path)
+    assert case["k_cache"].shape[0] == 4  # 3 + 1 blocks used, out of 50
+    assert (case["v_cache"] is case["k_cache"]) == k_eq_v
+    report = replay_tree_attention_case(path, backend="torch")
+    assert report["max_abs_diff"] == 0.0 and report["finite"] and report["reqs"] == 2
+    if TRITON_OK:
+        report = replay_tree_attention_case(path, backend="triton")
+        t = tol("attention", torch.float32)
+        assert report["max_abs_diff"] <= t["atol"] + t["rtol"] * float(case["out"].abs().max())

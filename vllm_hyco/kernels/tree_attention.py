@@ -333,8 +333,8 @@ def tree_attention_triton(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        meta.block_table.stride(0),
-        NUM_Q_HEADS=num_q_heads, NUM_SPLITS=splits,
+        meta.block_table.stride(0), splits,
+        NUM_Q_HEADS=num_q_heads, SPLIT=splits > 1,
         QPK=qpk, QPK_P=qpk_p, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_Q=block_q, BLOCK_M=block_q * qpk_p, TILE_N=tile_n,
         WINDOW=int(sliding_window or 0), USE_SOFTCAP=bool(softcap), K_EQ_V=_same_storage(k_cache, v_cache),
@@ -342,8 +342,8 @@ def tree_attention_triton(
     )
     if splits > 1 and num_rows:
         tree_attention_reduce_kernel[(num_rows, num_q_heads)](
-            out, part, lse, out.stride(0), out.stride(1),
-            NUM_Q_HEADS=num_q_heads, NUM_SPLITS=splits, SPLITS_P=next_pow2(splits),
+            out, part, lse, out.stride(0), out.stride(1), splits,
+            NUM_Q_HEADS=num_q_heads, SPLITS_P=next_pow2(splits),
             HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
         )
     return out

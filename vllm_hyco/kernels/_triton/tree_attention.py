@@ -5,7 +5,7 @@ The BLOCK_Q rows and the QPK_P query heads that share the KV head are packed int
 rows of one tile, so K/V tiles are read once per KV head (GQA); the query block is the fastest grid axis, so
 programs that read the same K/V tiles run side by side (L2 reuse). Keys are walked by cache index in tiles
 of TILE_N; a key's position is its index in the committed prefix and ``t + depth`` for the step's rows.
-With NUM_SPLITS > 1 each split writes a normalized partial output and its log-sum-exp, and
+With num_splits > 1 each split writes a normalized partial output and its log-sum-exp, and
 ``tree_attention_reduce_kernel`` merges them (flash-decoding), so batch-1 long contexts fill the GPU.
 Written against the API common to Triton 3.6 and 3.9.
 """
@@ -26,8 +26,8 @@ def _softcap(s, cap):
 @triton.jit
 def tree_attention_kernel(
     out_ptr,  # [num_rows, num_q_heads, head_dim]
-    part_ptr,  # [num_rows, num_q_heads, NUM_SPLITS, HEAD_DIM_P] fp32 (NUM_SPLITS > 1 only)
-    lse_ptr,  # [num_rows, num_q_heads, NUM_SPLITS] fp32 (NUM_SPLITS > 1 only)
+    part_ptr,  # [num_rows, num_q_heads, num_splits, HEAD_DIM_P] fp32 (SPLIT only)
+    lse_ptr,  # [num_rows, num_q_heads, num_splits] fp32 (SPLIT only)
     q_ptr,  # [num_rows, num_q_heads, head_dim]
     k_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim] (unused when K_EQ_V)
@@ -43,8 +43,9 @@ def tree_attention_kernel(
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_bt,
+    num_splits,  # key-range splits per (request, KV head, query block); runtime, so no recompiles
     NUM_Q_HEADS: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,  # num_splits > 1: write partials for tree_attention_reduce_kernel
     QPK: tl.constexpr,  # query heads per KV head
     QPK_P: tl.constexpr,  # QPK rounded up to a power of two
     HEAD_DIM: tl.constexpr,
@@ -60,8 +61,8 @@ def tree_attention_kernel(
     DOT_PREC: tl.constexpr,  # "ieee" for fp32 operands, so fp32 stays exact (no tf32)
 ):
     q_block = tl.program_id(0)
-    kv_head = tl.program_id(1) // NUM_SPLITS
-    split = tl.program_id(1) % NUM_SPLITS
+    kv_head = tl.program_id(1) // num_splits
+    split = tl.program_id(1) % num_splits
     req = tl.program_id(2)
 
     q_start = tl.load(query_start_ptr + req)
@@ -98,9 +99,9 @@ def tree_attention_kernel(
         any_tree = tl.max(tl.where(row_ok, row_mask, 0), axis=0) != 0
         lo = tl.where(any_tree, tl.minimum(lo, prefix), lo)  # tree keys: index != position
         lo = (lo // TILE_N) * TILE_N
-    if NUM_SPLITS > 1:
+    if SPLIT:
         tiles = tl.cdiv(hi - lo, TILE_N)
-        per_split = tl.cdiv(tiles, NUM_SPLITS)
+        per_split = tl.cdiv(tiles, num_splits)
         hi = tl.minimum(hi, lo + (split + 1) * per_split * TILE_N)
         lo = lo + split * per_split * TILE_N
 
@@ -162,14 +163,14 @@ def tree_attention_kernel(
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None]
     store_ok = row_ok[:, None] & d_ok[None, :]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         tl.store(
             out_ptr + (q_start + row)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
             o.to(out_ptr.dtype.element_ty),
             mask=store_ok,
         )
     else:
-        slot = ((q_start + row) * NUM_Q_HEADS + head) * NUM_SPLITS + split  # [BLOCK_M]
+        slot = ((q_start + row) * NUM_Q_HEADS + head) * num_splits + split  # [BLOCK_M]
         tl.store(part_ptr + slot[:, None].to(tl.int64) * HEAD_DIM_P + d[None, :], o, mask=store_ok)
         lse = tl.where(l_i > 0, m_i + tl.log(l_safe), float("-inf"))
         tl.store(lse_ptr + slot, lse, mask=row_ok)
@@ -178,11 +179,11 @@ def tree_attention_kernel(
 @triton.jit
 def tree_attention_reduce_kernel(
     out_ptr,  # [num_rows, num_q_heads, head_dim]
-    part_ptr,  # [num_rows, num_q_heads, NUM_SPLITS, HEAD_DIM_P] fp32
-    lse_ptr,  # [num_rows, num_q_heads, NUM_SPLITS] fp32
+    part_ptr,  # [num_rows, num_q_heads, num_splits, HEAD_DIM_P] fp32
+    lse_ptr,  # [num_rows, num_q_heads, num_splits] fp32
     stride_ot, stride_oh,
+    num_splits,
     NUM_Q_HEADS: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     SPLITS_P: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_P: tl.constexpr,
@@ -191,13 +192,13 @@ def tree_attention_reduce_kernel(
     head = tl.program_id(1)
     s = tl.arange(0, SPLITS_P)
     d = tl.arange(0, HEAD_DIM_P)
-    base = (row * NUM_Q_HEADS + head) * NUM_SPLITS
-    lse = tl.load(lse_ptr + base + s, mask=s < NUM_SPLITS, other=float("-inf"))  # [SPLITS_P]
+    base = (row * NUM_Q_HEADS + head) * num_splits
+    lse = tl.load(lse_ptr + base + s, mask=s < num_splits, other=float("-inf"))  # [SPLITS_P]
     m = tl.max(lse, axis=0)
     w = tl.exp(lse - m)
     w = w / tl.sum(w, axis=0)
     parts = tl.load(part_ptr + (base + s)[:, None].to(tl.int64) * HEAD_DIM_P + d[None, :],
-                    mask=(s < NUM_SPLITS)[:, None], other=0.0)  # [SPLITS_P, HEAD_DIM_P]
+                    mask=(s < num_splits)[:, None], other=0.0)  # [SPLITS_P, HEAD_DIM_P]
     o = tl.sum(parts * w[:, None], axis=0)
     o = o.to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_ot + head * stride_oh + d, o, mask=d < HEAD_DIM)

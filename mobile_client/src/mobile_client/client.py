@@ -1,0 +1,274 @@
+"""The phone's WebSocket client: runs a ``PhoneSession`` against ``/v1/hyco/session`` (docs/protocol.md).
+
+One connection carries one session: ``start``, then per round one ``tree`` up and one ``verdict`` down
+(plus ``handoff_chunk`` frames when the hand-off is bigger than one chunk), then ``final``. Robustness:
+
+* **Timeouts everywhere**: connecting, and every frame the phone waits for. A silent server is treated as a
+  lost connection; when the retries run out the client raises ``PhoneTimeoutError``. It never hangs.
+* **Reconnect and resume**: on a dropped connection (or a timeout) the client reconnects and sends a
+  ``start`` with ``hyco.resume = {session_id, last_round, need_seed}``; the server replays its last
+  verdict; the session ignores a replay of a round it already holds and resends the tree in flight
+  unchanged. A verdict is applied only once it and its whole hand-off are in, so no committed token is
+  lost or committed twice. Before verdict 0 there is no session id: the client starts over.
+* **A fresh seed after a lost state**: a broken chunked hand-off (``chunk_*``) or a malformed one
+  (``bad_handoff``) reconnects with ``need_seed: true``; the replay then carries a seed hand-off.
+* **Typed errors**: an ``error`` frame raises ``HycoServerError`` with the frame's ``code``, ``fatal`` and
+  ``round`` (``server_busy`` is retried: the same tree is resent); a bad key raises it with code
+  ``unauthorized`` (HTTP 401 at the handshake); the phone's own decoders raise ``FrameError`` /
+  ``HandoffSchemaError`` with the protocol's codes (``layout_mismatch``, ``bad_verdict``, ...).
+
+>>> ws_url("http://127.0.0.1:8000"), ws_url("https://h/v1/hyco/session")
+('ws://127.0.0.1:8000/v1/hyco/session', 'wss://h/v1/hyco/session')
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import aiohttp
+
+from mobile_client.session import PhoneSession, RoundStats, SessionResult
+from vllm_hyco.errors import FrameError, HandoffSchemaError, HycoError, SessionError
+from vllm_hyco.handoff.chunks import HandoffAssembler
+from vllm_hyco.handoff.frames import decode_server_frame, encode_frame
+from vllm_hyco.handoff.limits import DEFAULT_LIMITS, WireLimits
+from vllm_hyco.handoff.server_frames import ErrorFrame, FinalFrame, HandoffChunkFrame, VerdictFrame
+
+SESSION_PATH = "/v1/hyco/session"
+#: phone-side decode errors that a seed hand-off repairs (docs/protocol.md section 7, "phone" codes)
+RESEED_CODES = frozenset({"chunk_missing", "chunk_duplicate", "chunk_out_of_order", "chunk_corrupt",
+                          "bad_handoff"})
+
+
+class HycoServerError(SessionError):
+    """An ``error`` frame from the server (or a refused handshake): ``code``, ``fatal``, ``round``."""
+
+    def __init__(self, message: str, *, code: str, fatal: bool = True, round: int | None = None):
+        super().__init__(message, code=code)
+        self.fatal, self.round = fatal, round
+
+
+class PhoneTimeoutError(HycoError, TimeoutError):
+    """The server stayed silent past the timeout on every retry."""
+
+    code = "client_timeout"
+
+
+class ConnectionLostError(HycoError, ConnectionError):
+    """The connection kept dropping (or could not be opened) on every retry."""
+
+    code = "connection_lost"
+
+
+class _Dropped(Exception):
+    """Internal: the connection is unusable; reconnect (and resume) if retries are left."""
+
+    def __init__(self, why: str, timeout: bool = False):
+        super().__init__(why)
+        self.timeout = timeout
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    connect_s: float = 10.0  # TCP + WebSocket handshake
+    frame_s: float = 60.0  # each frame the phone waits for (a verdict includes the server's forward)
+    close_s: float = 2.0  # closing handshake
+
+
+def ws_url(server: str) -> str:
+    """``http(s)://host:port[/...]`` or ``ws(s)://...`` -> the session route's WebSocket URL."""
+    url = server.rstrip("/")
+    for plain, secure in (("http://", "ws://"), ("https://", "wss://")):
+        if url.startswith(plain):
+            url = secure + url[len(plain):]
+    if not url.startswith(("ws://", "wss://")):
+        url = "ws://" + url
+    return url if url.endswith(SESSION_PATH) else url + SESSION_PATH
+
+
+class HycoClient:
+    """Runs phone sessions against one server.
+
+    ``max_retries`` bounds the reconnects in a row without progress (any applied verdict resets the
+    count); waits between them back off from ``retry_delay_s`` up to ``max_retry_delay_s``.
+    ``offload`` runs drafting in a worker thread so several simulated phones share one event loop.
+    """
+
+    def __init__(self, server: str, api_key: str | None = None, *, timeouts: Timeouts = Timeouts(),
+                 limits: WireLimits = DEFAULT_LIMITS, max_retries: int = 8, retry_delay_s: float = 0.05,
+                 max_retry_delay_s: float = 2.0, busy_retries: int = 50, offload: bool = True,
+                 http: aiohttp.ClientSession | None = None):
+        self.url, self.api_key, self.timeouts, self.limits = ws_url(server), api_key, timeouts, limits
+        self.max_retries, self.retry_delay_s = max_retries, retry_delay_s
+        self.max_retry_delay_s = max_retry_delay_s
+        self.busy_retries, self.offload, self._http = busy_retries, offload, http
+
+    async def run(self, session: PhoneSession, on_round: Callable[[RoundStats], None] | None = None
+                  ) -> SessionResult:
+        """Drive ``session`` to its end (``final``) and return its result; raises typed errors only."""
+        http = self._http or aiohttp.ClientSession()
+        try:
+            failures = 0
+            while True:
+                held = session.held_round
+                try:
+                    await self._connection(http, session, on_round)
+                    return session.result()
+                except _Dropped as e:
+                    if session.finished:  # only `final` was lost: every token is in
+                        return session.result()
+                    failures = 1 if session.held_round != held else failures + 1
+                    if failures > self.max_retries:
+                        cls = PhoneTimeoutError if e.timeout else ConnectionLostError
+                        raise cls(f"{e} ({self.max_retries} retries without progress; round "
+                                  f"{session.round}, {len(session.tokens)} tokens committed)") from None
+                    session.note_resume()
+                    await asyncio.sleep(min(self.retry_delay_s * 2 ** (failures - 1), self.max_retry_delay_s))
+        finally:
+            if self._http is None:
+                await http.close()
+
+    # -- one connection ------------------------------------------------------------------------------------
+    async def _connection(self, http, session: PhoneSession, on_round) -> None:
+        ws = await self._connect(http, session)
+        try:
+            resuming = session.sid is not None
+            await self._send(ws, encode_frame(session.start_frame()))
+            if resuming:  # the server replays its last verdict first
+                await self._take_verdict(ws, session, time.perf_counter(), on_round)
+            while not session.finished:
+                frame = await self._call(session.next_tree)
+                t0 = time.perf_counter()
+                await self._send(ws, encode_frame(frame))
+                prep = asyncio.create_task(self._call(session.prepare_proactive)) \
+                    if session.options.proactive is not None else None
+                try:
+                    await self._take_verdict(ws, session, t0, on_round)
+                finally:
+                    if prep is not None:
+                        await prep
+            session.final = await self._take_final(ws, session)
+        finally:
+            await self._close(ws)
+
+    async def _connect(self, http, session: PhoneSession):
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        try:
+            return await asyncio.wait_for(
+                http.ws_connect(self.url, headers=headers, max_msg_size=session.options.max_message_bytes,
+                                timeout=aiohttp.ClientWSTimeout(ws_close=self.timeouts.close_s)),
+                self.timeouts.connect_s)
+        except aiohttp.WSServerHandshakeError as e:
+            if e.status == 401:
+                raise HycoServerError(f"the server refused the API key (HTTP 401 at the WebSocket handshake "
+                                      f"to {self.url}); pass the server's --api-key",
+                                      code="unauthorized") from None
+            if e.status in (404, 405):
+                raise HycoServerError(f"{self.url} has no HyCo session route (HTTP {e.status}); is the "
+                                      f"server running with --speculative-config hyco?",
+                                      code="no_route") from None
+            raise _Dropped(f"handshake failed with HTTP {e.status}") from None
+        except asyncio.TimeoutError:
+            raise _Dropped(f"no WebSocket handshake from {self.url} in {self.timeouts.connect_s} s",
+                           timeout=True) from None
+        except (aiohttp.ClientError, OSError) as e:
+            raise _Dropped(f"cannot connect to {self.url}: {e}") from None
+
+    async def _close(self, ws) -> None:
+        try:
+            await asyncio.wait_for(ws.close(), self.timeouts.close_s)
+        except (asyncio.TimeoutError, aiohttp.ClientError, OSError):
+            pass
+
+    async def _call(self, fn):
+        return await asyncio.to_thread(fn) if self.offload else fn()
+
+    async def _send(self, ws, data: bytes) -> None:
+        try:
+            await ws.send_bytes(data)
+        except (aiohttp.ClientError, OSError, RuntimeError) as e:  # RuntimeError: closing transport
+            raise _Dropped(f"send failed: {e}") from None
+
+    async def _recv(self, ws, session: PhoneSession):
+        """The next server frame and its size; decode errors pass through as FrameError/HandoffSchemaError."""
+        try:
+            msg = await asyncio.wait_for(ws.receive(), self.timeouts.frame_s)
+        except asyncio.TimeoutError:
+            raise _Dropped(f"no frame from the server in {self.timeouts.frame_s} s", timeout=True) from None
+        if msg.type == aiohttp.WSMsgType.BINARY:
+            return decode_server_frame(msg.data, self.limits, expect=session.spec), len(msg.data)
+        if msg.type == aiohttp.WSMsgType.TEXT:
+            raise FrameError("the server sent a text message; frames are binary msgpack", code="bad_msgpack")
+        raise _Dropped(f"connection closed ({msg.type.name}{': ' + str(msg.data) if msg.data else ''})")
+
+    # -- frames in -----------------------------------------------------------------------------------------
+    async def _take_verdict(self, ws, session: PhoneSession, t0: float, on_round) -> None:
+        """Receive the verdict answering the tree in flight (or a replay), with its hand-off, and apply it."""
+        nbytes, busy = 0, 0
+        while True:
+            try:
+                frame, n = await self._recv(ws, session)
+                nbytes += n
+                if isinstance(frame, ErrorFrame):
+                    if frame.code == "server_busy" and not frame.fatal and busy < self.busy_retries:
+                        busy += 1
+                        await asyncio.sleep(self.retry_delay_s)
+                        await self._send(ws, encode_frame(session.next_tree()))
+                        continue
+                    raise HycoServerError(f"server error {frame.code}: {frame.message}", code=frame.code,
+                                          fatal=frame.fatal, round=frame.round)
+                if not isinstance(frame, VerdictFrame):
+                    raise FrameError(f"expected a verdict, got a {frame.TYPE} frame", code="bad_verdict")
+                if session.sid is None:  # known from here on: a drop mid-chunks resumes (last_round -1)
+                    session.sid = frame.session_id
+                handoff = frame.handoff
+                if frame.handoff_ref is not None:
+                    handoff, more = await self._assemble(ws, session, frame)
+                    nbytes += more
+                stats = session.apply_verdict(frame, handoff, wait_ms=(time.perf_counter() - t0) * 1e3,
+                                              bytes_down=nbytes)
+            except (FrameError, HandoffSchemaError) as e:
+                if e.code not in RESEED_CODES:
+                    raise
+                session.need_seed = True
+                raise _Dropped(f"hand-off lost ({e.code}: {e}); resuming with need_seed") from None
+            if stats is None:  # a replay of a round already held
+                return
+            if on_round is not None:
+                on_round(stats)
+            return
+
+    async def _assemble(self, ws, session: PhoneSession, verdict: VerdictFrame):
+        asm = HandoffAssembler(verdict.round, verdict.handoff_ref, self.limits)
+        nbytes = 0
+        while not asm.complete:
+            frame, n = await self._recv(ws, session)
+            nbytes += n
+            if isinstance(frame, ErrorFrame):
+                raise HycoServerError(f"server error {frame.code}: {frame.message}", code=frame.code,
+                                      fatal=frame.fatal, round=frame.round)
+            if not isinstance(frame, HandoffChunkFrame):
+                raise HandoffSchemaError(f"a {frame.TYPE} frame arrived while {verdict.handoff_ref.chunks} "
+                                         f"hand-off chunks were expected", code="chunk_missing")
+            asm.add(frame)
+        return asm.payload(expect=session.spec), nbytes
+
+    async def _take_final(self, ws, session: PhoneSession) -> FinalFrame | None:
+        try:
+            frame, _ = await self._recv(ws, session)
+        except _Dropped:
+            return None  # every token is committed; only the statistics are lost
+        if isinstance(frame, ErrorFrame):
+            raise HycoServerError(f"server error {frame.code}: {frame.message}", code=frame.code,
+                                  fatal=frame.fatal, round=frame.round)
+        if not isinstance(frame, FinalFrame) or (session.sid is not None and frame.session_id != session.sid):
+            raise FrameError(f"expected this session's final frame, got {frame.TYPE}", code="bad_verdict")
+        return frame
+
+
+def run_session(server: str, session: PhoneSession, api_key: str | None = None, **client_kw) -> SessionResult:
+    """Synchronous convenience: ``asyncio.run(HycoClient(server, api_key, **client_kw).run(session))``."""
+    return asyncio.run(HycoClient(server, api_key, **client_kw).run(session))

@@ -1,0 +1,383 @@
+"""One phone session as a state machine (paper Algorithm 1), with no transport: ``client.py`` drives it.
+
+Each round::
+
+    frame = session.next_tree()             # draft (Alg. 3 via the Drafter) -> TreeFrame of round r
+    ... the client sends it and receives verdict r (+ its hand-off, reassembled from chunks) ...
+    session.apply_verdict(verdict, handoff)  # commit path + bonus, stream the text, apply the hand-off
+
+``apply_verdict`` checks the verdict against the tree it answers (path rows form a chain from the root,
+committed ids equal the tree's tokens on the path, the hand-off's root position is the new root's), commits
+the path's tokens and the bonus, tells the drafter which rows were accepted (Algorithm 1 line 10: the SLM
+ring keeps the rows of the root and of the path; the rest become the next forward's catch-up rows), and
+applies the hand-off (the MTP ring and the MTP head's first input ``x_hat``). A verdict is applied whole
+or not at all, so a connection lost mid-verdict loses nothing: the client resumes and the server replays.
+
+Round 0 follows decisions.md D2: the root is the prompt's last token, the drafter's SLM is prefilled with
+the tokens before it, and the tree is the SLM's alone (no ``x_hat`` yet); verdict 0 carries the seed.
+
+Positions: the prompt holds positions 0..L-1, so round 0's root sits at L-1. After a round that accepts
+``m`` nodes, the next root (the bonus) sits ``m + 1`` positions later; every hand-off's ``root`` must
+equal it.
+
+Drafters: anything with ``propose(context, tree_budget) -> DraftTree`` (``drafters.base.Drafter``). Optional
+hooks the session calls when present: ``prefill(tokens)`` (SLM cache for round 0), ``accept(rows) -> int``
+(rows of the root and the path whose SLM KV it kept) and ``apply_handoff(payload) -> x_hat | None``.
+``HycoPhoneDrafter`` wraps HyCo's two drafters with those hooks.
+
+>>> from mobile_client.tree import DraftTree
+>>> class Echo:  # proposes one node: the root's token + 1
+...     def propose(self, context, tree_budget):
+...         return DraftTree.make_dummy([context.root, context.root + 1], [-1, 0])
+>>> s = PhoneSession(Echo(), prompt_tokens=[3, 4], request={"prompt": [3, 4]}, endpoint="completions")
+>>> s.next_tree().tokens
+(4, 5)
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from mobile_client.drafters.base import DraftContext, Drafter
+from mobile_client.tree import DraftTree, trim
+from vllm_hyco.errors import FrameError, HandoffSchemaError, SessionError
+from vllm_hyco.handoff.client_frames import (ClientCapabilities, HycoOptions, ResumeRequest, StartFrame,
+                                             TreeFrame)
+from vllm_hyco.handoff.frames import encode_frame
+from vllm_hyco.handoff.limits import AIOHTTP_DEFAULT_MAX_MSG
+from vllm_hyco.handoff.quant import HandoffScales, dequantize
+from vllm_hyco.handoff.schema import HandoffPayload, HandoffSpec
+
+ProactiveFn = Callable[[DraftTree], Any]  # tree -> mobile_client.baselines.ProactiveDraft
+
+
+@dataclass(frozen=True)
+class SessionOptions:
+    """What the phone asks for in ``start`` and how it drafts."""
+
+    mode: str = "exact"  # "exact" (lossless, the default) or "epsilon" (only if the operator enabled it)
+    epsilon: float | None = None  # with "epsilon": a stricter ε than the operator's; None = the operator's
+    max_nodes: int = 32  # the largest tree this phone builds (capabilities.max_nodes)
+    labels: bool = True  # send per-node source labels (statistics only)
+    max_message_bytes: int = AIOHTTP_DEFAULT_MAX_MSG  # the client's WebSocket receive limit
+    keep_set_hash: bytes | None = None
+    fingerprint: bytes | None = None  # the model bundle's fingerprint; None: take it from ``spec``
+    # proactive drafting (mobile_client.baselines.proactive_draft): called with the tree in flight; its
+    # prepared tree is used when the verdict matches the bet. Needs a drafter whose SLM calls are pure.
+    proactive: ProactiveFn | None = None
+
+
+@dataclass
+class RoundStats:
+    """One round, as the phone saw it (CPU-measured times; bytes are whole frames)."""
+
+    round: int
+    nodes: int  # drafted nodes sent (root excluded)
+    accepted: int  # |P|: accepted nodes
+    committed: int  # tokens committed (path + bonus; fewer on the finishing round)
+    draft_ms: float  # drafting the tree (0-ish when a proactive tree was reused)
+    wait_ms: float  # tree sent -> verdict and its whole hand-off received
+    bytes_up: int
+    bytes_down: int
+    budget: int  # nodes granted for the next round
+    text: str = ""
+    resumes: int = 0  # reconnections while this round was in flight
+    proactive_hit: bool | None = None  # None: proactive drafting off
+    proactive_ms: float = 0.0  # spent preparing the proactive tree (overlapped with the wait)
+
+
+@dataclass
+class SessionResult:
+    text: str
+    token_ids: list[int]  # committed completion tokens
+    finish_reason: str | None
+    rounds: list[RoundStats]
+    resumes: int
+    final: Any = None  # the server's FinalFrame (None if the connection died after the last verdict)
+
+    @property
+    def mat(self) -> float:
+        """Mean committed tokens per round (path + bonus), as the paper's MAT."""
+        return sum(r.committed for r in self.rounds) / max(len(self.rounds), 1)
+
+    def summary(self) -> dict:
+        n = max(len(self.rounds), 1)
+        return {"rounds": len(self.rounds), "tokens": len(self.token_ids), "mat": round(self.mat, 3),
+                "draft_ms_mean": round(sum(r.draft_ms for r in self.rounds) / n, 3),
+                "wait_ms_mean": round(sum(r.wait_ms for r in self.rounds) / n, 3),
+                "bytes_up": sum(r.bytes_up for r in self.rounds),
+                "bytes_down": sum(r.bytes_down for r in self.rounds), "resumes": self.resumes,
+                "finish_reason": self.finish_reason}
+
+
+@dataclass
+class _Pending:
+    """The tree in flight (resent unchanged after a reconnect: the SLM holds its rows' KV)."""
+
+    round: int
+    tree: DraftTree
+    frame: TreeFrame
+    draft_ms: float
+    proactive_hit: bool | None = None
+    resumes: int = 0
+    prepared: Any = None  # ProactiveDraft for the next round
+    proactive_ms: float = 0.0
+    nbytes: int = 0  # the encoded frame's size
+
+
+def _bad_verdict(msg: str) -> FrameError:
+    return FrameError(msg, code="bad_verdict")
+
+
+class PhoneSession:
+    """Per-session state: committed tokens, the root and its position, the hand-off state, the tree in flight.
+
+    ``prompt_tokens`` are the prompt's ids as the server tokenizes them (chat template applied): the phone
+    needs the last one (round 0's root) and the ones before it (the SLM's cache, D2).
+    """
+
+    def __init__(self, drafter: Drafter, *, prompt_tokens: Sequence[int], request: dict,
+                 endpoint: str = "chat.completions", spec: HandoffSpec | None = None,
+                 options: SessionOptions = SessionOptions(), on_text: Callable[[str], None] | None = None):
+        if not prompt_tokens:
+            raise SessionError("prompt_tokens is empty: the first tree's root is the prompt's last token",
+                               code="bad_request")
+        self.drafter, self.spec, self.options, self.on_text = drafter, spec, options, on_text
+        self.request, self.endpoint = dict(request), endpoint
+        self.prompt_tokens = [int(t) for t in prompt_tokens]
+        self.sid: bytes | None = None
+        self.round = 0  # the next round to draft (= the pending one while a tree is in flight)
+        self.held_round = -1  # the last round whose verdict and hand-off were applied
+        self.root = self.prompt_tokens[-1]
+        self.position = len(self.prompt_tokens) - 1  # the root's position
+        self.catch_up: tuple[int, ...] = ()
+        self.x_hat: np.ndarray | None = None  # [2H] the MTP head's first input; None until the seed
+        self.budget = min(options.max_nodes, 32)
+        self.tokens: list[int] = []
+        self.text_parts: list[str] = []
+        self.stats: list[RoundStats] = []
+        self.finish_reason: str | None = None
+        self.final = None
+        self.resumes = 0
+        self.need_seed = False  # the hand-off state broke: ask the server for a seed on resume
+        self._pending: _Pending | None = None
+        self._prefilled = False
+        self._prepared = None  # the ProactiveDraft prepared during the last wait
+        self._last_bet_key: tuple = ((), -1)  # (accepted path tokens, bonus) of the last verdict
+
+    # -- frames the phone sends --------------------------------------------------------------------------
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def _hyco(self, resume: ResumeRequest | None) -> HycoOptions:
+        o = self.options
+        caps = ClientCapabilities(max_nodes=o.max_nodes, labels=o.labels, handoff_schemas=(1,),
+                                  max_message_bytes=o.max_message_bytes)
+        fp = o.fingerprint if o.fingerprint is not None else (self.spec.fingerprint if self.spec else None)
+        return HycoOptions(o.mode, o.epsilon, caps, o.keep_set_hash, resume, fp)
+
+    def start_frame(self) -> StartFrame:
+        """``start`` for a new session, or a resume when a verdict (and so a session id) is held."""
+        if self.sid is None:
+            return StartFrame(self.endpoint, self.request, self._hyco(None))
+        resume = ResumeRequest(self.sid, self.held_round, self.need_seed)
+        return StartFrame(self.endpoint, None, self._hyco(resume))
+
+    def next_tree(self) -> TreeFrame:
+        """The tree of round ``self.round``: the one in flight again (after a reconnect), else a new one."""
+        if self.finished:
+            raise SessionError("the session is finished; no more trees", code="session_finished")
+        if self._pending is not None:
+            return self._pending.frame
+        if not self._prefilled:
+            self._prefilled = True
+            if hasattr(self.drafter, "prefill"):
+                self.drafter.prefill(self.prompt_tokens[:-1])
+        t0 = time.perf_counter()
+        tree, hit = self._reuse_proactive()
+        if tree is None:
+            ctx = DraftContext(root=self.root, catch_up=self.catch_up, x_hat=self.x_hat)
+            tree = self.drafter.propose(ctx, self.budget)
+        draft_ms = (time.perf_counter() - t0) * 1e3
+        self._check_tree(tree)
+        self.catch_up = ()  # the drafter's forward committed them
+        frame = TreeFrame.from_lists(self.round, **tree.wire_dict(labels=self.options.labels))
+        self._pending = _Pending(self.round, tree, frame, draft_ms, hit, nbytes=len(encode_frame(frame)))
+        return frame
+
+    def _reuse_proactive(self) -> tuple[DraftTree | None, bool | None]:
+        prepared, self._prepared = self._prepared, None
+        if self.options.proactive is None:
+            return None, None
+        if prepared is None or not prepared.matches(*self._last_bet_key):
+            return None, False
+        tree = prepared.tree
+        return (trim(tree, self.budget) if tree.num_nodes > self.budget else tree), True
+
+    def _check_tree(self, tree: DraftTree) -> None:
+        if not tree.tokens or tree.tokens[0] != self.root:
+            raise SessionError(f"the drafter's tree is rooted at {tree.tokens[:1]}, expected the root "
+                               f"{self.root}", code="bad_draft")
+        if tree.num_nodes > self.budget:
+            raise SessionError(f"the drafter built {tree.num_nodes} nodes, over the granted budget "
+                               f"{self.budget}", code="bad_draft")
+
+    def prepare_proactive(self) -> None:
+        """Run the proactive drafter on the tree in flight (the client calls it while waiting)."""
+        p = self._pending
+        if self.options.proactive is None or p is None or p.prepared is not None:
+            return
+        t0 = time.perf_counter()
+        p.prepared = self.options.proactive(p.tree)
+        p.proactive_ms = (time.perf_counter() - t0) * 1e3
+
+    def note_resume(self) -> None:
+        self.resumes += 1
+        if self._pending is not None:
+            self._pending.resumes += 1
+
+    # -- verdicts ----------------------------------------------------------------------------------------
+    def apply_verdict(self, v, handoff: HandoffPayload | None = None, *, wait_ms: float = 0.0,
+                      bytes_down: int = 0) -> RoundStats | None:
+        """Apply verdict ``v`` (a ``VerdictFrame``) with its hand-off (inline or reassembled).
+
+        Returns the round's stats, or None for a replay of a round already held (only its seed hand-off is
+        taken, when one was asked for). Raises FrameError ``bad_verdict`` / HandoffSchemaError on a verdict
+        that contradicts the tree or the positions; nothing is committed then.
+        """
+        handoff = v.handoff if handoff is None else handoff
+        if self.sid is not None and v.session_id != self.sid:
+            raise _bad_verdict(f"verdict of session {v.session_id.hex()}, this phone holds {self.sid.hex()}")
+        if v.round <= self.held_round:
+            if self.need_seed and handoff is not None and v.round == self.held_round:
+                self._apply_handoff(handoff, self.position, v.bonus)
+            return None
+        p = self._pending
+        if p is None or v.round != p.round:
+            raise _bad_verdict(f"verdict of round {v.round}, the tree in flight is round "
+                               f"{None if p is None else p.round}")
+        path_tokens = self._check_path(p.tree, v)
+        finished = v.finish_reason is not None
+        new_position = self.position + len(v.path) + 1
+        if not finished:
+            if handoff is None:
+                raise _bad_verdict(f"verdict {v.round} has no hand-off")
+            self._check_handoff(handoff, new_position, v.bonus)
+        # --- from here on the verdict is committed (Algorithm 1 lines 8-11)
+        self.sid = v.session_id
+        self.tokens.extend(v.tokens)
+        text = _chunk_text(v.chunk)
+        self.text_parts.append(text)
+        if text and self.on_text is not None:
+            self.on_text(text)
+        stats = RoundStats(v.round, p.tree.num_nodes, len(v.path), len(v.tokens), p.draft_ms, wait_ms,
+                           p.nbytes, bytes_down, v.budget, text, p.resumes,
+                           p.proactive_hit, p.proactive_ms)
+        self.stats.append(stats)
+        self._pending, self.held_round = None, v.round
+        self.round = v.round + 1
+        if finished:
+            self.finish_reason = v.finish_reason
+            return stats
+        kept = self.drafter.accept([0, *v.path]) if hasattr(self.drafter, "accept") else 0
+        self.catch_up = tuple([self.root, *path_tokens][kept:])
+        self.root, self.position = int(v.bonus), new_position
+        self.budget = min(v.budget, self.options.max_nodes)
+        self._prepared, self._last_bet_key = p.prepared, (tuple(path_tokens), int(v.bonus))
+        self._apply_handoff(handoff, new_position, v.bonus)
+        return stats
+
+    def _check_path(self, tree: DraftTree, v) -> list[int]:
+        parent = 0
+        for row in v.path:
+            if row >= len(tree.tokens) or tree.parents[row] != parent:
+                raise _bad_verdict(f"verdict {v.round}: path {list(v.path)} is not a chain from the root of "
+                                   f"the {tree.num_nodes}-node tree sent")
+            parent = row
+        path_tokens = [tree.tokens[r] for r in v.path]
+        n = min(len(v.tokens), len(path_tokens))
+        if list(v.tokens[:n]) != path_tokens[:n]:
+            raise _bad_verdict(f"verdict {v.round}: committed ids {list(v.tokens)} differ from the path's "
+                               f"tokens {path_tokens}")
+        return path_tokens
+
+    def _check_handoff(self, h: HandoffPayload, position: int, bonus: int) -> None:
+        if h.header.root_position != position or h.bonus_token != bonus:
+            raise HandoffSchemaError(
+                f"hand-off for root position {h.header.root_position} and bonus {h.bonus_token}; the phone's "
+                f"next root is {bonus} at position {position}", code="bad_handoff")
+        if self.spec is not None:
+            h.header.spec.check_matches(self.spec)
+
+    def _apply_handoff(self, h: HandoffPayload, position: int, bonus: int) -> None:
+        self._check_handoff(h, position, bonus)
+        if hasattr(self.drafter, "apply_handoff"):
+            self.x_hat = self.drafter.apply_handoff(h)
+        self.need_seed = False
+
+    # -- the end -----------------------------------------------------------------------------------------
+    def result(self) -> SessionResult:
+        return SessionResult("".join(self.text_parts), list(self.tokens), self.finish_reason,
+                             list(self.stats), self.resumes, self.final)
+
+
+def _chunk_text(chunk: dict) -> str:
+    choice = chunk["choices"][0]
+    if chunk.get("object") == "chat.completion.chunk":
+        return choice.get("delta", {}).get("content") or ""
+    return choice.get("text") or ""
+
+
+class HycoPhoneDrafter:
+    """HyCo's phone: a ``Drafter`` (``HybridDrafter`` over the MTP and SLM Drafters) plus the session hooks.
+
+    ``slm`` (``SlmDrafter``-like: ``prefill``, ``accept``) keeps the last committed tokens' KV; ``mtp``
+    (``MtpDrafter``-like: ``apply_handoff(t, a, rows)``) keeps the hand-off's K/V ring. ``scales`` are the
+    model's fixed hand-off scales (dequantization of the 8-bit rows and of e, h).
+    """
+
+    KINDS = {"sliding": "sliding_attention", "full": "full_attention"}
+
+    def __init__(self, drafter: Drafter, *, slm: Any = None, mtp: Any = None,
+                 scales: HandoffScales | None = None):
+        if mtp is not None and scales is None:
+            raise SessionError("an MTP drafter needs the model's hand-off scales", code="bad_config")
+        self.drafter, self.slm, self.mtp, self.scales = drafter, slm, mtp, scales
+
+    def propose(self, context: DraftContext, tree_budget: int) -> DraftTree:
+        return self.drafter.propose(context, tree_budget)
+
+    def prefill(self, tokens: Sequence[int]) -> None:
+        if self.slm is not None and len(tokens):
+            self.slm.prefill(list(tokens))
+
+    def accept(self, rows: Sequence[int]) -> int:
+        return self.slm.accept(list(rows)) if self.slm is not None else 0
+
+    def apply_handoff(self, h: HandoffPayload) -> np.ndarray | None:
+        """Dequantize the hand-off, write its K/V rows into the MTP ring, return ``x_hat`` = [e ; h] [2H]."""
+        if self.mtp is None:
+            return None
+        rows = {}
+        for layer, k, v in zip(h.header.spec.layers, h.k, h.v):
+            k_scale, v_scale = self.scales.layer(layer.layer_id)
+            kf = dequantize(k, k_scale)  # [P, kv_heads, head_dim]
+            rows[self.KINDS[layer.kind]] = (kf, kf if v is None else dequantize(v, v_scale))
+        self.mtp.apply_handoff(h.header.root_position, h.header.span_start, rows)
+        return np.concatenate([dequantize(h.e_bonus, self.scales.e), dequantize(h.h, self.scales.h)])
+
+
+def fmt_round(s: RoundStats) -> str:
+    """One line per round for consoles and logs."""
+    hit = "" if s.proactive_hit is None else f" pd={'hit' if s.proactive_hit else 'miss'}"
+    return (f"round {s.round:3d}: nodes {s.nodes:2d} accepted {s.accepted:2d} +{s.committed} tok | draft "
+            f"{s.draft_ms:7.2f} ms wait {s.wait_ms:7.2f} ms | up {s.bytes_up:4d} B down {s.bytes_down:7d} B"
+            f"{hit}{' resumed' * (s.resumes > 0)}")
+
+
+__all__ = ["HycoPhoneDrafter", "PhoneSession", "RoundStats", "SessionOptions", "SessionResult", "fmt_round"]

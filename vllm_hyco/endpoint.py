@@ -13,7 +13,8 @@ On a HyCo server it also answers ``/v1/completions`` and ``/v1/chat/completions`
 decoding is configured (its own check does not say which field).
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations`: FastAPI resolves the handlers' annotations (WebSocket is
+# imported inside attach_router) at runtime.
 
 import json
 import logging

@@ -47,10 +47,10 @@ def next_token(ctx) -> int:
     return (ctx[-1] * 31 + ctx[-2] * 7 + len(ctx) * 3 + 1) % V
 
 
-def greedy(prompt, n) -> list[int]:
+def greedy(prompt, n, fn=next_token) -> list[int]:
     ctx = list(prompt)
     for _ in range(n):
-        ctx.append(next_token(ctx))
+        ctx.append(fn(ctx))
     return ctx[len(prompt):]
 
 
@@ -101,15 +101,17 @@ class FakeHycoServer:
     Faults: ``drops`` = {(round, stage)} closes the connection once at that point, stage one of
     "on_tree" (tree lost), "before_verdict" (verdict computed, never sent), "mid_chunks" (verdict and one
     chunk sent), "after_verdict" (all sent, then closed); ``busy`` = rounds answered once with server_busy;
-    ``silent`` = rounds never answered (once); ``error_at`` = {round: (code, fatal)}.
+    ``silent`` = rounds never answered (once); ``error_at`` = {round: (code, fatal)}; ``corrupt`` = rounds
+    whose last hand-off chunk arrives with a flipped byte (once). ``next_fn`` is the toy verifier.
     """
 
     def __init__(self, *, api_key=None, chunk_bytes=1 << 20, budgets=None, drops=(), busy=(), silent=(),
-                 error_at=None, rng_drop: float = 0.0, seed: int = 0):
+                 error_at=None, rng_drop: float = 0.0, seed: int = 0, corrupt=(), next_fn=next_token):
         self.api_key, self.budgets = api_key, budgets or (lambda r: 32)
         self.limits = WireLimits(chunk_bytes=chunk_bytes)
         self.drops, self.busy, self.silent = set(drops), set(busy), set(silent)
         self.error_at, self.rng_drop, self.rng = dict(error_at or {}), rng_drop, random.Random(seed)
+        self.corrupt, self.next_fn = set(corrupt), next_fn
         self.sessions: dict[bytes, _State] = {}
         self.connections = self.resumes = self.trees = 0
         self.starts: list[StartFrame] = []
@@ -217,6 +219,9 @@ class FakeHycoServer:
         for i, f in enumerate(state.last_frames):
             if i == 2 and self._fault(rnd, "mid_chunks"):
                 return "close"
+            if rnd in self.corrupt and i == len(state.last_frames) - 1 and i > 0:
+                self.corrupt.discard(rnd)
+                f = f[:-1] + bytes([f[-1] ^ 1])  # the chunk's data is its last field
             await ws.send_bytes(f)
         if self._fault(rnd, "after_verdict"):
             return "close"
@@ -225,7 +230,7 @@ class FakeHycoServer:
     def _verify(self, state: _State, tree: TreeFrame):
         ctx, node, path = list(state.tokens), 0, []
         while True:
-            y = next_token(ctx)
+            y = self.next_fn(ctx)
             kids = [i for i in range(1, len(tree.tokens)) if tree.parents[i] == node and tree.tokens[i] == y]
             if not kids:
                 break

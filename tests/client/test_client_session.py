@@ -1,0 +1,215 @@
+"""PhoneSession (Algorithm 1 on the phone) as a pure state machine: frames in, frames out, no network.
+
+Verdicts are built with the wire module's own dataclasses (``vllm_hyco.handoff``) and dummy-pattern
+hand-offs, so every check here is about the session's bookkeeping: roots and positions, commits, catch-up
+rows, budgets, replays, seeds, and rejecting verdicts that contradict the tree (nothing committed then).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mobile_client.session import HycoPhoneDrafter, PhoneSession, SessionOptions, fmt_round
+from mobile_client.tree import DraftTree
+from vllm_hyco.errors import FrameError, HandoffSchemaError, SessionError
+from vllm_hyco.handoff import (HandoffPayload, HandoffScales, HandoffSpec, LayerSpec, VerdictFrame,
+                               openai_chunk)
+
+LAYERS = (LayerSpec(2, "sliding", kv_heads=2, head_dim=4, window=8),
+          LayerSpec(3, "full", kv_heads=1, head_dim=8, window=0, k_eq_v=True, has_v=False))
+SCALES = HandoffScales(np.full(6, 0.5, np.float32), np.full(6, 0.25, np.float32),
+                       ((2, np.full((2, 4), 0.1, np.float32), np.full((2, 4), 0.2, np.float32)),
+                        (3, np.full((1, 8), 0.3, np.float32), None)))
+SPEC = HandoffSpec.from_scales({"model_type": "toy"}, LAYERS, SCALES)
+SID = bytes(range(16))
+PROMPT = [5, 6, 7, 8]
+
+
+class Recorder:
+    """A drafter with every hook: a fixed-shape tree (a chain of 3 and one sibling), calls recorded."""
+
+    def __init__(self, keep=0):
+        self.keep, self.calls = keep, []
+
+    def prefill(self, tokens):
+        self.calls.append(("prefill", list(tokens)))
+
+    def propose(self, context, tree_budget):
+        self.calls.append(("propose", context.root, context.catch_up, context.x_hat is not None, tree_budget))
+        r = context.root
+        n = tree_budget + 1
+        tokens, parents = [r, r + 1, r + 2, r + 3, r + 9][:n], [-1, 0, 1, 2, 0][:n]
+        return DraftTree.make_dummy(tokens, parents, budget=tree_budget)
+
+    def accept(self, rows):
+        self.calls.append(("accept", list(rows)))
+        return min(self.keep, len(rows))
+
+    def apply_handoff(self, h):
+        self.calls.append(("handoff", h.header.span_start, h.header.root_position))
+        return np.zeros(12, np.float32)
+
+
+def session(drafter=None, **opts):
+    return PhoneSession(drafter or Recorder(), prompt_tokens=PROMPT, request={"prompt": PROMPT},
+                        endpoint="completions", spec=SPEC, options=SessionOptions(**opts))
+
+
+def verdict(rnd, path, tokens, a, root, *, budget=32, finish=None, handoff=True, sid=SID):
+    bonus = None if finish else tokens[-1]
+    h = HandoffPayload.make_dummy(SPEC, a, root, bonus, salt=rnd) if handoff and not finish else None
+    chunk = openai_chunk("text_completion", "c", "m", "".join(f"<{t}>" for t in tokens), finish, created=0)
+    return VerdictFrame(sid, rnd, tuple(path), tuple(tokens), bonus, h, None, 0 if finish else budget, chunk)
+
+
+def test_round0_is_rooted_at_last_prompt_token_with_prefill():
+    d = Recorder()
+    s = session(d)
+    frame = s.next_tree()
+    assert frame.round == 0 and frame.tokens[0] == 8 and s.position == 3
+    assert d.calls[:2] == [("prefill", [5, 6, 7]), ("propose", 8, (), False, 32)]
+    assert s.next_tree() is frame and len(d.calls) == 2  # the tree in flight is resent, not redrafted
+
+
+def test_start_frames_new_and_resume():
+    s = session(max_nodes=16, mode="epsilon", epsilon=0.001)
+    start = s.start_frame()
+    assert start.request == {"prompt": PROMPT} and start.hyco.resume is None
+    assert start.hyco.capabilities.max_nodes == 16 and start.hyco.fingerprint == SPEC.fingerprint
+    assert (start.hyco.mode, start.hyco.epsilon) == ("epsilon", 0.001)
+    s.next_tree()
+    s.apply_verdict(verdict(0, [1, 2], [9, 10, 77], 0, 6))
+    s.need_seed = True
+    resume = s.start_frame()
+    assert resume.request is None and resume.hyco.resume.session_id == SID
+    assert (resume.hyco.resume.last_round, resume.hyco.resume.need_seed) == (0, True)
+
+
+def test_apply_verdict_commits_path_and_bonus_and_tracks_positions():
+    d = Recorder(keep=2)
+    s = session(d)
+    streamed = []
+    s.on_text = streamed.append
+    s.next_tree()  # root 8 at position 3: rows 8, 9, 10, 11, 17
+    st = s.apply_verdict(verdict(0, [1, 2], [9, 10, 77], 0, 6, budget=3), wait_ms=1.5, bytes_down=99)
+    assert s.tokens == [9, 10, 77] and streamed == ["<9><10><77>"] and s.root == 77 and s.position == 6
+    assert (st.accepted, st.committed, st.nodes, st.wait_ms, st.bytes_down) == (2, 3, 4, 1.5, 99)
+    assert ("accept", [0, 1, 2]) in d.calls and ("handoff", 0, 6) in d.calls
+    assert s.catch_up == (10,)  # root and row 1 were kept by the drafter; row 2 (token 10) was not
+    s.next_tree()
+    assert d.calls[-1] == ("propose", 77, (10,), True, 3) and s.catch_up == ()
+    assert "round   0" in fmt_round(st)
+
+
+@pytest.mark.parametrize("bad,code", [
+    (dict(rnd=1), "bad_verdict"),  # not the round in flight
+    (dict(path=[1, 4]), "bad_verdict"),  # row 4 is the root's child, not row 1's
+    (dict(tokens=[9, 99, 77]), "bad_verdict"),  # ids differ from the path's tokens
+    (dict(root=7), "bad_handoff"),  # hand-off root position != 3 + 2 + 1
+    (dict(sid=bytes(16)), None),  # first verdict: any sid is taken
+])
+def test_contradicting_verdicts_commit_nothing(bad, code):
+    s = session()
+    frame = s.next_tree()
+    kw = dict(rnd=0, path=[1, 2], tokens=[9, 10, 77], a=0, root=6) | bad
+    v = verdict(kw.pop("rnd"), kw.pop("path"), kw.pop("tokens"), kw.pop("a"), kw.pop("root"), **kw)
+    if code is None:
+        assert s.apply_verdict(v) is not None
+        return
+    with pytest.raises((FrameError, HandoffSchemaError)) as e:
+        s.apply_verdict(v)
+    assert e.value.code == code
+    assert s.tokens == [] and s.held_round == -1 and s.next_tree() is frame
+
+
+def test_other_session_id_is_rejected():
+    s = session()
+    s.next_tree()
+    s.apply_verdict(verdict(0, [], [50], 0, 4))
+    s.next_tree()
+    with pytest.raises(FrameError, match="session"):
+        s.apply_verdict(verdict(1, [], [51], 4, 5, sid=bytes(16)))
+
+
+def test_replays_are_ignored_and_a_seed_is_taken():
+    d = Recorder()
+    s = session(d)
+    s.next_tree()
+    s.apply_verdict(verdict(0, [1], [9, 40], 0, 5))
+    n = len(d.calls)
+    assert s.apply_verdict(verdict(0, [1], [9, 40], 0, 5)) is None and len(d.calls) == n  # replay
+    s.need_seed = True
+    assert s.apply_verdict(verdict(0, [1], [9, 40], 0, 5)) is None
+    assert d.calls[-1] == ("handoff", 0, 5) and not s.need_seed and s.tokens == [9, 40]
+
+
+def test_finished_verdict_ends_the_session():
+    s = session()
+    s.next_tree()
+    st = s.apply_verdict(verdict(0, [1, 2, 3], [9, 10], 0, 0, finish="length"))
+    assert s.finished and s.finish_reason == "length" and st.committed == 2 and s.tokens == [9, 10]
+    with pytest.raises(SessionError):
+        s.next_tree()
+    assert s.result().text == "<9><10>" and s.result().mat == 2.0
+
+
+def test_missing_handoff_on_unfinished_verdict():
+    s = session()
+    s.next_tree()
+    v = verdict(0, [], [40], 0, 4)
+    with pytest.raises(FrameError):
+        s.apply_verdict(VerdictFrame(v.session_id, 0, (), (40,), 40, None, None, 32, v.chunk))
+
+
+def test_drafter_over_budget_is_refused():
+    class Greedy(Recorder):
+        def propose(self, context, tree_budget):
+            return DraftTree.make_dummy([context.root, 1, 2, 3], [-1, 0, 1, 2])
+    s = session(Greedy())
+    s.next_tree()
+    s.apply_verdict(verdict(0, [], [40], 0, 4, budget=2))
+    with pytest.raises(SessionError) as e:
+        s.next_tree()
+    assert e.value.code == "bad_draft"
+
+
+def test_phone_drafter_dequantizes_the_handoff_into_the_mtp_ring():
+    class Mtp:
+        def apply_handoff(self, t, a, rows):
+            self.got = (t, a, rows)
+
+    mtp = Mtp()
+    phone = HycoPhoneDrafter(Recorder(), mtp=mtp, scales=SCALES)
+    h = HandoffPayload.make_dummy(SPEC, 3, 7, 11)
+    x_hat = phone.apply_handoff(h)
+    t, a, rows = mtp.got
+    assert (t, a) == (7, 3) and set(rows) == {"sliding_attention", "full_attention"}
+    np.testing.assert_array_equal(rows["sliding_attention"][0], h.k[0].astype(np.float32) * np.float32(0.1))
+    np.testing.assert_array_equal(rows["sliding_attention"][1], h.v[0].astype(np.float32) * np.float32(0.2))
+    assert rows["full_attention"][1] is rows["full_attention"][0]  # has_v=False: V rows are the K rows
+    want = np.concatenate([h.e_bonus * np.float32(0.5), h.h * np.float32(0.25)])
+    np.testing.assert_array_equal(x_hat, want)
+    with pytest.raises(SessionError):
+        HycoPhoneDrafter(Recorder(), mtp=mtp)  # an MTP drafter without scales
+
+
+def test_proactive_tree_is_reused_only_when_the_bet_holds():
+    class Bet:
+        def __init__(self, tree, path, bonus):
+            self.tree, self.key = tree, (tuple(path), bonus)
+
+        def matches(self, accepted, bonus):
+            return (tuple(accepted), bonus) == self.key
+
+    prepared = DraftTree.make_dummy([40, 41, 42], [-1, 0, 1])
+    s = session(proactive=lambda tree: Bet(prepared, [9], 40))
+    s.next_tree()
+    s.prepare_proactive()
+    s.apply_verdict(verdict(0, [1], [9, 40], 0, 5))
+    frame = s.next_tree()
+    assert frame.tokens == (40, 41, 42) and s._pending.proactive_hit is True
+    s.prepare_proactive()
+    s.apply_verdict(verdict(1, [], [66], 5, 6))  # the bet said [41], 42... it missed
+    frame = s.next_tree()
+    assert frame.tokens[0] == 66 and s._pending.proactive_hit is False

@@ -46,7 +46,8 @@ LAYERS = {
 }
 SWEEPS = {
     "cpu": dict(contexts=[1024, 2048], batches=[1, 2], layers=["sliding", "full"]),
-    "gpu": dict(contexts=[1024, 4096, 8192, 16384, 32768], batches=[1, 4, 16, 64], layers=["sliding", "full"]),
+    # longest contexts first, so a time budget drops the least interesting points
+    "gpu": dict(contexts=[32768, 16384, 8192, 4096, 1024], batches=[1, 4, 16, 64], layers=["sliding", "full"]),
 }
 BLOCK_SIZE = 16
 
@@ -182,9 +183,9 @@ def run(args) -> dict:
     wanted = set(args.providers.split(",")) if args.providers else {
         "triton", "triton_1row", "twin", "sdpa_mask", "sdpa_1row"} | ({"flex"} if device == "cuda" else set())
     rows, t_start = [], time.time()
-    for layer_name in args.layers or sweep["layers"]:
-        for ctx in args.contexts or sweep["contexts"]:
-            for batch in args.batches or sweep["batches"]:
+    for ctx in args.contexts or sweep["contexts"]:
+        for batch in args.batches or sweep["batches"]:
+            for layer_name in args.layers or sweep["layers"]:
                 if time.time() - t_start > args.time_budget:
                     rows.append({"layer": layer_name, "context": ctx, "batch": batch, "skipped": "time budget"})
                     continue
@@ -198,8 +199,8 @@ def run_point(layer_name, ctx, batch, device, dtype, wanted, args) -> list[dict]
     want = set(wanted)
     if batch * ctx > args.twin_max_keys:
         want.discard("twin")  # the twin loops over requests in Python; keep the sweep inside its budget
-    if batch > args.flex_max_batch:
-        want.discard("flex")
+    if batch > args.flex_max_batch or (args.flex_contexts and ctx not in args.flex_contexts):
+        want.discard("flex")  # one compile per shape: keep it to a few points
     try:
         fns = providers(layer, ctx, batch, device, dtype, want)
     except torch.OutOfMemoryError as e:  # pragma: no cover - GPU only
@@ -251,7 +252,8 @@ def main(argv=None) -> None:
     p.add_argument("--reps", type=int, default=None)
     p.add_argument("--time-budget", type=float, default=1e9, help="seconds; later points are skipped")
     p.add_argument("--twin-max-keys", type=int, default=256 * 1024)
-    p.add_argument("--flex-max-batch", type=int, default=4)
+    p.add_argument("--flex-max-batch", type=int, default=1)
+    p.add_argument("--flex-contexts", nargs="*", type=int, default=[32768, 4096])
     p.add_argument("--out", default="benchmarks/out/bench_tree_attention.json")
     args = p.parse_args(argv)
     cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"

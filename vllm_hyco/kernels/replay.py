@@ -87,5 +87,6 @@ def replay_tree_attention_case(path: str | Path, backend: str = "auto", device: 
     return {
         "case": str(path), "note": c["note"], "dtype": str(c["q"].dtype), "rows": c["q"].shape[0],
         "reqs": c["meta"].num_reqs, "max_abs_diff": float(diff.max()) if diff.numel() else 0.0,
+        "max_abs_out": float(c["out"].float().abs().max()) if diff.numel() else 0.0,
         "finite": bool(torch.isfinite(got).all()),
     }

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Prepared GPU check for the kernels (issue 5), about 8 minutes on an H200 (torch + Triton, no vLLM):
+#   1. the compiled subset of tests/kernels (kernel vs twin vs brute force; needs pytest, skipped without),
+#   2. benchmarks/gpu/gpu_checks.py: Gemma-4-shaped cases to 32K context in bf16/fp32, 30-layer compaction,
+#      the int8 hand-off bit for bit, and replays of benchmarks/gpu/replay/*.pt (recorded engine batches),
+#   3. benchmarks/bench_tree_attention.py --sweep gpu: 40 points (2 layer types x 5 contexts x 4 batches).
+# Run from anywhere:  bash benchmarks/gpu/run_gpu_checks.sh
+# Results go to $OUT (set by the device tool) or benchmarks/out/gpu; commit them under
+# benchmarks/results/<gpu name>/ (see docs/kernels.md).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT="${OUT:-benchmarks/out/gpu}"
+mkdir -p "$OUT"
+PY="${PY:-python}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+unset TRITON_INTERPRET
+log() { echo "[$(date +%T)] $*" | tee -a "$OUT/run.log"; }
+
+{ nvidia-smi; "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, \
+torch.cuda.get_device_name())"; } > "$OUT/env.txt" 2>&1
+log "env: $(tail -1 "$OUT/env.txt")"
+
+if "$PY" -c "import pytest" 2>/dev/null; then
+  timeout "${PYTEST_S:-170}" "$PY" -m pytest tests/kernels -q -p no:cacheprovider \
+    -k "kernel_matches_twin or split_k or compaction or handoff or replay" \
+    --junitxml="$OUT/pytest_kernels.xml" > "$OUT/pytest_kernels.txt" 2>&1
+  log "pytest subset rc=$? ($(tail -1 "$OUT/pytest_kernels.txt"))"
+else
+  log "pytest not installed: compiled test subset skipped (gpu_checks.py still runs)"
+fi
+
+timeout "${CHECKS_S:-130}" "$PY" benchmarks/gpu/gpu_checks.py --out "$OUT/gpu_checks.json" \
+  > "$OUT/gpu_checks.txt" 2>&1
+log "gpu_checks rc=$? ($(tail -1 "$OUT/gpu_checks.txt"))"
+
+timeout "${BENCH_S:-190}" "$PY" benchmarks/bench_tree_attention.py --sweep gpu --time-budget "${BENCH_BUDGET_S:-160}" \
+  --out "$OUT/bench_tree_attention.json" > "$OUT/bench_tree_attention.txt" 2>&1
+log "bench rc=$? ($(tail -1 "$OUT/bench_tree_attention.txt"))"

@@ -34,7 +34,8 @@ DEFAULT_BUDGET = 32
 @dataclass
 class SessionHandle:
     sid: str
-    req_id: str
+    req_id: str  # the request id this API gave vLLM (external)
+    engine_req_id: str  # the id the scheduler and worker use (vLLM adds a suffix)
     root: int  # the first tree's root token (the prompt's last token)
     root_position: int  # its position t (the prompt length - 1)
     prefill_s: float
@@ -63,6 +64,27 @@ def check_fields(fields: dict[str, Any]) -> None:
                                           f"allowed: {', '.join(ALLOWED_FIELDS)}")
 
 
+def resolve_session_eps(server_eps: float | None, requested: float | str | None) -> float | None:
+    """The session's ε (None = exact) under D4: the server's by default; a session may be stricter.
+
+    Stricter means a larger ε (fewer ε-accepts); ``"exact"`` or any value >= 1 asks for exact mode.
+
+    >>> resolve_session_eps(0.005, None), resolve_session_eps(0.005, 0.01), resolve_session_eps(0.005, "exact")
+    (0.005, 0.01, None)
+    """
+    if requested is None:
+        return server_eps
+    if requested == "exact" or (isinstance(requested, (int, float)) and requested >= 1.0):
+        return None
+    if not isinstance(requested, (int, float)) or not 0.0 < requested < 1.0:
+        raise RequestFieldError("eps", f"eps must be in (0, 1), >= 1 or 'exact', got {requested!r}")
+    if server_eps is None or requested < server_eps:
+        raise RequestFieldError("eps", f"eps {requested} is laxer than the server's "
+                                       f"({'exact' if server_eps is None else server_eps}); a session may only "
+                                       f"ask for a stricter eps or exact (decisions.md D4)")
+    return float(requested)
+
+
 class HycoEngine:
     """Sessions on one vLLM engine. Not thread-safe: the caller serialises calls (one engine loop)."""
 
@@ -71,7 +93,8 @@ class HycoEngine:
         self.budget = budget
         self.max_steps = max_steps
         self._outbox: dict[str, list[Any]] = {}  # request id -> RequestOutputs not yet consumed
-        self._sessions: dict[str, str] = {}  # sid -> request id
+        self._sessions: dict[str, str] = {}  # sid -> request id (open sessions)
+        self._ended: set[str] = set()  # sids that finished (closing them again is a no-op)
 
     # -- core access ------------------------------------------------------------------------------
     def _call(self, name: str, *args):
@@ -80,6 +103,12 @@ class HycoEngine:
         if core is not None:
             return getattr(core, name)(*args)
         return client.call_utility(name, *args)
+
+    def _server_eps(self) -> float | None:
+        from vllm_hyco.config import HycoConfig
+
+        cfg = HycoConfig.maybe_from_vllm_config(self.engine.vllm_config)
+        return None if cfg is None else cfg.epsilon
 
     def _step(self) -> None:
         for out in self.engine.step():
@@ -90,7 +119,7 @@ class HycoEngine:
 
     # -- sessions ---------------------------------------------------------------------------------
     def open(self, *, prompt_token_ids: list[int] | None = None, prompt: str | None = None,
-             sid: str | None = None, eps: float | None = None, **fields) -> SessionHandle:
+             sid: str | None = None, eps: float | str | None = None, **fields) -> SessionHandle:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -98,8 +127,7 @@ class HycoEngine:
         sid = sid or uuid.uuid4().hex[:16]
         if sid in self._sessions:
             raise SessionError(f"session {sid!r} is already open", code="duplicate_session")
-        if eps is not None and not 0.0 < eps < 1.0:
-            raise RequestFieldError("eps", f"eps must be in (0, 1) or None (exact), got {eps}")
+        eps = resolve_session_eps(self._server_eps(), eps)
         params = SamplingParams(**{k: v for k, v in fields.items() if v is not None},
                                 output_kind=RequestOutputKind.DELTA,
                                 extra_args={"hyco": {"sid": sid, "eps": eps}})
@@ -113,11 +141,14 @@ class HycoEngine:
         self._sessions[sid] = req_id
         info = self._wait(sid, lambda i: i["state"] != "prefilling")
         if info["state"] == "finished":
+            self._sessions.pop(sid, None)
+            self.engine.abort_request([req_id])
+            self._take(req_id)
             raise SessionError(f"session {sid!r} finished during prefill ({info['finish_code']})",
                                code=info["finish_code"] or "session_finished")
         ids = list(prompt_token_ids) if prompt_token_ids is not None else None
         root = ids[-1] if ids else self._call("hyco_session_info", sid).get("root", -1)
-        return SessionHandle(sid=sid, req_id=req_id, root=root,
+        return SessionHandle(sid=sid, req_id=req_id, engine_req_id=info["req_id"], root=root,
                              root_position=(len(ids) - 1) if ids else -1, prefill_s=time.perf_counter() - start)
 
     def _wait(self, sid: str, done) -> dict[str, Any]:
@@ -161,6 +192,7 @@ class HycoEngine:
         finished = any(o.finished for o in outs)
         if finished:
             self._sessions.pop(sid, None)
+            self._ended.add(sid)
         path_rows = list(raw["path_rows"])
         return Verdict(
             sid=sid, round=round_, path_rows=path_rows, path_tokens=[tokens[r] for r in path_rows],
@@ -169,12 +201,16 @@ class HycoEngine:
                                 if o.finished and o.outputs), None),
             handoff=raw.get("handoff", {}), budget=self.budget,
             stats={"num_rows": raw["num_rows"], "accepted": len(path_rows), "hits": raw["hits"],
-                   "root_position": raw["root_pos"], "wall_s": wall})
+                   "root_position": raw["root_pos"], "wall_s": wall,
+                   **({"logits": raw["logits"]} if "logits" in raw else {})})
 
     def close(self, sid: str) -> bool:
         req_id = self._sessions.pop(sid, None)
+        if req_id is None and sid in self._ended:
+            return False
         if req_id is None:
             raise SessionError(f"unknown session {sid!r}", code="unknown_session")
+        self._ended.add(sid)
         closed = self._call("hyco_close", sid)
         self.engine.abort_request([req_id])
         self._take(req_id)

@@ -75,9 +75,11 @@ class HycoCPUAttentionImpl(CPUAttentionBackendImpl):
         assert self.sinks is None and self.alibi_slopes is None, "tree rows: sinks/alibi not supported"
         view = cpu_kv_view(layer.isa, kv_cache, self.kv_cache_dtype)
         block_size = kv_cache.shape[2]
+        name = getattr(layer, "layer_name", None) or str(id(layer))
         for tr in trees:
             rows = slice(tr.q_start, tr.q_start + tr.num_rows)
             t = tr.context_len
+            tr.block_rows[name] = attn_metadata.block_table[tr.batch_idx].clone()
             lo = 0 if self.sliding_window <= 0 else max(0, t - self.sliding_window + 1)
             prefix_pos = torch.arange(lo, t, dtype=torch.int64)  # [L]
             slots = slots_for_positions(attn_metadata.block_table[tr.batch_idx], prefix_pos, block_size)

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from vllm_hyco.engine import cpu_attention
-from vllm_hyco.engine.kv_view import cpu_kv_view
+from vllm_hyco.engine.kv_view import cpu_kv_view, slots_for_positions
 from vllm_hyco.engine.tree_plan import TreeRows
 
 PLACEHOLDER = -1
@@ -107,6 +107,8 @@ class HycoRunnerMixin:
                 lo = int(spec_decode_metadata.cu_num_sampled_tokens[tr.batch_idx]) - tr.num_rows
             rows_logits = logits[lo:lo + tr.num_rows]  # [num_rows, vocab]
             verdict = self._hyco_decide(tr, rows_logits)
+            if st.get("debug_logits"):  # tests only: the rows' logits as the decision saw them
+                verdict["logits"] = rows_logits.detach().float().clone()
             committed = [tr.tokens[r] for r in verdict["path_rows"]] + [verdict["bonus"]]
             out[tr.batch_idx].fill_(PLACEHOLDER)
             out[tr.batch_idx, :len(committed)] = torch.tensor(committed, dtype=out.dtype)
@@ -163,11 +165,17 @@ class HycoRunnerMixin:
 
     # -- hand-off ---------------------------------------------------------------------------------
     def _hyco_handoff(self, tr: TreeRows, verdict: dict) -> dict[str, Any]:
-        """D1: e(bonus), post-norm h at v*, K/V rows (root + path) of the last full and sliding layer."""
+        """D1: e(bonus), post-norm h at v*, K/V rows (root + path) of the last full and sliding layer.
+
+        ``position`` is P, the last committed position (the head's query position); the K/V rows cover
+        positions ``start .. position``. Round 0 also carries ``seed``: the last W positions of both layers
+        gathered from the paged cache after compaction (D2), so it is right whatever filled the cache
+        (prefix caching, chunked prefill).
+        """
         hidden = self._hyco_state()["hidden"]
         rows = [0] + verdict["path_rows"]
-        out: dict[str, Any] = {"position": tr.context_len + len(verdict["path_rows"]),
-                               "start": tr.context_len}
+        end_pos = tr.context_len + len(verdict["path_rows"])
+        out: dict[str, Any] = {"position": end_pos, "start": tr.context_len, "layers": {}}
         with torch.no_grad():
             ids = torch.tensor([verdict["bonus"]], dtype=torch.long)
             out["e_bonus"] = self.model.embed_input_ids(ids)[0].float().clone()  # [hidden]
@@ -175,10 +183,33 @@ class HycoRunnerMixin:
             out["h"] = hidden[tr.q_start + verdict["end_row"]].float().clone()  # [hidden]
         for kind, name in self._hyco_handoff_layers().items():
             cap = tr.captured.get(name)
-            if cap is not None:
-                idx = torch.tensor(rows)
-                out[f"{kind}_k"], out[f"{kind}_v"] = cap.key[idx].clone(), cap.value[idx].clone()
+            if cap is None:
+                continue
+            idx = torch.tensor(rows)
+            out["layers"][kind] = name
+            out[f"{kind}_k"], out[f"{kind}_v"] = cap.key[idx].clone(), cap.value[idx].clone()  # [d+1, Hkv, D]
+        if tr.round == 0:
+            out["seed"] = self._hyco_gather_seed(tr, end_pos + 1)
         return out
+
+    def _hyco_window(self) -> int:
+        cfg = getattr(self, "hyco_config", None)
+        window = getattr(cfg, "window", None)
+        return int(window or getattr(self.model_config.hf_text_config, "sliding_window", None) or 1024)
+
+    def _hyco_gather_seed(self, tr: TreeRows, num_committed: int) -> dict[str, Any]:
+        """K/V of positions [max(0, T - W), T) of the two hand-off layers, read from the paged cache."""
+        lo = max(0, num_committed - self._hyco_window())
+        positions = torch.arange(lo, num_committed, dtype=torch.int64)
+        seed: dict[str, Any] = {"start": lo, "end": num_committed}
+        for kind, name in self._hyco_handoff_layers().items():
+            cap, row = tr.captured.get(name), tr.block_rows.get(name)
+            if cap is None or row is None:
+                continue
+            block_size = cap.kv_cache.shape[2]
+            slots = slots_for_positions(row, positions, block_size)
+            seed[f"{kind}_k"], seed[f"{kind}_v"] = cpu_kv_view(cap.layer.isa, cap.kv_cache).gather(cap.kv_cache, slots)
+        return seed
 
     def _hyco_handoff_layers(self) -> dict[str, str]:
         """{'full': layer_name, 'sliding': layer_name}: the last full-attention and last sliding layer."""

@@ -75,12 +75,24 @@ class HycoSchedulerMixin:
 
     # -- requests ---------------------------------------------------------------------------------
     def add_request(self, request) -> None:
-        super().add_request(request)
+        """Register the session; a request the engine must refuse is recorded as a finished session with
+        a code (raising here would kill an engine-core process) and never scheduled."""
         spec = hyco_args(request)
-        if spec is not None and "sid" in spec:
-            if request.num_prompt_tokens < 2:
-                raise SessionError("a HyCo session needs a prompt of at least 2 tokens", code="prompt_too_short")
-            self.hyco_sessions.add(str(spec["sid"]), req_id=request.request_id, eps=spec.get("eps"))
+        if spec is None or "sid" not in spec:
+            return super().add_request(request)
+        reg = self.hyco_sessions
+        cfg = getattr(self, "hyco_config", None)
+        limit = getattr(cfg, "max_sessions", None)
+        refused = None
+        if request.num_prompt_tokens < 2:
+            refused = "prompt_too_short"
+        elif limit is not None and len(reg) >= limit:
+            refused = "too_many_sessions"
+        s = reg.add(str(spec["sid"]), req_id=request.request_id, eps=spec.get("eps"))
+        if refused is not None:
+            reg.mark_finished(s, refused)
+            return None
+        return super().add_request(request)
 
     def _reserve_prefill_lookahead(self, request, num_computed_tokens, num_new_tokens):
         n = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)

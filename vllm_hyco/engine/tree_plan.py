@@ -72,6 +72,8 @@ class TreeRows:
     anc: torch.Tensor  # [num_rows, num_rows] bool
     masks: torch.Tensor  # [num_rows] int64 ancestor bitmask (bit j: row j is an ancestor or the row)
     captured: dict[str, CapturedKV] = field(default_factory=dict)
+    # layer name -> [max_blocks] block-table row of this request in that layer's KV group
+    block_rows: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
     def build(cls, *, req_id: str, batch_idx: int, q_start: int, num_rows: int, context_len: int,

@@ -106,12 +106,13 @@ class FakeHycoServer:
     """
 
     def __init__(self, *, api_key=None, chunk_bytes=1 << 20, budgets=None, drops=(), busy=(), silent=(),
-                 error_at=None, rng_drop: float = 0.0, seed: int = 0, corrupt=(), next_fn=next_token):
+                 error_at=None, rng_drop: float = 0.0, seed: int = 0, corrupt=(), next_fn=next_token,
+                 spec=SPEC):
         self.api_key, self.budgets = api_key, budgets or (lambda r: 32)
         self.limits = WireLimits(chunk_bytes=chunk_bytes)
         self.drops, self.busy, self.silent = set(drops), set(busy), set(silent)
         self.error_at, self.rng_drop, self.rng = dict(error_at or {}), rng_drop, random.Random(seed)
-        self.corrupt, self.next_fn = set(corrupt), next_fn
+        self.corrupt, self.next_fn, self.spec = set(corrupt), next_fn, spec
         self.sessions: dict[bytes, _State] = {}
         self.connections = self.resumes = self.trees = 0
         self.starts: list[StartFrame] = []
@@ -252,7 +253,7 @@ class FakeHycoServer:
             return [encode_frame(v), encode_frame(final)]
         root = a + len(path) + 1
         span = max(0, root - W) if seed else a
-        payload = HandoffPayload.make_dummy(SPEC, span, root, committed[-1], salt=rnd)
+        payload = HandoffPayload.make_dummy(self.spec, span, root, committed[-1], salt=rnd)
         inline, ref, chunks = plan_handoff(payload, rnd, self.limits)
         v = VerdictFrame(state.sid, rnd, tuple(path), tuple(committed), committed[-1], inline, ref,
                          self.budgets(rnd), chunk)

@@ -146,9 +146,9 @@ class HycoClient:
                 prep = asyncio.create_task(self._call(session.prepare_proactive)) \
                     if session.options.proactive is not None else None
                 try:
-                    await self._take_verdict(ws, session, t0, on_round)
+                    await self._take_verdict(ws, session, t0, on_round, prep)
                 finally:
-                    if prep is not None:
+                    if prep is not None and not prep.done():
                         await prep
             session.final = await self._take_final(ws, session)
         finally:
@@ -205,8 +205,10 @@ class HycoClient:
         raise _Dropped(f"connection closed ({msg.type.name}{': ' + str(msg.data) if msg.data else ''})")
 
     # -- frames in -----------------------------------------------------------------------------------------
-    async def _take_verdict(self, ws, session: PhoneSession, t0: float, on_round) -> None:
-        """Receive the verdict answering the tree in flight (or a replay), with its hand-off, and apply it."""
+    async def _take_verdict(self, ws, session: PhoneSession, t0: float, on_round, prep=None) -> None:
+        """Receive the verdict answering the tree in flight (or a replay), with its hand-off, and apply it.
+
+        ``prep``: the proactive draft running during the wait; the verdict is applied after it ends."""
         nbytes, busy = 0, 0
         while True:
             try:
@@ -228,8 +230,10 @@ class HycoClient:
                 if frame.handoff_ref is not None:
                     handoff, more = await self._assemble(ws, session, frame)
                     nbytes += more
-                stats = session.apply_verdict(frame, handoff, wait_ms=(time.perf_counter() - t0) * 1e3,
-                                              bytes_down=nbytes)
+                wait_ms = (time.perf_counter() - t0) * 1e3
+                if prep is not None:
+                    await prep
+                stats = session.apply_verdict(frame, handoff, wait_ms=wait_ms, bytes_down=nbytes)
             except (FrameError, HandoffSchemaError) as e:
                 if e.code not in RESEED_CODES:
                     raise

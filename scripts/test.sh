@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
 # Run the test suite exactly as CI does: build/reuse the venv, then the tiers.
-#   tier 1 unit (no engine) + tier 3 integration (real vLLM in-process) + tier 4 e2e (real server):
+#   unit + client (no engine), integration (real vLLM in-process) and e2e (real server on 127.0.0.1):
 #       one pytest process;
-#   tier 2 kernels: their own pytest process with TRITON_INTERPRET=1 set before Triton is imported.
-# Slow tests (soaks, benchmarks, training) and GPU tests are excluded; pass extra pytest args after --.
+#   kernels: their own pytest process with TRITON_INTERPRET=1 set before Triton is imported.
+# Slow tests (soaks, benchmarks, training) and GPU tests are excluded. Extra pytest args (e.g. -x, -k NAME)
+# go to both processes. A tier in which nothing passes fails (pytest's exit code 5 for "no tests ran",
+# and HYCO_REQUIRE_PASSES=1 for "everything was skipped"; see tests/conftest.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup_env.sh
 extra=("$@")
-echo "== tier: unit + integration + e2e =="
-"$PY" -m pytest -m "not kernels and not slow and not gpu" "${extra[@]}" tests
+export HYCO_REQUIRE_PASSES=1
+start=$SECONDS
+echo "== tier: unit + client + integration + e2e =="
+"$PY" -m pytest -m "not kernels and not slow and not gpu" ${extra[@]+"${extra[@]}"} tests
 echo "== tier: kernels (TRITON_INTERPRET=1) =="
-TRITON_INTERPRET=1 "$PY" -m pytest -m "kernels and not slow and not gpu" "${extra[@]}" tests/kernels
+TRITON_INTERPRET=1 "$PY" -m pytest -m "kernels and not slow and not gpu" ${extra[@]+"${extra[@]}"} tests/kernels
+echo "== all tiers passed in $((SECONDS - start)) s =="

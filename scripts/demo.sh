@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The demo, end to end on CPU, in one command on a fresh machine:
+#   1. build (or reuse) the venv                      scripts/setup_env.sh
+#   2. build (or reuse) the tiny Gemma-4 fixtures     python -m vllm_hyco.fixtures (cached under $HYCO_CACHE)
+#   3. start `vllm-hyco serve DIR/verifier --speculative-config hyco` on 127.0.0.1
+#   4. stream one chat completion with the official openai client (scripts/demo_chat.py)
+#   5. stop the server (by PID)
+# HYCO_DEMO_PORT (default 8011) picks the port; the server log goes to $HYCO_CACHE/demo-server.log.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/setup_env.sh
+port=${HYCO_DEMO_PORT:-8011}
+mkdir -p "$HYCO_CACHE"
+log="$HYCO_CACHE/demo-server.log"
+
+echo "[demo] fixtures (first time: a few seconds)"
+fixtures=$("$PY" -c 'import sys; from vllm_hyco.fixtures import ensure_fixtures; print(ensure_fixtures(sys.argv[1]).root)' "$HYCO_CACHE")
+
+echo "[demo] starting vllm-hyco serve $fixtures/verifier --speculative-config hyco (log: $log)"
+"$HYCO_VENV/bin/vllm-hyco" serve "$fixtures/verifier" --host 127.0.0.1 --port "$port" \
+  --served-model-name hyco-tiny --max-model-len 2048 --max-num-seqs 4 \
+  --enforce-eager --distributed-executor-backend uni --speculative-config hyco >"$log" 2>&1 &
+server=$!
+stop() { kill -TERM "$server" 2>/dev/null || true; wait "$server" 2>/dev/null || true; }
+trap stop EXIT
+
+for _ in $(seq 1 300); do
+  if ! kill -0 "$server" 2>/dev/null; then echo "[demo] server exited; last log lines:"; tail -30 "$log"; exit 1; fi
+  if "$PY" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)' \
+       "http://127.0.0.1:$port/health" 2>/dev/null; then break; fi
+  sleep 1
+done
+"$PY" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)' "http://127.0.0.1:$port/health" \
+  || { echo "[demo] server not healthy after 300 s; last log lines:"; tail -30 "$log"; exit 1; }
+
+echo "[demo] server up; streaming a chat completion"
+"$PY" scripts/demo_chat.py --base-url "http://127.0.0.1:$port/v1" --model hyco-tiny
+echo "[demo] stopping the server"

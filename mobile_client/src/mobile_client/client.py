@@ -76,6 +76,7 @@ class Timeouts:
     connect_s: float = 10.0  # TCP + WebSocket handshake
     frame_s: float = 60.0  # each frame the phone waits for (a verdict includes the server's forward)
     close_s: float = 2.0  # closing handshake
+    final_s: float = 5.0  # the `final` frame after the finishing verdict (only statistics are at stake)
 
 
 def ws_url(server: str) -> str:
@@ -95,16 +96,22 @@ class HycoClient:
     ``max_retries`` bounds the reconnects in a row without progress (any applied verdict resets the
     count); waits between them back off from ``retry_delay_s`` up to ``max_retry_delay_s``.
     ``offload`` runs drafting in a worker thread so several simulated phones share one event loop.
+    Simulated phones (benchmarks, decisions.md D8): ``sim_draft_ms`` pads each new tree's drafting to a
+    modelled device time (the paper: 52.9 ms per round); ``sim_rtt_ms`` adds a modelled link round trip
+    (half before each tree, half after each verdict). Both only delay; ``RoundStats`` keeps the measured
+    draft time, and its wait time includes the modelled link.
     """
 
     def __init__(self, server: str, api_key: str | None = None, *, timeouts: Timeouts = Timeouts(),
                  limits: WireLimits = DEFAULT_LIMITS, max_retries: int = 8, retry_delay_s: float = 0.05,
                  max_retry_delay_s: float = 2.0, busy_retries: int = 50, offload: bool = True,
-                 http: aiohttp.ClientSession | None = None):
+                 http: aiohttp.ClientSession | None = None, sim_draft_ms: float = 0.0,
+                 sim_rtt_ms: float = 0.0):
         self.url, self.api_key, self.timeouts, self.limits = ws_url(server), api_key, timeouts, limits
         self.max_retries, self.retry_delay_s = max_retries, retry_delay_s
         self.max_retry_delay_s = max_retry_delay_s
         self.busy_retries, self.offload, self._http = busy_retries, offload, http
+        self.sim_draft_ms, self.sim_rtt_ms = sim_draft_ms, sim_rtt_ms
 
     async def run(self, session: PhoneSession, on_round: Callable[[RoundStats], None] | None = None
                   ) -> SessionResult:
@@ -140,8 +147,12 @@ class HycoClient:
             if resuming:  # the server replays its last verdict first
                 await self._take_verdict(ws, session, time.perf_counter(), on_round)
             while not session.finished:
+                t_draft, fresh = time.perf_counter(), not session.tree_in_flight
                 frame = await self._call(session.next_tree)
+                if fresh:
+                    await self._simulate(self.sim_draft_ms - (time.perf_counter() - t_draft) * 1e3)
                 t0 = time.perf_counter()
+                await self._simulate(self.sim_rtt_ms / 2)
                 await self._send(ws, encode_frame(frame))
                 prep = asyncio.create_task(self._call(session.prepare_proactive)) \
                     if session.options.proactive is not None else None
@@ -183,6 +194,11 @@ class HycoClient:
         except (asyncio.TimeoutError, aiohttp.ClientError, OSError):
             pass
 
+    @staticmethod
+    async def _simulate(ms: float) -> None:
+        if ms > 0:
+            await asyncio.sleep(ms / 1e3)
+
     async def _call(self, fn):
         return await asyncio.to_thread(fn) if self.offload else fn()
 
@@ -192,12 +208,13 @@ class HycoClient:
         except (aiohttp.ClientError, OSError, RuntimeError) as e:  # RuntimeError: closing transport
             raise _Dropped(f"send failed: {e}") from None
 
-    async def _recv(self, ws, session: PhoneSession):
+    async def _recv(self, ws, session: PhoneSession, timeout_s: float | None = None):
         """The next server frame and its size; decode errors pass through as FrameError/HandoffSchemaError."""
+        timeout_s = self.timeouts.frame_s if timeout_s is None else timeout_s
         try:
-            msg = await asyncio.wait_for(ws.receive(), self.timeouts.frame_s)
+            msg = await asyncio.wait_for(ws.receive(), timeout_s)
         except asyncio.TimeoutError:
-            raise _Dropped(f"no frame from the server in {self.timeouts.frame_s} s", timeout=True) from None
+            raise _Dropped(f"no frame from the server in {timeout_s} s", timeout=True) from None
         if msg.type == aiohttp.WSMsgType.BINARY:
             return decode_server_frame(msg.data, self.limits, expect=session.spec), len(msg.data)
         if msg.type == aiohttp.WSMsgType.TEXT:
@@ -230,6 +247,7 @@ class HycoClient:
                 if frame.handoff_ref is not None:
                     handoff, more = await self._assemble(ws, session, frame)
                     nbytes += more
+                await self._simulate(self.sim_rtt_ms / 2)
                 wait_ms = (time.perf_counter() - t0) * 1e3
                 if prep is not None:
                     await prep
@@ -262,7 +280,7 @@ class HycoClient:
 
     async def _take_final(self, ws, session: PhoneSession) -> FinalFrame | None:
         try:
-            frame, _ = await self._recv(ws, session)
+            frame, _ = await self._recv(ws, session, self.timeouts.final_s)
         except _Dropped:
             return None  # every token is committed; only the statistics are lost
         if isinstance(frame, ErrorFrame):

@@ -174,6 +174,11 @@ class PhoneSession:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def tree_in_flight(self) -> bool:
+        """A tree was drafted and its verdict is not applied yet (``next_tree`` resends it)."""
+        return self._pending is not None
+
     def _hyco(self, resume: ResumeRequest | None) -> HycoOptions:
         o = self.options
         caps = ClientCapabilities(max_nodes=o.max_nodes, labels=o.labels, handoff_schemas=(1,),

@@ -1,4 +1,4 @@
-"""Stream one chat completion from a running HyCo server with the official ``openai`` client (used by demo.sh).
+"""Stream one chat completion from a HyCo server with the official ``openai`` client (used by demo.sh).
 
     python scripts/demo_chat.py --base-url http://127.0.0.1:8011/v1 --model hyco-tiny
 """
@@ -16,7 +16,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base-url", default="http://127.0.0.1:8011/v1")
     parser.add_argument("--model", default="hyco-tiny")
-    parser.add_argument("--prompt", default="In the beginning God created the heaven and the earth. Tell me more.")
+    parser.add_argument("--prompt", default="In the beginning God created the heaven and the earth. "
+                                            "Tell me more.")
     parser.add_argument("--max-tokens", type=int, default=48)
     args = parser.parse_args()
 
@@ -25,12 +26,14 @@ def main() -> int:
     root = args.base_url.rsplit("/v1", 1)[0]
     with urllib.request.urlopen(f"{root}/v1/hyco/info", timeout=10) as resp:
         info = json.load(resp)
-    print(f"[demo] server: vllm_hyco {info['vllm_hyco']} on vLLM {info['vllm']}, HyCo config {info['config']}")
+    print(f"[demo] server: vllm_hyco {info['vllm_hyco']} on vLLM {info['vllm']}, "
+          f"HyCo config {info['config']}")
     client = openai.OpenAI(base_url=args.base_url, api_key="unused-by-the-demo", timeout=120)
     print(f"[demo] user: {args.prompt}\n[demo] model (streaming): ", end="", flush=True)
     start, chunks = time.perf_counter(), 0
+    messages = [{"role": "user", "content": args.prompt}]
     stream = client.chat.completions.create(model=args.model, stream=True, max_tokens=args.max_tokens,
-                                            temperature=0, messages=[{"role": "user", "content": args.prompt}])
+                                            temperature=0, messages=messages)
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
             chunks += 1

@@ -71,7 +71,7 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """With HYCO_REQUIRE_PASSES=1 (scripts/test.sh), a run in which nothing passed fails like 'no tests ran'."""
+    """With HYCO_REQUIRE_PASSES=1 (scripts/test.sh), a run where nothing passed fails like 'no tests ran'."""
     if os.environ.get("HYCO_REQUIRE_PASSES") == "1" and exitstatus == 0 and _PASSED["count"] == 0:
         session.exitstatus = pytest.ExitCode.NO_TESTS_COLLECTED
 

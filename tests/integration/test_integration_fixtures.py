@@ -40,7 +40,8 @@ def test_tokenizer_offline_with_chat_template(fixtures_dir):
 
     tok = AutoTokenizer.from_pretrained(str(fixtures_dir / "tokenizer"))
     assert tok.convert_ids_to_tokens([0, 1, 2, 3]) == ["<pad>", "<eos>", "<bos>", "<unk>"]
-    text = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
+    text = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
+                                   add_generation_prompt=True)
     assert text == "<bos><|turn>user\nHi<turn|>\n<|turn>model\n"
     assert tok("x").input_ids[0] == 2  # <bos> prepended like Gemma
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-PROMPTS = ["def hello(world):", "In the beginning God created", "import os\nimport sys\n", "The quick brown fox"]
+PROMPTS = ["def hello(world):", "In the beginning God created", "import os\nimport sys\n",
+           "The quick brown fox"]
 MAX_TOKENS = 32
 
 
@@ -22,7 +23,8 @@ def _greedy(llm) -> list[list[int]]:
 
 
 def _spec_counters(llm) -> dict[str, float]:
-    return {m.name: getattr(m, "value", 0) for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode")}
+    return {m.name: getattr(m, "value", 0) for m in llm.get_metrics()
+            if m.name.startswith("vllm:spec_decode")}
 
 
 @pytest.fixture(scope="module")

@@ -62,7 +62,8 @@ def test_other_methods_and_garbage_refused():
 
 
 @pytest.mark.parametrize("value, expected", [
-    ("hyco", True), (" hyco ", True), ('{"method": "hyco"}', True), ({"method": "hyco", "epsilon": 0.1}, True),
+    ("hyco", True), (" hyco ", True), ('{"method": "hyco"}', True),
+    ({"method": "hyco", "epsilon": 0.1}, True),
     (HycoConfig(), True), ('{"method": "mtp", "model": "x"}', False), ({"method": "ngram"}, False),
     (None, False), ("{not json", False), ("mtp", False),
 ])

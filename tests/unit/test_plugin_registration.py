@@ -135,4 +135,5 @@ def test_request_field_guard():
     for ok in ({}, {"min_p": 0}, {"min_p": None, "logit_bias": None}, {"logit_bias": {}}, [1], None):
         assert unsupported_field(ok) is None
     body = json.loads(error_body(unsupported_field({"min_p": 0.5})))
-    assert body["error"]["param"] == "min_p" and body["error"]["code"] == 400 and "min_p" in body["error"]["message"]
+    assert body["error"]["param"] == "min_p" and body["error"]["code"] == 400
+    assert "min_p" in body["error"]["message"]

@@ -44,8 +44,8 @@ def check_topology(args: Any) -> None:
                        ("data_parallel_size", "--data-parallel-size")):
         value = getattr(args, name, 1) or 1
         if value > 1:
-            raise ConfigError(f"--speculative-config hyco runs on one engine process in v1: {flag} {value} is "
-                              f"not supported; use {flag} 1 (scale-out is future work, decisions.md D7)")
+            raise ConfigError(f"--speculative-config hyco runs on one engine process in v1: {flag} {value} "
+                              f"is not supported; use {flag} 1 (scale-out is future work, decisions.md D7)")
     api_servers = getattr(args, "_api_process_count", 1) or 1
     if api_servers > 1:
         raise ConfigError(f"--speculative-config hyco needs a single API server (its sessions live in one "
@@ -56,12 +56,13 @@ def check_topology(args: Any) -> None:
 
 
 def expand_engine_args(args: Any, *, is_cpu: bool) -> HycoConfig:
-    """Validate ``args.speculative_config`` (a HyCo spec) and rewrite ``args`` in place; returns the config."""
+    """Validate ``args.speculative_config`` (a HyCo spec), rewrite ``args`` in place, return the config."""
     cfg = HycoConfig.parse(args.speculative_config)
     check_topology(args)
     scheduler = getattr(args, "scheduler_cls", None)
     if scheduler not in _DEFAULT_SCHEDULERS:
-        raise ConfigError(f"--speculative-config hyco brings its own scheduler; remove --scheduler-cls {scheduler}")
+        raise ConfigError(f"--speculative-config hyco brings its own scheduler; "
+                          f"remove --scheduler-cls {scheduler}")
     worker = getattr(args, "worker_cls", "auto")
     if worker not in ("auto", CPU_WORKER, GPU_WORKER):
         raise ConfigError(f"--speculative-config hyco brings its own worker; remove --worker-cls {worker}")

@@ -1,4 +1,6 @@
-"""Patch: expand a HyCo ``speculative_config`` into engine arguments before vLLM builds its config (vLLM 0.32).
+"""Patch: expand a HyCo ``speculative_config`` into engine arguments before vLLM builds its config.
+
+Target: vLLM 0.32.
 
 Why:      ``hyco`` is not a vLLM speculative method. Whatever path the value came by (the CLI flag, the
           dotted ``--speculative-config.method hyco`` form, ``LLM(speculative_config={"method": "hyco"})``),

@@ -61,7 +61,7 @@ class SlmAttention(nn.Module):
             self.k_proj = nn.Linear(spec.hidden, self.kvh * self.d, bias=False)
             self.k_norm = RMSNorm(self.d, spec.eps)
             self.v_norm = RMSNorm(self.d, spec.eps, with_scale=False)
-            if kind == SLIDING:  # full layers: V from the same projection as K (attention_k_eq_v)
+            if kind == SLIDING or not spec.k_eq_v:  # k_eq_v full layers: V from the K projection
                 self.v_proj = nn.Linear(spec.hidden, self.kvh * self.d, bias=False)
         self.q_scores, self.q_probs, self.q_out = ActQuant(), ActQuant(), ActQuant()
 

@@ -13,7 +13,7 @@ paper does not give are inferred and marked so).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -113,9 +113,9 @@ class SlmSpec:
     ple_dim: int  # hidden_size_per_layer_input (0 = no PLE)
     num_kv_shared: int
     double_wide_mlp: bool = False
+    k_eq_v: bool = True  # full layers take V from the K projection (Gemma-4 attention_k_eq_v)
     eps: float = 1e-6
     softcap: float | None = 30.0
-    extra: dict = field(default_factory=dict, compare=False)
 
     @property
     def num_layers(self) -> int:
@@ -147,7 +147,8 @@ class SlmSpec:
             ple_dim=text.get("hidden_size_per_layer_input", 0) or 0,
             num_kv_shared=text.get("num_kv_shared_layers", 0) or 0,
             double_wide_mlp=bool(text.get("use_double_wide_mlp", False)),
-            eps=text.get("rms_norm_eps", 1e-6), softcap=text.get("final_logit_softcapping"))
+            k_eq_v=bool(text.get("attention_k_eq_v", False)), eps=text.get("rms_norm_eps", 1e-6),
+            softcap=text.get("final_logit_softcapping"))
 
 
 _GEMMA4_ROPE = {SLIDING: RopeSpec(10_000.0), FULL: RopeSpec(1_000_000.0, "proportional", 0.25)}
@@ -250,7 +251,7 @@ def random_slm_state_dict(spec: SlmSpec, seed: int = 0) -> dict[str, torch.Tenso
         if i < spec.first_shared:
             sd[p + "self_attn.k_proj.weight"] = _rand(g, a.kv_heads * a.head_dim, spec.hidden)
             sd[p + "self_attn.k_norm.weight"] = _norm_w(g, a.head_dim)
-            if kind == SLIDING:  # full layers use K = V (attention_k_eq_v)
+            if kind == SLIDING or not spec.k_eq_v:  # k_eq_v full layers have no v_proj
                 sd[p + "self_attn.v_proj.weight"] = _rand(g, a.kv_heads * a.head_dim, spec.hidden)
         if P:
             sd[p + "per_layer_input_gate.weight"] = _rand(g, P, spec.hidden)
@@ -266,7 +267,7 @@ def slm_hf_config(spec: SlmSpec) -> dict:
                 hidden_size=spec.hidden, intermediate_size=spec.intermediate,
                 num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
                 num_key_value_heads=s.kv_heads, head_dim=s.head_dim, global_head_dim=f.head_dim,
-                num_global_key_value_heads=f.kv_heads, attention_k_eq_v=True,
+                num_global_key_value_heads=f.kv_heads, attention_k_eq_v=spec.k_eq_v,
                 layer_types=list(spec.layer_types), sliding_window=spec.sliding_window,
                 hidden_size_per_layer_input=spec.ple_dim, vocab_size_per_layer_input=spec.vocab,
                 num_kv_shared_layers=spec.num_kv_shared, use_double_wide_mlp=spec.double_wide_mlp,

@@ -141,8 +141,8 @@ def test_dense_ref_is_the_paged_twin_on_gathered_kv():
     blocks = meta.block_table[0].long().cpu()[idx // 16]
     k, v = kc.cpu()[blocks, idx % 16], vc.cpu()[blocks, idx % 16]
     dense = tree_attention_dense_ref(q.cpu(), k, v, 21, meta.ancestor_mask.cpu(), meta.depths.cpu(), 0.1, 9)
-    paged = tree_attention_ref(q, kc, vc, meta, 0.1, 9)
-    torch.testing.assert_close(dense, paged.cpu(), atol=0, rtol=0)
+    paged = tree_attention_ref(q, kc, vc, meta, 0.1, 9)  # gathers only the window's keys
+    torch.testing.assert_close(dense, paged.cpu(), **tol("attention", torch.float32))
 
 
 def test_metadata_make_dummy_worked_example():

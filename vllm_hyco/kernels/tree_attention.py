@@ -189,9 +189,9 @@ def tree_attention_dense_ref(
     kf = k.float().transpose(0, 1)  # [hkv, t + n, D]
     vf = v.float().transpose(0, 1)
     if not softcap:  # fused fp32 SDPA; every row sees at least itself, so no row is all -inf
-        o = torch.nn.functional.scaled_dot_product_attention(
-            qf, kf, vf, attn_mask=vis, scale=scale, enable_gqa=hq != hkv)  # [hq, n, D]
-        return o.transpose(0, 1).to(q.dtype)
+        o = torch.nn.functional.scaled_dot_product_attention(  # 4-D inputs take the fused CPU kernel
+            qf[None], kf[None], vf[None], attn_mask=vis, scale=scale, enable_gqa=hq != hkv)  # [1, hq, n, D]
+        return o[0].transpose(0, 1).to(q.dtype)
     kf, vf = kf.repeat_interleave(hq // hkv, dim=0), vf.repeat_interleave(hq // hkv, dim=0)  # [hq, t + n, D]
     s = torch.matmul(qf, kf.transpose(1, 2)) * scale  # [hq, n, t + n]
     s = softcap * torch.tanh(s / softcap)

@@ -94,3 +94,14 @@ def test_unsupported_topology_refused_through_vllm(fixtures_dir, extra, needle):
     args = EngineArgs(model=str(fixtures_dir / "verifier"), speculative_config={"method": "hyco"}, **extra)
     with pytest.raises(ConfigError, match=needle):
         args.create_engine_config()
+
+
+def test_agreeing_pair_accepts_every_mtp_draft(agree_fixtures_dir, make_llm):
+    """The --agree fixtures are plumbing only: verifier and head both always predict id 0."""
+    llm = make_llm(agree_fixtures_dir / "verifier", disable_log_stats=False,
+                   speculative_config={"method": "mtp", "model": str(agree_fixtures_dir / "assistant"),
+                                       "num_speculative_tokens": 4})
+    assert all(toks == [0] * MAX_TOKENS for toks in _greedy(llm))
+    counters = _spec_counters(llm)
+    drafted = counters.get("vllm:spec_decode_num_draft_tokens", 0)
+    assert drafted > 0 and counters.get("vllm:spec_decode_num_accepted_tokens", 0) == drafted

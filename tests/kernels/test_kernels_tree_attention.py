@@ -267,3 +267,11 @@ def test_kernel_split_k_matches_twin(name, splits):
     got = tree_attention_triton(q, kc, vc, meta, 0.1, window, cap, num_splits=splits)
     twin = tree_attention_ref(q, kc, vc, meta, 0.1, window, cap)
     _assert_close(got, twin, "attention", dtype, (name, splits))
+
+
+def test_from_vllm_defaults_to_causal_rows():
+    dummy = TreeAttentionMetadata.make_dummy([4, 0, 9], [3, 1, 5], block_size=8)
+    meta = TreeAttentionMetadata.from_vllm(dummy.query_start_loc, dummy.seq_lens, dummy.block_table,
+                                           dummy.max_query_len, dummy.max_seq_len, num_rows=9)
+    assert meta.depths.tolist() == dummy.depths.tolist() == [0, 1, 2, 0, 0, 1, 2, 3, 4]
+    assert meta.ancestor_mask.tolist() == [0] * 9

@@ -62,6 +62,38 @@ class TreeAttentionMetadata:
                  ("query_start_loc", "seq_lens", "block_table", "ancestor_mask", "depths")}
         return TreeAttentionMetadata(**moved, max_query_len=self.max_query_len, max_seq_len=self.max_seq_len)
 
+    @staticmethod
+    def causal_depths(query_start_loc: torch.Tensor, num_rows: int) -> torch.Tensor:
+        """[num_rows] int32: each row's index inside its request (the depth of a causal row). No sync."""
+        counts = (query_start_loc[1:] - query_start_loc[:-1]).to(torch.int64)  # [num_reqs]
+        starts = query_start_loc[:-1].to(torch.int64).repeat_interleave(counts, output_size=num_rows)
+        return (torch.arange(num_rows, device=query_start_loc.device) - starts).to(torch.int32)
+
+    @classmethod
+    def from_vllm(
+        cls,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_table: torch.Tensor,
+        max_query_len: int,
+        max_seq_len: int,
+        num_rows: int,
+        ancestor_mask: torch.Tensor | None = None,
+        depths: torch.Tensor | None = None,
+    ) -> TreeAttentionMetadata:
+        """Wrap vLLM's per-step metadata (``CommonAttentionMetadata`` fields of one KV-cache group).
+
+        Rows without a tree need mask 0 and depth = row index: pass ``ancestor_mask``/``depths`` with the
+        tree rows filled in and the rest from zeros / :meth:`causal_depths`; both default to all-causal.
+        """
+        dev = query_start_loc.device
+        if ancestor_mask is None:
+            ancestor_mask = torch.zeros(num_rows, dtype=torch.int64, device=dev)
+        if depths is None:
+            depths = cls.causal_depths(query_start_loc, num_rows)
+        return cls(query_start_loc.to(torch.int32), seq_lens.to(torch.int32), block_table.to(torch.int32),
+                   ancestor_mask.to(torch.int64), depths.to(torch.int32), max_query_len, max_seq_len)
+
     @classmethod
     def make_dummy(
         cls,

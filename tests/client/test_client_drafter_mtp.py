@@ -164,3 +164,39 @@ def test_mtp_int8_rows_and_lut(toy):
     torch.testing.assert_close(torch.from_numpy(lq), torch.from_numpy(lf), **tol("mtp_step_int8_kv", torch.float32))
     # later steps also read the 8-bit LUT; on random weights they may drift, so only the prefix is pinned
     assert f.draft(x_hat).chain[:2] == q.draft(x_hat).chain[:2]
+
+
+def test_mtp_on_fixtures_matches_transformers_assistant(fixtures_dir):
+    """On the project fixtures: inputs captured from the verifier (transformers, fp32: post-norm h, rotated
+    K/V of its last sliding and last full layer), our head loaded from the assistant folder, chain and
+    runner-ups equal to transformers' assistant run at position t - 1 on the same window (W = 128)."""
+    from transformers import AutoModelForCausalLM, Gemma4AssistantForCausalLM
+
+    from mobile_client.quant.capture import head_from_dir, verifier_states
+
+    verifier = AutoModelForCausalLM.from_pretrained(fixtures_dir / "verifier", dtype=torch.float32).eval()
+    hf = Gemma4AssistantForCausalLM.from_pretrained(fixtures_dir / "assistant", dtype=torch.float32).eval()
+    vocab = verifier.config.vocab_size
+    keep = list(range(vocab))
+    spec, head = head_from_dir(fixtures_dir / "assistant", keep)
+    window = spec.sliding_window
+    embed = verifier.get_input_embeddings().weight.detach().float()
+    tokens = torch.randint(0, vocab, (window + 40,), generator=torch.Generator().manual_seed(0)).tolist()
+    h, kv = verifier_states(verifier, tokens)
+    drafter = MtpDrafter(spec, keep, EmbedLut.from_embedding(embed, keep, bits=None), torch_step(head),
+                         window=window)
+    for t in (3, window // 2, window + 40 - 1):
+        lo = max(0, t - window)
+        drafter.t0 = -1
+        drafter.apply_handoff(t, lo, {k: (a[lo:t], b[lo:t]) for k, (a, b) in kv.items()})
+        x_hat = torch.cat([embed[tokens[t]] * math.sqrt(spec.backbone), torch.from_numpy(h[t - 1])])
+        draft = drafter.draft(x_hat.numpy())
+        ref_kv = {k: (torch.from_numpy(a), torch.from_numpy(b)) for k, (a, b) in kv.items()}
+        z, chain, runners = x_hat, [], []
+        for step in range(4):
+            logits, hh = _hf_step(hf, spec, z, ref_kv, t, window)
+            top = torch.topk(logits, 2).indices.tolist()
+            chain.append(top[0])
+            runners += [top[1]] if step < 2 else []
+            z = torch.cat([embed[top[0]] * math.sqrt(spec.backbone), hh])
+        assert (draft.chain, draft.runner_ups) == (chain, runners), t

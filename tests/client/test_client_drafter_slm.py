@@ -97,3 +97,27 @@ def test_slm_tree_rows_see_only_ancestors(toy):
     d2.prefill([5, 6, 7, 8])
     ref = d2.forward_rows(_chain_plan([9, 200]))
     np.testing.assert_allclose(out.logprobs[2], ref.logprobs[1], atol=1e-5)
+
+
+def test_slm_on_fixtures_matches_transformers(fixtures_dir):
+    """The project's E2B-shaped SLM fixture (PLE, KV sharing, double-wide MLP, V != K): 150 committed tokens
+    (the sliding ring, W/2 = the fixture's window 128, wraps), then 32 chain rows."""
+    import json
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from mobile_client.drafters.spec import SlmSpec
+
+    folder = fixtures_dir / "slm"
+    spec = SlmSpec.from_hf_config(json.loads((folder / "config.json").read_text()))
+    sd = {k: v.float() for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    keep = list(range(0, spec.vocab, 2))
+    tokens = torch.randint(0, spec.vocab, (182,), generator=torch.Generator().manual_seed(1)).tolist()
+    d = SlmDrafter(spec, sd, keep, window=2 * spec.sliding_window)
+    d.prefill(tokens[:150])
+    out = d.forward_rows(_chain_plan(tokens[150:]))
+    ref = _hf_logits(hf, spec, tokens, keep)[150:]
+    torch.testing.assert_close(torch.from_numpy(out.logprobs), torch.log_softmax(ref.double(), -1),
+                               **tol("slm_logits", torch.float32))

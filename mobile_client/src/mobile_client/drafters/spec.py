@@ -91,11 +91,19 @@ class MtpSpec:
 
 
 def _attn_from_hf(text: dict) -> dict[str, AttnShape]:
+    """Per-kind head dim and KV heads. A saved config carries ``per_layer_config`` ({layer: overrides});
+    a hand-written one ``global_head_dim`` / ``num_global_key_value_heads`` (used when K = V)."""
     kv = text["num_key_value_heads"]
-    k_eq_v = text.get("attention_k_eq_v", False)
-    gkv = text.get("num_global_key_value_heads") if k_eq_v else None
-    return {SLIDING: AttnShape(text["head_dim"], kv),
-            FULL: AttnShape(text.get("global_head_dim", text["head_dim"]), gkv or kv)}
+    shapes = {SLIDING: AttnShape(text["head_dim"], kv)}
+    plc = text.get("per_layer_config")
+    if plc:
+        types = text["layer_types"]
+        full = [o for i, o in plc.items() if types[int(i)] == FULL] or [{}]
+        shapes[FULL] = AttnShape(full[0].get("head_dim", text["head_dim"]), full[0].get("num_key_value_heads", kv))
+        return shapes
+    gkv = text.get("num_global_key_value_heads") if text.get("attention_k_eq_v", False) else None
+    shapes[FULL] = AttnShape(text.get("global_head_dim", 512), gkv or kv)
+    return shapes
 
 
 @dataclass(frozen=True)

@@ -387,3 +387,35 @@ def test_simulated_device_and_link_times_only_delay():
     assert result.token_ids == greedy(PROMPT, 10)
     # a lower bound set by asyncio.sleep, not a measured speed: the modelled round trip is in the wait
     assert all(r.wait_ms >= 29 for r in result.rounds)
+
+
+@pytest.mark.parametrize("stop_at,in_flight", [(0, False), (3, False), (3, True)])
+def test_app_restart_restores_from_snapshot_with_a_fresh_seed(stop_at, in_flight):
+    """The phone's process dies after round ``stop_at`` (with tree ``stop_at + 1`` in flight, unanswered, or
+    not): the app rebuilds the session from its snapshot with a fresh drafter, resumes with need_seed, and
+    finishes exactly."""
+    import json
+
+    class Crash(Exception):
+        pass
+
+    def crash_after(stats):
+        if stats.round == stop_at and not in_flight:
+            raise Crash
+
+    async def go():
+        silent = {stop_at + 1} if in_flight else set()
+        async with FakeHycoServer(chunk_bytes=600, silent=silent) as server:
+            kw = dict(timeouts=Timeouts(connect_s=5, frame_s=0.5, close_s=0.5), retry_delay_s=0.001)
+            first = make_session(max_tokens=30)
+            with pytest.raises(PhoneTimeoutError if in_flight else Crash):
+                await HycoClient(server.url, max_retries=0, **kw).run(first, on_round=crash_after)
+            snap = json.loads(json.dumps(first.snapshot()))
+            assert (snap["pending"] is not None) == in_flight
+            again = PhoneSession.restore(OracleDrafter(), snap, spec=SPEC)
+            return await HycoClient(server.url, **kw).run(again), server
+    result, server = asyncio.run(go())
+    assert result.token_ids == greedy(PROMPT, 30) and result.text == text_of(greedy(PROMPT, 30))
+    resume = [s.hyco.resume for s in server.starts if s.request is None]
+    assert len(resume) == 1 and resume[0].need_seed and resume[0].last_round == stop_at
+    assert result.rounds[0].round == stop_at + 1

@@ -160,3 +160,31 @@ def test_specedge_baseline_with_proactive_drafting(proactive):
         assert all(r.draft_ms >= 0 for r in result.rounds)
     else:
         assert set(hits) == {None}
+
+
+def test_hyco_phone_restored_after_a_crash_with_a_tree_in_flight():
+    """A fresh HyCo phone (empty SLM and MTP rings) takes over from a snapshot: the SLM is prefilled with
+    the committed context, the lost tree's path becomes catch-up rows, the seed refills the MTP ring."""
+    import asyncio
+    import json
+
+    from mobile_client.client import HycoClient, PhoneTimeoutError, Timeouts
+    from test_client_loop import FakeHycoServer
+
+    async def go():
+        async with FakeHycoServer(chunk_bytes=700, silent={3}) as server:
+            kw = dict(timeouts=Timeouts(5, 0.5, 0.5), retry_delay_s=0.001)
+            phone, _, _ = hyco_phone()
+            drafter = Grafted(phone)
+            first = drafter.session = hyco_session(drafter, max_tokens=24)
+            with pytest.raises(PhoneTimeoutError):
+                await HycoClient(server.url, max_retries=0, **kw).run(first)
+            snap = json.loads(json.dumps(first.snapshot()))
+            phone2, mtp2, slm2 = hyco_phone()
+            drafter2 = Grafted(phone2)
+            again = drafter2.session = PhoneSession.restore(drafter2, snap, spec=SPEC)
+            seen = []
+            return await HycoClient(server.url, **kw).run(again, _invariants(again, mtp2, slm2, seen)), seen
+    result, seen = asyncio.run(go())
+    assert result.token_ids == greedy(PROMPT, 24)
+    assert result.rounds[0].round == 3 and len(seen) == len(result.rounds) - 1

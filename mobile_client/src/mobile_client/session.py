@@ -166,6 +166,7 @@ class PhoneSession:
         self.need_seed = False  # the hand-off state broke: ask the server for a seed on resume
         self._pending: _Pending | None = None
         self._prefilled = False
+        self._prefill_context = self.prompt_tokens[:-1]  # committed tokens before the first root
         self._prepared = None  # the ProactiveDraft prepared during the last wait
         self._last_bet_key: tuple = ((), -1)  # (accepted path tokens, bonus) of the last verdict
 
@@ -202,7 +203,7 @@ class PhoneSession:
         if not self._prefilled:
             self._prefilled = True
             if hasattr(self.drafter, "prefill"):
-                self.drafter.prefill(self.prompt_tokens[:-1])
+                self.drafter.prefill(self._prefill_context)
         t0 = time.perf_counter()
         tree, hit = self._reuse_proactive()
         if tree is None:
@@ -324,6 +325,41 @@ class PhoneSession:
         if hasattr(self.drafter, "apply_handoff"):
             self.x_hat = self.drafter.apply_handoff(h)
         self.need_seed = False
+
+    # -- a phone that lost its state (app restart) -----------------------------------------------------------
+    def snapshot(self) -> dict:
+        """What an app persists to resume after losing its process: JSON-able, no drafter state."""
+        p = self._pending
+        return {"endpoint": self.endpoint, "request": self.request, "prompt_tokens": self.prompt_tokens,
+                "sid": None if self.sid is None else self.sid.hex(), "held_round": self.held_round,
+                "tokens": list(self.tokens), "text": "".join(self.text_parts), "budget": self.budget,
+                "finish_reason": self.finish_reason,
+                "pending": None if p is None else {"round": p.round, "tokens": list(p.tree.tokens),
+                                                   "parents": list(p.tree.parents)}}
+
+    @classmethod
+    def restore(cls, drafter: Drafter, snap: dict, **kw) -> PhoneSession:
+        """A session rebuilt from ``snapshot()`` with a fresh ``drafter``: the SLM is prefilled with every
+        committed token before the root, and the resume asks for a seed (the MTP ring is empty).
+
+        ``kw``: ``spec``, ``options``, ``on_text`` as for the constructor."""
+        s = cls(drafter, prompt_tokens=snap["prompt_tokens"], request=snap["request"],
+                endpoint=snap["endpoint"], **kw)
+        s.sid = None if snap["sid"] is None else bytes.fromhex(snap["sid"])
+        s.held_round, s.round, s.budget = snap["held_round"], snap["held_round"] + 1, snap["budget"]
+        s.tokens, s.text_parts, s.finish_reason = list(snap["tokens"]), [snap["text"]], snap["finish_reason"]
+        context = s.prompt_tokens + s.tokens
+        s.root, s.position = context[-1], len(context) - 1
+        s._prefill_context, s.need_seed = context[:-1], s.sid is not None
+        s._prefilled = True
+        if hasattr(drafter, "prefill"):  # now, so a replayed verdict finds the SLM ring at the root
+            drafter.prefill(s._prefill_context)
+        if snap["pending"] is not None:  # resent as it was; the SLM never computed its rows (catch-up)
+            pend = snap["pending"]
+            tree = DraftTree.make_dummy(pend["tokens"], pend["parents"], budget=s.budget)
+            frame = TreeFrame.from_lists(pend["round"], **tree.wire_dict(labels=s.options.labels))
+            s._pending = _Pending(pend["round"], tree, frame, 0.0, nbytes=len(encode_frame(frame)))
+        return s
 
     # -- the end -----------------------------------------------------------------------------------------
     def result(self) -> SessionResult:

@@ -22,7 +22,7 @@ log "env: $(tail -1 "$OUT/env.txt")"
 
 if "$PY" -c "import pytest" 2>/dev/null; then
   timeout "${PYTEST_S:-170}" "$PY" -m pytest tests/kernels -q -p no:cacheprovider \
-    -k "kernel_matches_twin or split_k or compaction or handoff or replay" \
+    -k "kernel_matches_twin or split_k or (compaction and triton) or (handoff and triton) or replay" \
     --junitxml="$OUT/pytest_kernels.xml" > "$OUT/pytest_kernels.txt" 2>&1
   log "pytest subset rc=$? ($(tail -1 "$OUT/pytest_kernels.txt"))"
 else

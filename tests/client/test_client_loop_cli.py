@@ -93,3 +93,24 @@ def test_bundle_without_scales_drafts_slm_only(bundle, tmp_path):
         shutil.copytree(root / d, tmp_path / d)
     b = cli.load_bundle(tmp_path, window=W)
     assert b.spec is None and b.drafter.mtp is None and "SLM-only" in b.notes[0]
+
+
+@pytest.mark.slow
+def test_compiled_mtp_step_reproduces_the_build_golden():
+    """Emulated (x86 HTP emulator): the compiled backend's MTP step, wired as hyco-phone wires it, gives
+    the build's golden HTP outputs exactly. Needs a build: ``python -m mobile_client.export.build DIR``
+    (minutes), then ``HYCO_PHONE_BUILD=DIR``."""
+    import os
+    from pathlib import Path
+
+    from mobile_client.drafters.mtp import MTP_INPUTS
+
+    build = os.environ.get("HYCO_PHONE_BUILD")
+    if not build or not (Path(build) / "mtp_ctx.onnx").exists():
+        pytest.skip("set HYCO_PHONE_BUILD to a mobile_client.export.build output folder")
+    notes = []
+    step = cli._compiled_step(Path(build) / "mtp_ctx.onnx", notes, "MTP")
+    golden = np.load(Path(build) / "mtp_golden.npz")
+    logits, h = step({n: golden[f"0/in/{n}"] for n in MTP_INPUTS})
+    np.testing.assert_array_equal(logits.reshape(-1), golden["0/out/htp_emulator"].reshape(-1)[: logits.size])
+    assert "HTP" in notes[0]

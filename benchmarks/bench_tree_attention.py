@@ -47,7 +47,8 @@ LAYERS = {
 SWEEPS = {
     "cpu": dict(contexts=[1024, 2048], batches=[1, 2], layers=["sliding", "full"]),
     # longest contexts first, so a time budget drops the least interesting points
-    "gpu": dict(contexts=[32768, 16384, 8192, 4096, 1024], batches=[1, 4, 16, 64], layers=["sliding", "full"]),
+    "gpu": dict(contexts=[32768, 16384, 8192, 4096, 1024], batches=[1, 4, 16, 64],
+                layers=["sliding", "full"]),
 }
 BLOCK_SIZE = 16
 
@@ -187,7 +188,8 @@ def run(args) -> dict:
         for batch in args.batches or sweep["batches"]:
             for layer_name in args.layers or sweep["layers"]:
                 if time.time() - t_start > args.time_budget:
-                    rows.append({"layer": layer_name, "context": ctx, "batch": batch, "skipped": "time budget"})
+                    rows.append({"layer": layer_name, "context": ctx, "batch": batch,
+                                 "skipped": "time budget"})
                     continue
                 rows += run_point(layer_name, ctx, batch, device, dtype, wanted, args)
                 _write(args.out, _report(rows, device, args))
@@ -228,7 +230,8 @@ def _report(rows, device, args) -> dict:
     except ImportError:
         triton_version = None
     return {
-        "label": f"GPU-measured on {name}" if device == "cuda" else "CPU-measured (ratios within this run only)",
+        "label": f"GPU-measured on {name}" if device == "cuda"
+        else "CPU-measured (ratios within this run only)",
         "device": name, "torch": torch.__version__, "triton": triton_version, "dtype": args.dtype,
         "layers": LAYERS, "block_size": BLOCK_SIZE, "tree_rows": 33, "reps": args.reps,
         "points": rows, "ratios": ratios(rows),

@@ -84,7 +84,8 @@ def check_attention(name: str, dtype_name: str) -> dict:
     t = tol("attention", dtype)
     diff = (got.float() - want.float()).abs()
     bound = t["atol"] + t["rtol"] * want.float().abs()
-    return {"max_abs_diff": float(diff.max()), "ok": bool((diff <= bound).all() and torch.isfinite(got).all())}
+    ok = bool((diff <= bound).all() and torch.isfinite(got).all())
+    return {"max_abs_diff": float(diff.max()), "ok": ok}
 
 
 def _group_moves(prefix, accepted, bs):
@@ -105,7 +106,8 @@ def check_compaction(dtype_name: str) -> dict:
     s16, d16, loc, nb16 = _group_moves(prefix, accepted, 16)
     s32, d32, _, nb32 = _group_moves(prefix, accepted, 32)
     n_sliding, n_full = (25, 5) if SHRINK == 1 else (2, 1)
-    layers = [torch.randn(nb16, 8, 16, 512, device=DEVICE).to(dtype).transpose(1, 2) for _ in range(n_sliding)]
+    layers = [torch.randn(nb16, 8, 16, 512, device=DEVICE).to(dtype).transpose(1, 2)
+              for _ in range(n_sliding)]
     layers += [torch.randn(nb32, 32, 4, 512, device=DEVICE).to(dtype) for _ in range(n_full)]
     groups = [0] * n_sliding + [1] * n_full
     twin = [x.clone() for x in layers]
@@ -149,7 +151,8 @@ def run_all(out_path: Path) -> dict:
     cuda = DEVICE == "cuda"
     report = {"device": torch.cuda.get_device_name() if cuda else "cpu (interpreter smoke run)",
               "torch": torch.__version__, "shrink": SHRINK,
-              "sms": torch.cuda.get_device_properties(0).multi_processor_count if cuda else None, "checks": []}
+              "sms": torch.cuda.get_device_properties(0).multi_processor_count if cuda else None,
+              "checks": []}
     import triton
 
     report["triton"] = triton.__version__

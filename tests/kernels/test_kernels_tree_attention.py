@@ -248,7 +248,8 @@ def test_dense_ref_on_window_keys_only():
     first = first_visible_key(90, depths, 12)
     assert first == 90 - 12 + 1
     full = tree_attention_dense_ref(q.cpu(), k, v, 90, masks, depths, 0.1, 12)
-    part = tree_attention_dense_ref(q.cpu(), k[first:], v[first:], 90, masks, depths, 0.1, 12, key_offset=first)
+    part = tree_attention_dense_ref(q.cpu(), k[first:], v[first:], 90, masks, depths, 0.1, 12,
+                                    key_offset=first)
     torch.testing.assert_close(part, full, **tol("attention", torch.float32))
     with pytest.raises(KernelInputError):
         tree_attention_dense_ref(q.cpu(), k[first + 1:], v[first + 1:], 90, masks, depths, 0.1, 12,

@@ -169,7 +169,11 @@ def ancestor_masks_from_parents(parents: list[int]) -> tuple[list[int], list[int
 
 
 def visibility_mask(
-    n_rows: int, prefix_len: int, ancestor_mask: torch.Tensor, depths: torch.Tensor, sliding_window: int | None
+    n_rows: int,
+    prefix_len: int,
+    ancestor_mask: torch.Tensor,
+    depths: torch.Tensor,
+    sliding_window: int | None,
 ) -> torch.Tensor:
     """[n_rows, prefix_len + n_rows] bool: which keys each row of one request sees (rules above)."""
     dev = ancestor_mask.device

@@ -13,6 +13,15 @@ from vllm_hyco.spec_decode.sampling import (
 )
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Small tensors: one intra-op thread avoids OpenMP barriers on a shared, loaded CPU."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _vllm_probs(logits, temperature, top_k, top_p):
     """p̃ through vLLM's own pieces: Sampler.apply_temperature, apply_top_k_top_p, softmax."""
     pytest.importorskip("vllm")

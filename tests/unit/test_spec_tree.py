@@ -8,6 +8,15 @@ import torch
 from vllm_hyco.errors import TreeValidationError
 from vllm_hyco.spec_decode.tree import NodeSource, TokenTree, validate_tree
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Small tensors: one intra-op thread avoids OpenMP barriers on a shared, loaded CPU."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
 V = 100
 
 

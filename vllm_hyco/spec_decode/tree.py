@@ -341,21 +341,24 @@ class TokenTree:
 
         Random trees draw each parent uniformly below the row and give siblings distinct tokens.
         """
+        if kind not in ("chain", "star", "random"):
+            raise ValueError(f"unknown dummy tree kind {kind!r}")
         rng = random.Random(seed)
-        parents = [-1]
-        for i in range(1, num_nodes + 1):
-            parents.append({"chain": i - 1, "star": 0}.get(kind, None) if kind != "random"
-                           else rng.randrange(i))
-            if parents[-1] is None:
-                raise ValueError(f"unknown dummy tree kind {kind!r}")
-        tokens = [rng.randrange(vocab_size)]
+        parents, tokens = [-1], [rng.randrange(vocab_size)]
         used: dict[int, set[int]] = {}
         for i in range(1, num_nodes + 1):
-            taken = used.setdefault(parents[i], set())
-            tok = rng.randrange(vocab_size)
+            parent = {"chain": i - 1, "star": 0}.get(kind)
+            while parent is None or len(used.get(parent, ())) >= vocab_size:
+                if kind != "random":
+                    raise ValueError(f"{num_nodes} siblings do not fit a vocabulary of {vocab_size}")
+                parent = rng.randrange(i)
+            taken = used.setdefault(parent, set())
+            tok = rng.choice([t for t in range(vocab_size) if t not in taken]) if vocab_size <= 64 \
+                else rng.randrange(vocab_size)
             while tok in taken:
                 tok = rng.randrange(vocab_size)
             taken.add(tok)
+            parents.append(parent)
             tokens.append(tok)
         labels = None
         if labelled:

@@ -213,3 +213,12 @@ def test_proactive_tree_is_reused_only_when_the_bet_holds():
     s.apply_verdict(verdict(1, [], [66], 5, 6))  # the bet said [41], 42... it missed
     frame = s.next_tree()
     assert frame.tokens[0] == 66 and s._pending.proactive_hit is False
+
+
+@pytest.mark.parametrize("bad", [dict(mode="lossy"), dict(epsilon=0.01), dict(mode="epsilon", epsilon=1.0),
+                                 dict(max_nodes=0), dict(max_nodes=255), dict(max_message_bytes=1024)])
+def test_session_options_are_validated(bad):
+    from vllm_hyco.errors import ConfigError
+
+    with pytest.raises(ConfigError):
+        SessionOptions(**bad)

@@ -44,9 +44,9 @@ import numpy as np
 
 from mobile_client.drafters.base import DraftContext, Drafter
 from mobile_client.tree import DraftTree, trim
-from vllm_hyco.errors import FrameError, HandoffSchemaError, SessionError
-from vllm_hyco.handoff.client_frames import (ClientCapabilities, HycoOptions, ResumeRequest, StartFrame,
-                                             TreeFrame)
+from vllm_hyco.errors import ConfigError, FrameError, HandoffSchemaError, SessionError
+from vllm_hyco.handoff.client_frames import (MIN_CLIENT_MESSAGE_BYTES, ClientCapabilities, HycoOptions,
+                                             ResumeRequest, StartFrame, TreeFrame)
 from vllm_hyco.handoff.frames import encode_frame
 from vllm_hyco.handoff.limits import AIOHTTP_DEFAULT_MAX_MSG
 from vllm_hyco.handoff.quant import HandoffScales, dequantize
@@ -69,6 +69,17 @@ class SessionOptions:
     # proactive drafting (mobile_client.baselines.proactive_draft): called with the tree in flight; its
     # prepared tree is used when the verdict matches the bet. Needs a drafter whose SLM calls are pure.
     proactive: ProactiveFn | None = None
+
+    def __post_init__(self):
+        if self.mode not in ("exact", "epsilon"):
+            raise ConfigError(f"SessionOptions.mode must be 'exact' or 'epsilon', got {self.mode!r}")
+        if self.epsilon is not None and (self.mode != "epsilon" or not 0.0 < self.epsilon < 1.0):
+            raise ConfigError(f"SessionOptions.epsilon={self.epsilon!r}: only with mode 'epsilon', strictly "
+                              f"between 0 and 1 (and no laxer than the operator's)")
+        if not 1 <= self.max_nodes <= 254 or self.max_message_bytes < MIN_CLIENT_MESSAGE_BYTES:
+            raise ConfigError(f"SessionOptions: max_nodes must be 1..254 (got {self.max_nodes}), "
+                              f"max_message_bytes >= {MIN_CLIENT_MESSAGE_BYTES} "
+                              f"(got {self.max_message_bytes})")
 
 
 @dataclass

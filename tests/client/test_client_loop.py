@@ -419,3 +419,25 @@ def test_app_restart_restores_from_snapshot_with_a_fresh_seed(stop_at, in_flight
     resume = [s.hyco.resume for s in server.starts if s.request is None]
     assert len(resume) == 1 and resume[0].need_seed and resume[0].last_round == stop_at
     assert result.rounds[0].round == stop_at + 1
+
+
+def test_stream_yields_the_text_as_it_commits():
+    async def go():
+        async with FakeHycoServer() as server:
+            session = make_session(max_tokens=20)
+            client = HycoClient(server.url, timeouts=Timeouts(5, 5, 1))
+            return [t async for t in client.stream(session)], session.result()
+    parts, result = asyncio.run(go())
+    assert "".join(parts) == text_of(greedy(PROMPT, 20)) == result.text and len(parts) == len(result.rounds)
+
+
+def test_stream_raises_what_run_raises():
+    async def go():
+        async with FakeHycoServer(error_at={1: ("internal_error", True)}) as server:
+            client = HycoClient(server.url, timeouts=Timeouts(5, 5, 1))
+            parts = []
+            with pytest.raises(HycoServerError):
+                async for t in client.stream(make_session(max_tokens=20)):
+                    parts.append(t)
+            return parts
+    assert len(asyncio.run(go())) == 1  # round 0's text came before the error

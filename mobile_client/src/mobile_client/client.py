@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import AsyncIterator, Callable
 
 import aiohttp
 
@@ -137,6 +137,33 @@ class HycoClient:
         finally:
             if self._http is None:
                 await http.close()
+
+    async def stream(self, session: PhoneSession) -> AsyncIterator[str]:
+        """The committed text as it arrives (``async for text in client.stream(session)``); the result is
+        ``session.result()`` afterwards, and errors are raised as ``run`` raises them."""
+        queue: asyncio.Queue[str] = asyncio.Queue()
+        outer = session.on_text
+
+        def push(text: str) -> None:
+            if outer is not None:
+                outer(text)
+            queue.put_nowait(text)
+
+        session.on_text = push
+        task = asyncio.create_task(self.run(session))
+        try:
+            while not (task.done() and queue.empty()):
+                get = asyncio.ensure_future(queue.get())
+                await asyncio.wait({get, task}, return_when=asyncio.FIRST_COMPLETED)
+                if get.done():
+                    yield get.result()
+                else:
+                    get.cancel()
+            task.result()
+        finally:
+            session.on_text = outer
+            if not task.done():
+                task.cancel()
 
     # -- one connection ------------------------------------------------------------------------------------
     async def _connection(self, http, session: PhoneSession, on_round) -> None:

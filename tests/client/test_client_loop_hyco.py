@@ -173,7 +173,7 @@ def test_hyco_phone_restored_after_a_crash_with_a_tree_in_flight():
 
     async def go():
         async with FakeHycoServer(chunk_bytes=700, silent={3}) as server:
-            kw = dict(timeouts=Timeouts(5, 0.5, 0.5), retry_delay_s=0.001)
+            kw = dict(timeouts=Timeouts(5, 1.5, 0.5), retry_delay_s=0.001)
             phone, _, _ = hyco_phone()
             drafter = Grafted(phone)
             first = drafter.session = hyco_session(drafter, max_tokens=24)

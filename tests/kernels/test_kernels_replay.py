@@ -33,3 +33,29 @@ def test_record_is_compact_and_replays_exactly(tmp_path, k_eq_v):
         report = replay_tree_attention_case(path, backend="triton")
         t = tol("attention", torch.float32)
         assert report["max_abs_diff"] <= t["atol"] + t["rtol"] * float(case["out"].abs().max())
+
+
+def test_dense_calls_pack_into_one_paged_batch(tmp_path):
+    """What the CPU engine records (dense twin calls, shortened prefixes) replays as one paged batch."""
+    from vllm_hyco.kernels import ancestor_masks_from_parents, tree_attention_dense_ref
+    from vllm_hyco.kernels.replay import record_dense_calls
+
+    g = torch.Generator().manual_seed(1)
+    calls = []
+    for prefix, parents, share in ((20, [-1, 0, 1, 1], False), (37, [-1, 0], True),
+                                   (3, [-1, 0, 0, 2, 3], False)):
+        masks, depths = (torch.tensor(x) for x in ancestor_masks_from_parents(parents))
+        n = len(parents)
+        q = torch.randn(n, 4, 32, generator=g)
+        k = torch.randn(prefix + n, 2, 32, generator=g)
+        v = k if share else torch.randn(prefix + n, 2, 32, generator=g)
+        args = dict(q=q, k=k, v=v, prefix_len=prefix, ancestor_mask=masks, depths=depths, scale=0.3,
+                    sliding_window=16, softcap=None)
+        calls.append({**args, "out": tree_attention_dense_ref(**args)})
+    path = record_dense_calls(tmp_path / "dense.pt", calls, block_size=16, note="unit")
+    report = replay_tree_attention_case(path, backend="torch")
+    t = tol("attention", torch.float32)
+    assert report["reqs"] == 3 and report["max_abs_diff"] <= t["atol"]
+    if TRITON_OK:
+        report = replay_tree_attention_case(path, backend="triton")
+        assert report["max_abs_diff"] <= t["atol"] + t["rtol"] * report["max_abs_out"]

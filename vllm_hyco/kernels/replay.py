@@ -90,3 +90,47 @@ def replay_tree_attention_case(path: str | Path, backend: str = "auto", device: 
         "max_abs_out": float(c["out"].float().abs().max()) if diff.numel() else 0.0,
         "finite": bool(torch.isfinite(got).all()),
     }
+
+
+def record_dense_calls(path: str | Path, calls: list[dict], block_size: int = 16, note: str = "") -> Path:
+    """Pack recorded :func:`tree_attention_dense_ref` calls (one request each) into one paged batch case.
+
+    Each call dict holds that function's arguments (``q, k, v, prefix_len, ancestor_mask, depths, scale,
+    sliding_window, softcap, key_offset``) and its result ``out``. All calls must share heads, head_dim,
+    dtype, scale, window and softcap. Keys sit in consecutive blocks per request (a shortened prefix
+    ``prefix_len - key_offset`` is equivalent: visibility depends on position differences only).
+    """
+    first = calls[0]
+    keys = ("scale", "sliding_window", "softcap")
+    if any(tuple(c.get(k) for k in keys) != tuple(first.get(k) for k in keys) for c in calls):
+        raise ValueError("record_dense_calls: every call must share scale, window and softcap")
+    k_eq_v = all(c["k"] is c["v"] for c in calls)
+    k_blocks, v_blocks, table_rows, qsl, seq_lens = [], [], [], [0], []
+    for c in calls:
+        s = c["k"].shape[0]
+        nb = -(-s // block_size)
+        pad = nb * block_size - s
+        kp = torch.nn.functional.pad(c["k"].detach().cpu(), (0, 0, 0, 0, 0, pad))  # [nb * bs, H, D]
+        vp = torch.nn.functional.pad(c["v"].detach().cpu(), (0, 0, 0, 0, 0, pad))
+        start = sum(x.shape[0] for x in k_blocks)
+        table_rows.append(list(range(start, start + nb)))
+        k_blocks.append(kp.view(nb, block_size, *kp.shape[1:]))
+        v_blocks.append(vp.view(nb, block_size, *vp.shape[1:]))
+        qsl.append(qsl[-1] + c["q"].shape[0])
+        seq_lens.append(s)
+    width = max(len(r) for r in table_rows)
+    table = torch.tensor([r + [0] * (width - len(r)) for r in table_rows], dtype=torch.int32)
+    meta = TreeAttentionMetadata(
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_table=table,
+        ancestor_mask=torch.cat([c["ancestor_mask"].cpu().to(torch.int64) for c in calls]),
+        depths=torch.cat([c["depths"].cpu().to(torch.int32) for c in calls]),
+        max_query_len=max(c["q"].shape[0] for c in calls), max_seq_len=max(seq_lens),
+    )
+    k_cache = torch.cat(k_blocks)
+    v_cache = k_cache if k_eq_v else torch.cat(v_blocks)
+    q = torch.cat([c["q"].detach().cpu() for c in calls])
+    out = torch.cat([c["out"].detach().cpu() for c in calls])
+    return record_tree_attention_case(path, q, k_cache, v_cache, meta, first["scale"],
+                                      first.get("sliding_window"), first.get("softcap"), out=out, note=note)

@@ -30,7 +30,10 @@ from vllm_hyco.spec_decode.sampling import (
     sampling_support,
 )
 from vllm_hyco.spec_decode.stats import NUM_SOURCES, RoundStats
-from vllm_hyco.spec_decode.tree import TokenTree
+from vllm_hyco.errors import TreeValidationError
+from vllm_hyco.spec_decode.tree import NodeSource, TokenTree
+
+_OTHER = int(NodeSource.OTHER)
 
 
 @dataclass(frozen=True)
@@ -60,27 +63,34 @@ class PackedTrees:
 
     @classmethod
     def pack(cls, trees: Sequence[TokenTree], rows_per_tree: int | None = None) -> "PackedTrees":
-        """Concatenate trees; with ``rows_per_tree`` each is padded to that many rows."""
-        parts = {k: [] for k in ("tokens", "parent", "depth", "req", "valid", "labels")}
-        offsets, offset = [0], 0
+        """Concatenate trees; with ``rows_per_tree`` each is padded to that many rows (repeating the
+        last row, ``valid`` False)."""
+        tokens, parent, depth, req, valid, labels = [], [], [], [], [], []
+        offsets, num_real = [0], []
         for b, tree in enumerate(trees):
-            rows = tree.num_rows if rows_per_tree is None else rows_per_tree
-            pad = tree.padded(rows)
-            parent = torch.where(pad.parents < 0, torch.arange(rows), pad.parents)
-            parts["tokens"].append(pad.tokens)
-            parts["parent"].append(parent + offset)
-            parts["depth"].append(pad.depth)
-            parts["req"].append(torch.full((rows,), b, dtype=torch.int64))
-            parts["valid"].append(pad.valid)
-            labels = tree.source_labels()
-            parts["labels"].append(labels[torch.arange(rows).clamp(max=tree.num_rows - 1)])
-            offset += rows
-            offsets.append(offset)
-        cat = {k: torch.cat(v) if v else torch.zeros(0, dtype=torch.int64) for k, v in parts.items()}
+            n = tree.num_rows
+            rows = n if rows_per_tree is None else rows_per_tree
+            if rows < n:
+                raise TreeValidationError(f"cannot pad a {n}-row tree to {rows} rows",
+                                          code="tree_too_large")
+            extra = rows - n
+            tok, par, dep = tree.tokens.tolist(), tree.parents.tolist(), tree.depth.tolist()
+            lab = tree.labels.tolist() if tree.labels is not None else [0] + [_OTHER] * (n - 1)
+            base = offsets[-1]
+            glob = [base] + [base + p for p in par[1:]]  # a root points at itself
+            tokens += tok + tok[-1:] * extra
+            parent += glob + glob[-1:] * extra
+            depth += dep + dep[-1:] * extra
+            labels += lab + lab[-1:] * extra
+            req += [b] * rows
+            valid += [True] * n + [False] * extra
+            offsets.append(base + rows)
+            num_real.append(n)
+        as_long = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
         return cls(
-            row_offsets=torch.tensor(offsets, dtype=torch.int64),
-            num_real=torch.tensor([t.num_rows for t in trees], dtype=torch.int64),
-            **cat,
+            tokens=as_long(tokens), parent=as_long(parent), depth=as_long(depth), req=as_long(req),
+            valid=torch.tensor(valid, dtype=torch.bool), labels=as_long(labels),
+            row_offsets=as_long(offsets), num_real=as_long(num_real),
         )
 
 

@@ -141,7 +141,7 @@ def check_replays(tmp: Path) -> list[dict]:
     out = []
     for path in sorted(glob.glob(str(ROOT / "benchmarks/gpu/replay/*.pt"))) + [str(synthetic)]:
         rep = replay_tree_attention_case(path, backend="triton", device=DEVICE)
-        t = tol("attention", torch.bfloat16)
+        t = tol("attention", getattr(torch, rep["dtype"].removeprefix("torch.")))
         rep["ok"] = rep["finite"] and rep["max_abs_diff"] <= t["atol"] + t["rtol"] * rep["max_abs_out"]
         out.append(rep)
     return out

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from tolerances import tol
@@ -14,6 +16,8 @@ from vllm_hyco.kernels.replay import (
 )
 
 TRITON_OK = HAS_TRITON and (torch.cuda.is_available() or interpreting())
+REPLAY_DIR = Path(__file__).resolve().parents[2] / "benchmarks/gpu/replay"
+ENGINE_RECORDINGS = sorted(str(p) for p in REPLAY_DIR.glob("*.pt"))
 
 
 @pytest.mark.parametrize("k_eq_v", [False, True])
@@ -59,3 +63,13 @@ def test_dense_calls_pack_into_one_paged_batch(tmp_path):
     if TRITON_OK:
         report = replay_tree_attention_case(path, backend="triton")
         assert report["max_abs_diff"] <= t["atol"] + t["rtol"] * report["max_abs_out"]
+
+
+@pytest.mark.parametrize("path", ENGINE_RECORDINGS, ids=lambda p: Path(p).name)
+def test_committed_engine_recordings_replay(path):
+    """The CPU engine's recorded tree batches (benchmarks/gpu/record_engine_cases.py) still replay."""
+    t = tol("attention", torch.float32)
+    for backend in ["torch"] + (["triton"] if TRITON_OK else []):
+        report = replay_tree_attention_case(path, backend=backend)
+        assert report["reqs"] >= 1 and report["finite"]
+        assert report["max_abs_diff"] <= t["atol"] + t["rtol"] * report["max_abs_out"], (backend, report)

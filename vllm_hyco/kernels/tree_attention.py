@@ -302,13 +302,15 @@ def _launch_config(head_dim_p: int, qpk_p: int, max_query_len: int) -> tuple[int
     """(BLOCK_Q, TILE_N, num_warps). BLOCK_M = BLOCK_Q * QPK_P rows per program, at least 16 (tl.dot).
 
     A 33-row tree with 2 query heads per KV head fills 64 rows in 2 programs per KV head at D <= 256.
+    8 warps from D = 256 keep the fp32 accumulator [BLOCK_M, D] under ~64 registers a thread (unverified
+    on a GPU; see docs/kernels.md).
     """
     block_m = 64 if head_dim_p <= 256 else 32
     block_q = max(1, block_m // qpk_p)
     block_q = min(block_q, next_pow2(max(max_query_len, 1)))
     block_q = max(block_q, -(-16 // qpk_p))
     tile_n = 64 if head_dim_p <= 256 else 32
-    return block_q, tile_n, 4 if head_dim_p <= 256 else 8
+    return block_q, tile_n, 4 if head_dim_p < 256 else 8
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -374,7 +376,7 @@ def tree_attention_triton(
         QPK=qpk, QPK_P=qpk_p, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_Q=block_q, BLOCK_M=block_q * qpk_p, TILE_N=tile_n,
         WINDOW=int(sliding_window or 0), USE_SOFTCAP=bool(softcap), K_EQ_V=_same_storage(k_cache, v_cache),
-        UPCAST=upcast, DOT_PREC=dot_prec, num_warps=num_warps,
+        UPCAST=upcast, DOT_PREC=dot_prec, num_warps=num_warps, num_stages=2,
     )
     if splits > 1 and num_rows:
         tree_attention_reduce_kernel[(num_rows, num_q_heads)](

@@ -1,0 +1,104 @@
+"""The shipped trained fixtures in a real vLLM engine (fp32, eager, in-process): a cheap version of
+``python -m vllm_hyco.fixtures.report``.
+
+vLLM's built-in MTP on the trained verifier + assistant must load, stay lossless, and accept drafts at a
+sane rate; the transformers re-enactment of the same chain decoding must count the same acceptances.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+from vllm_hyco.fixtures import corpus, report, trained
+from vllm_hyco.fixtures.tokenizer import STOP_TOKEN_IDS
+
+pytestmark = pytest.mark.skipif(not trained.available(), reason="no trained fixtures shipped")
+
+K = 4
+MAX_TOKENS = 32
+NUM_PROMPTS = 6
+
+
+@pytest.fixture(scope="module")
+def fixtures(tmp_path_factory):
+    out = tmp_path_factory.mktemp("trained_fixtures")
+    assert trained.install(out, fp32=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return corpus.eval_prompts("uc_val")[:NUM_PROMPTS]
+
+
+def _engine(fixtures, spec: bool):
+    report.cpu_engine_env()
+    from vllm import LLM
+
+    kw = dict(model=str(fixtures / "verifier"), dtype="float32", max_model_len=512, max_num_seqs=8,
+              enforce_eager=True, distributed_executor_backend="uni", disable_log_stats=False, seed=0)
+    if spec:
+        kw["speculative_config"] = {"method": "mtp", "model": str(fixtures / "assistant"),
+                                    "num_speculative_tokens": K}
+    return LLM(**kw)
+
+
+def _close(llm) -> None:
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    cleanup_dist_env_and_memory()
+
+
+@pytest.fixture(scope="module")
+def vllm_runs(fixtures, rows):
+    """Greedy outputs with MTP (+ acceptance counters) and without."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in report._prompt_ids(fixtures / "verifier", rows)]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    out = {}
+    for spec in (True, False):
+        llm = _engine(fixtures, spec)
+        try:
+            before = report._spec_counters(llm)
+            gens = llm.generate(prompts, params, use_tqdm=False)
+            after = report._spec_counters(llm)
+        finally:
+            _close(llm)
+        per_pos = [a - b for a, b in zip(after[report.PER_POS],
+                                         before[report.PER_POS] + [0] * len(after[report.PER_POS]))]
+        drafts = after[report.SPEC_METRICS[0]] - before[report.SPEC_METRICS[0]]
+        out[spec] = {"ids": [list(g.outputs[0].token_ids) for g in gens],
+                     "acc": report.acceptance_from_counts(drafts, per_pos, K) if spec else None}
+    return out
+
+
+def test_trained_pair_loads_and_mtp_is_lossless(vllm_runs):
+    assert vllm_runs[True]["ids"] == vllm_runs[False]["ids"]
+    assert all(len(ids) > 0 for ids in vllm_runs[True]["ids"])
+    # chat answers end with the model's turn marker well before max_tokens on most prompts
+    ended = sum(ids[-1] in STOP_TOKEN_IDS for ids in vllm_runs[True]["ids"])
+    assert ended >= NUM_PROMPTS // 2
+
+
+def test_builtin_mtp_acceptance_is_in_a_sane_band(vllm_runs):
+    acc = vllm_runs[True]["acc"]
+    assert acc["rounds"] > 0
+    assert 0.3 <= acc["conditional"][0] <= 0.95, acc
+    assert all(c > 0.1 for c in acc["conditional"][1:]), acc
+    assert 1.5 <= acc["mat"] <= 1 + K
+
+
+def test_reenacted_chain_counts_match_vllm(fixtures, rows, vllm_runs):
+    sim = report.simulated_acceptance(fixtures, rows, K, MAX_TOKENS, modes=("greedy",))["greedy"]
+    assert sim["generated_ids"] == vllm_runs[True]["ids"]
+    acc = vllm_runs[True]["acc"]
+    for a, b in zip(sim["reach"], acc["reach"]):
+        assert abs(a - b) <= 0.05, (sim, acc)
+

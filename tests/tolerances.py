@@ -32,3 +32,5 @@ TOLERANCES[("qnn_sim_vs_cpu_qdq", torch.float32)] = (0.1, 0.0)
 TOLERANCES[("qnn_cpu_qdq_vs_htp_emulator", torch.float32)] = (0.03, 0.0)
 # engine: K/V a session's cache holds after tree rounds + compaction vs a fresh prefill of the same text
 TOLERANCES[("kv_engine_vs_prefill", torch.float32)] = (1e-4, 1e-4)
+TOLERANCES[("qnn_sim_vs_cpu_qdq_worst_row", torch.float32)] = (0.1, 0.0)  # SLM: worst of the 32 tree rows
+TOLERANCES[("qnn_cpu_qdq_vs_htp_emulator_worst_row", torch.float32)] = (0.15, 0.0)

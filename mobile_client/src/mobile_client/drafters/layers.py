@@ -1,12 +1,14 @@
 """Graph-surgery building blocks shared by both drafters (export-friendly, static shapes).
 
-Everything here lowers to plain ONNX ops that QNN's HTP backend takes: RMSNorm decomposed into
-Mul/ReduceMean/Add/Sqrt/Div, rotary embedding from cos/sin tables fed by the CPU, masks as 0/1
+Everything here lowers to plain ONNX ops that QNN's HTP backend takes: RMSNorm as one LpNormalization
+node, rotary embedding from cos/sin tables fed by the CPU, masks as 0/1
 multipliers with a bounded fill (a -1e4 fill would blow up a 16-bit activation range; mobile-qnn.md
 section 11 risk 4). Each ``ActQuant`` point is the identity until the quantizer calibrates it.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn as nn
@@ -17,16 +19,37 @@ from mobile_client.quant.fakequant import ActQuant
 MASK_FILL = -64.0
 
 
+class _L2Normalize(torch.autograd.Function):
+    """x / ||x||_2 over the last dim; exported as one ONNX ``LpNormalization`` (p = 2) node."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x / torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(1e-12)
+
+    @staticmethod
+    def symbolic(g, x):
+        return g.op("LpNormalization", x, axis_i=-1, p_i=2)
+
+
 class RMSNorm(nn.Module):
-    """Gemma-4 RMSNorm: ``x / sqrt(mean(x^2) + eps) * w`` (no ``1 + w``); ``with_scale=False`` drops w."""
+    """Gemma-4 RMSNorm: ``x / sqrt(mean(x^2) + eps) * w`` (no ``1 + w``); ``with_scale=False`` drops w.
+
+    Graph surgery for fixed point: computed as ``l2normalize(x) * sqrt(dim)``, which equals the above up
+    to the eps term (relative difference eps / (2 mean(x^2))). A decomposed Pow/ReduceMean/Sqrt/Div chain
+    must quantize mean(x^2), whose range spans orders of magnitude across rows: a 16-bit encoding then
+    rounds small rows' statistic to zero. One LpNormalization node keeps that statistic inside the op.
+    """
 
     def __init__(self, dim: int, eps: float = 1e-6, with_scale: bool = True):
         super().__init__()
-        self.eps = eps
+        self.eps, self.root = eps, math.sqrt(dim)
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False) if with_scale else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if torch.onnx.is_in_onnx_export():
+            y = _L2Normalize.apply(x) * self.root
+        else:
+            y = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return y * self.weight if self.weight is not None else y
 
 

@@ -89,11 +89,15 @@ class Ladder:
     outputs: dict[str, np.ndarray]
 
     def compare(self, a: str, b: str, k: int = 5) -> dict:
-        x, y = self.outputs[a].reshape(-1, self.outputs[a].shape[-1]), self.outputs[b].reshape(-1, self.outputs[b].shape[-1])
-        scale = float(np.abs(x).max())
+        """max |a - b| / max |a| (worst row and median row), top-1 agreement and top-k overlap per row."""
+        x = self.outputs[a].reshape(-1, self.outputs[a].shape[-1])
+        y = self.outputs[b].reshape(-1, self.outputs[b].shape[-1])
+        scale = max(float(np.abs(x).max()), 1e-9)
+        per_row = np.abs(x - y).max(axis=1) / scale
         topk = [len(set(np.argsort(-xr, kind="stable")[:k]) & set(np.argsort(-yr, kind="stable")[:k])) / k
                 for xr, yr in zip(x, y)]
-        return {"max_abs": float(np.abs(x - y).max()), "rel_to_max": float(np.abs(x - y).max() / max(scale, 1e-9)),
+        return {"max_abs": float(np.abs(x - y).max()), "rel_to_max": float(per_row.max()),
+                "median_row_rel": float(np.median(per_row)), "worst_row": int(per_row.argmax()),
                 "top1_agree": float(np.mean(x.argmax(-1) == y.argmax(-1))), f"top{k}_overlap": float(np.mean(topk))}
 
 

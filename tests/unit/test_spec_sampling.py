@@ -158,3 +158,17 @@ def test_sparse_round_trip():
     back = SparseProbs.from_dense(dense)
     assert torch.equal(back.to_dense(), dense)
     assert torch.equal(sup.lookup(torch.arange(8), dense.argmax(dim=1)), dense.max(dim=1).values)
+
+
+def test_many_ties_at_the_kth_value_on_a_large_vocabulary_widen_the_candidates():
+    gen = torch.Generator().manual_seed(9)
+    logits = torch.randn(3, 1000, generator=gen)
+    logits[:, 100:112] = 5.0  # 12 tied values at the top; top-k 3 must keep all 12
+    logits[1, 7] = 9.0
+    k = torch.tensor([3, 3, 20])
+    for dtype in (torch.float32, torch.bfloat16):
+        x = logits.to(dtype)
+        ours = sampling_probs(x, 0.8, k, 1.0)
+        theirs, _ = _vllm_probs(x, torch.full((3,), 0.8), k, torch.ones(3))
+        torch.testing.assert_close(ours, theirs, **tol("probs", torch.float32))
+        assert (ours > 0).sum(dim=1).tolist() == [12, 13, 20]

@@ -17,7 +17,8 @@ Triton kernel keeps the lowest token ids. We keep the lowest token ids (as the T
 number kept and the probabilities are exactly vLLM's. See docs/acceptance.md.
 
 The computation runs on a *candidate set* per row: the top ``kk`` logits when every sampled row has
-top-k on (the paper's top-k 64 case: no full-vocabulary sort), the whole vocabulary otherwise. The
+top-k on (the paper's top-k 64 case: one ``topk`` pass, no full-vocabulary sort or scaling), the
+whole vocabulary otherwise. The
 denominators are sequential float32 cumulative sums in ascending order, so extra zero-mass candidates do
 not change a single bit: both candidate sets give identical p̃.
 
@@ -98,20 +99,27 @@ def _per_row(value, num_rows: int, dtype: torch.dtype) -> torch.Tensor:
     return t.to(dtype)
 
 
-def _candidates(x: torch.Tensor, k_on: torch.Tensor, k: torch.Tensor, random_rows: torch.Tensor):
-    """Candidate logits and ids per row: the top kk (covering every tie at the k-th value) or all."""
-    num_rows, vocab = x.shape
-    fast = bool(random_rows.any()) and bool((k_on | ~random_rows).all())
-    if fast:
-        kmax = int(k[random_rows].max())
-        if kmax * 4 < vocab:
-            top = x.topk(kmax, dim=1, sorted=True).values  # [R, kmax]
-            kth = top.gather(1, (k.clamp(1, kmax) - 1).unsqueeze(1))  # [R, 1]
-            need = int(torch.where(random_rows, (x >= kth).sum(dim=1), 1).max())
-            vals, ids = x.topk(need, dim=1, sorted=False)  # [R, kk]
-            return vals, ids
-    ids = torch.arange(vocab).expand(num_rows, vocab)
-    return x, ids
+def _candidates(logits, temperature, k_on, k, random_rows):
+    """Scaled candidate logits and their ids per row: enough of the top to cover every value >= the
+    k-th largest (ties included), or the whole vocabulary. Returns ([R, S] float32, [R, S] int64).
+
+    The top is taken on the raw logits (float32 conversion and division by T > 0 are monotone), then
+    only the candidates are scaled, exactly as vLLM scales every logit. A row is covered when its
+    smallest candidate scales strictly below its k-th value: every other logit scales <= that one.
+    """
+    num_rows, vocab = logits.shape
+    scale = temperature.unsqueeze(1)  # [R, 1], 1.0 on greedy rows
+    if bool(random_rows.any()) and bool((k_on | ~random_rows).all()):
+        width = int(k[random_rows].max()) + 1
+        while width * 4 < vocab:
+            raw, ids = logits.topk(width, dim=1, sorted=True)  # [R, width], descending
+            vals = raw.to(torch.float32) / scale
+            kth = vals.gather(1, (k.clamp(1, width) - 1).unsqueeze(1)).squeeze(1)
+            if bool(((vals[:, -1] < kth) | ~random_rows).all()):
+                return vals, ids
+            width *= 2
+    x = logits.to(torch.float32) / scale  # [R, V]
+    return x, torch.arange(vocab).expand(num_rows, vocab)
 
 
 def _ascending(vals: torch.Tensor, ids: torch.Tensor):
@@ -144,17 +152,17 @@ def _truncate(asc: torch.Tensor, k: torch.Tensor, k_on: torch.Tensor, p: torch.T
 
 def _support_chunk(logits, temperature, top_k, top_p) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids [R, S], probs [R, S]) for one chunk; ids in ascending order, padding ids >= V."""
-    x = logits.to(torch.float32)  # [R, V]
-    num_rows, vocab = x.shape
+    num_rows, vocab = logits.shape
     greedy = temperature < SAMPLING_EPS
     random_rows = ~greedy
     k_on = (top_k > 0) & (top_k < vocab)
-    x = x / torch.where(greedy, 1.0, temperature).unsqueeze(1)
-    vals, ids = _candidates(x, k_on, top_k, random_rows)
+    scale = torch.where(greedy, 1.0, temperature)
+    vals, ids = _candidates(logits, scale, k_on, top_k, random_rows)
     vals, ids = _ascending(vals, ids)
     probs = _truncate(vals, top_k, k_on, top_p.to(torch.float32))  # [R, S]
     if greedy.any():
-        arg = logits.to(torch.float32).argmax(dim=1)  # first maximal index
+        arg = torch.zeros(num_rows, dtype=torch.int64)
+        arg[greedy] = logits[greedy].to(torch.float32).argmax(dim=1)  # first maximal index
         one_hot_ids = torch.full_like(ids, vocab) + torch.arange(ids.shape[1])
         one_hot_ids[:, 0] = arg
         one_hot = torch.zeros_like(probs)

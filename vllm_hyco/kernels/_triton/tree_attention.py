@@ -24,6 +24,42 @@ def _softcap(s, cap):
 
 
 @triton.jit
+def _key_range(seq_len, prefix, q_block, split, num_splits, row_ok, row_pos, row_mask,
+               BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr, WINDOW: tl.constexpr, SPLIT: tl.constexpr):
+    """[lo, hi): the cache indices this program walks (window lower bound, causal upper bound, split)."""
+    hi = tl.minimum(seq_len, prefix + (q_block + 1) * BLOCK_Q)  # rows see indices <= their own
+    lo = hi * 0  # a tensor, not a constexpr 0, so both returns have one type whatever the branches
+    if WINDOW > 0:
+        min_pos = tl.min(tl.where(row_ok, row_pos, seq_len), axis=0)
+        lo = tl.maximum(min_pos - WINDOW + 1, 0)
+        any_tree = tl.max(tl.where(row_ok, row_mask, 0), axis=0) != 0
+        lo = tl.where(any_tree, tl.minimum(lo, prefix), lo)  # tree keys: index != position
+        lo = (lo // TILE_N) * TILE_N
+    if SPLIT:
+        per_split = tl.cdiv(tl.cdiv(hi - lo, TILE_N), num_splits)
+        hi = tl.minimum(hi, lo + (split + 1) * per_split * TILE_N)
+        lo = lo + split * per_split * TILE_N
+    return lo, hi
+
+
+@triton.jit
+def _visible(kidx, k_ok, prefix, req_depth_ptr, row, row_ok, row_mask, row_pos, WINDOW: tl.constexpr):
+    """[BLOCK_M, TILE_N] bool: prefix keys, then the step's keys by ancestor bit (or causally), windowed."""
+    in_step = kidx >= prefix
+    step_i = kidx - prefix  # [TILE_N] row index of a key written this step
+    key_depth = tl.load(req_depth_ptr + step_i, mask=k_ok & in_step, other=0)
+    key_pos = tl.where(in_step, prefix + key_depth, kidx)
+    bit = tl.minimum(tl.maximum(step_i, 0), 63).to(tl.int64)
+    tree_vis = ((row_mask[:, None] >> bit[None, :]) & 1) != 0
+    causal_vis = step_i[None, :] <= row[:, None]
+    step_vis = tl.where(row_mask[:, None] == 0, causal_vis, tree_vis)
+    vis = k_ok[None, :] & row_ok[:, None] & ((~in_step)[None, :] | step_vis)
+    if WINDOW > 0:
+        vis = vis & (key_pos[None, :] > row_pos[:, None] - WINDOW)
+    return vis
+
+
+@triton.jit
 def tree_attention_kernel(
     out_ptr,  # [num_rows, num_q_heads, head_dim]
     part_ptr,  # [num_rows, num_q_heads, num_splits, HEAD_DIM_P] fp32 (SPLIT only)
@@ -91,19 +127,8 @@ def tree_attention_kernel(
     if UPCAST:
         q = q.to(tl.float32)
 
-    hi = tl.minimum(seq_len, prefix + (q_block + 1) * BLOCK_Q)
-    lo = 0
-    if WINDOW > 0:
-        min_pos = tl.min(tl.where(row_ok, row_pos, seq_len), axis=0)
-        lo = tl.maximum(min_pos - WINDOW + 1, 0)
-        any_tree = tl.max(tl.where(row_ok, row_mask, 0), axis=0) != 0
-        lo = tl.where(any_tree, tl.minimum(lo, prefix), lo)  # tree keys: index != position
-        lo = (lo // TILE_N) * TILE_N
-    if SPLIT:
-        tiles = tl.cdiv(hi - lo, TILE_N)
-        per_split = tl.cdiv(tiles, num_splits)
-        hi = tl.minimum(hi, lo + (split + 1) * per_split * TILE_N)
-        lo = lo + split * per_split * TILE_N
+    lo, hi = _key_range(seq_len, prefix, q_block, split, num_splits, row_ok, row_pos, row_mask,
+                        BLOCK_Q, TILE_N, WINDOW, SPLIT)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -134,19 +159,7 @@ def tree_attention_kernel(
             kt = kt.to(tl.float32)
             v = v.to(tl.float32)
 
-        in_step = kidx >= prefix
-        step_i = kidx - prefix  # [TILE_N] row index of a key written this step
-        key_depth = tl.load(depth_ptr + q_start + step_i, mask=k_ok & in_step, other=0)
-        key_pos = tl.where(in_step, prefix + key_depth, kidx)
-
-        bit = tl.minimum(tl.maximum(step_i, 0), 63).to(tl.int64)
-        tree_vis = ((row_mask[:, None] >> bit[None, :]) & 1) != 0
-        causal_vis = step_i[None, :] <= row[:, None]
-        step_vis = tl.where(row_mask[:, None] == 0, causal_vis, tree_vis)
-        vis = k_ok[None, :] & row_ok[:, None] & ((~in_step)[None, :] | step_vis)
-        if WINDOW > 0:
-            vis = vis & (key_pos[None, :] > row_pos[:, None] - WINDOW)
-
+        vis = _visible(kidx, k_ok, prefix, depth_ptr + q_start, row, row_ok, row_mask, row_pos, WINDOW)
         s = tl.dot(q, kt, input_precision=DOT_PREC) * scale  # [BLOCK_M, TILE_N]
         if USE_SOFTCAP:
             s = _softcap(s, softcap)

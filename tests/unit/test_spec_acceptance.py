@@ -121,6 +121,22 @@ def _random_case(rng: random.Random, gen: torch.Generator):
     return tree, probs, samples
 
 
+def _phone_rule(tree, yhat):
+    """Algorithm 1 line 8 on the phone: the deepest path of children equal to ŷ, lowest row on ties."""
+    toks, pars = tree.tokens.tolist(), tree.parents.tolist()
+    ok = [True] + [False] * (len(toks) - 1)
+    depth = [0] * len(toks)
+    for r in range(1, len(toks)):
+        ok[r] = ok[pars[r]] and toks[r] == yhat[pars[r]]
+        depth[r] = depth[pars[r]] + 1
+    best = max((r for r in range(len(toks)) if ok[r]), key=lambda r: (depth[r], -r))
+    path, cur = [], best
+    while cur:
+        path.append(cur)
+        cur = pars[cur]
+    return path[::-1], yhat[best]
+
+
 def test_batched_agrees_with_select_path_on_thousands_of_random_trees():
     rng, gen = random.Random(0), torch.Generator().manual_seed(0)
     cases = [_random_case(rng, gen) for _ in range(2500)]
@@ -138,9 +154,12 @@ def test_batched_agrees_with_select_path_on_thousands_of_random_trees():
         verdict = verify_batch_from_probs(packed, probs, samples, eps)
         got = list(zip(verdict.paths(), verdict.bonus.tolist()))
         assert got == [(path, bonus) for path, bonus in expect], pad
-        committed = verdict.committed()
+        committed, yhat = verdict.committed(), verdict.yhat.tolist()
         for b, (tree, _, _) in enumerate(cases):
             assert committed[b] == tree.tokens[expect[b][0]].tolist() + [expect[b][1]]
+            start = int(packed.row_offsets[b])
+            phone = _phone_rule(tree, yhat[start : start + tree.num_rows])
+            assert phone == expect[b], b
 
 
 def test_epsilon_one_is_exact_and_length_is_monotone_in_epsilon():
@@ -199,6 +218,9 @@ def test_verdict_counts_sources_depths_and_compaction():
     verdict = verify_batch_from_probs([tree, other], torch.cat([probs, _probs([{3: 1.0}])]),
                                       samples, [0.1, None])
     assert verdict.paths() == [[1, 2, 3, 4], []]
+    # Algorithm 4 line 11: ŷ rewritten along the path (rows 0-3 now name their path child)
+    assert verdict.yhat.tolist() == [1, 2, 3, 4, 0, 0, 0, 3]
+    assert verdict.samples.tolist() == [5, 2, 0, 0, 0, 0, 0, 3]
     assert verdict.committed() == [[1, 2, 3, 4, 0], [3]]
     assert verdict.num_hits.tolist() == [1, 0] and verdict.num_eps_only.tolist() == [3, 0]
     assert verdict.accepted_per_depth.tolist() == [[1, 1, 1, 1], [0, 0, 0, 0]]

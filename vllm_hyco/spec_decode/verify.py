@@ -129,6 +129,9 @@ class BatchVerdict:
     eps_only_per_source: torch.Tensor
     # [N] int64 the verifier's sample ŷ at every packed row (padding rows: -1)
     samples: torch.Tensor
+    # [N] int64 ŷ after Algorithm 4 line 11: on the accepted path ŷ_v is the accepted child's token,
+    # so the phone's rule (Algorithm 1 line 8: follow children equal to ŷ) ends exactly at v*
+    yhat: torch.Tensor
     compaction: CompactionPlan
 
     def paths(self) -> list[list[int]]:
@@ -224,6 +227,8 @@ def _verdict(packed: PackedTrees, dec, samples: torch.Tensor) -> BatchVerdict:
     src = torch.where(on.unsqueeze(-1), torch.nn.functional.one_hot(packed.labels[safe], NUM_SOURCES), 0)
     eps_only = on & ~dec.hit[safe]
     src_eps = torch.where(eps_only.unsqueeze(-1), src, 0)
+    yhat = samples.clone()
+    yhat[packed.parent[path[on]]] = packed.tokens[path[on]]
     roots = packed.row_offsets[:num_req].unsqueeze(1)  # [B, 1]
     all_src = torch.cat([roots, path], dim=1)  # [B, D + 1]
     keep = all_src >= 0
@@ -244,5 +249,6 @@ def _verdict(packed: PackedTrees, dec, samples: torch.Tensor) -> BatchVerdict:
         accepted_per_source=src.sum(dim=1),
         eps_only_per_source=src_eps.sum(dim=1),
         samples=torch.where(packed.valid, samples, -1),
+        yhat=torch.where(packed.valid, yhat, -1),
         compaction=plan,
     )

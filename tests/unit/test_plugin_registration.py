@@ -137,3 +137,18 @@ def test_request_field_guard():
     body = json.loads(error_body(unsupported_field({"min_p": 0.5})))
     assert body["error"]["param"] == "min_p" and body["error"]["code"] == 400
     assert "min_p" in body["error"]["message"]
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--speculative-config", "hyco"], {"node_budget": 32, "epsilon": None}),
+    (["-sc", '{"method": "hyco", "window": 64}'], {"window": 64}),
+    (["--speculative-config.method", "hyco", "--speculative-config.epsilon", "0.01",
+      "--speculative-config.node_budget", "8"], {"epsilon": 0.01, "node_budget": 8}),
+])
+def test_vllm_serve_parser_accepts_every_hyco_form(argv, expected):
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    plugin.register()
+    parsed = make_arg_parser(FlexibleArgumentParser()).parse_args(["MODEL", *argv]).speculative_config
+    assert parsed["method"] == "hyco" and {k: parsed[k] for k in expected} == expected

@@ -298,19 +298,24 @@ def tree_attention_ref(
     return out
 
 
-def _launch_config(head_dim_p: int, qpk_p: int, max_query_len: int) -> tuple[int, int, int]:
+# (BLOCK_M, TILE_N, num_warps) by (16-bit or fp32 operands, padded head_dim): the largest tiles that
+# compile for sm_90 without register spills (Triton 3.9 AOT, benchmarks/gpu/aot_compile_check.py).
+_TILES = {
+    (False, 128): (64, 64, 4), (False, 256): (64, 16, 8), (False, 512): (32, 32, 8),
+    (True, 128): (32, 32, 4), (True, 256): (32, 16, 8), (True, 512): (16, 16, 4),
+}
+
+
+def _launch_config(head_dim_p: int, qpk_p: int, max_query_len: int, fp32_dot: bool) -> tuple[int, int, int]:
     """(BLOCK_Q, TILE_N, num_warps). BLOCK_M = BLOCK_Q * QPK_P rows per program, at least 16 (tl.dot).
 
-    A 33-row tree with 2 query heads per KV head fills 64 rows in 2 programs per KV head at D <= 256.
-    8 warps from D = 256 keep the fp32 accumulator [BLOCK_M, D] under ~64 registers a thread (unverified
-    on a GPU; see docs/kernels.md).
+    A 33-row bf16 tree with 2 query heads per KV head fills 64 rows: 2 programs per KV head at D = 256.
     """
-    block_m = 64 if head_dim_p <= 256 else 32
+    block_m, tile_n, warps = _TILES[(fp32_dot, max(128, min(head_dim_p, 512)))]
     block_q = max(1, block_m // qpk_p)
     block_q = min(block_q, next_pow2(max(max_query_len, 1)))
     block_q = max(block_q, -(-16 // qpk_p))
-    tile_n = 64 if head_dim_p <= 256 else 32
-    return block_q, tile_n, 4 if head_dim_p < 256 else 8
+    return block_q, tile_n, warps
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -354,7 +359,9 @@ def tree_attention_triton(
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     qpk = num_q_heads // num_kv_heads
     qpk_p, head_dim_p = next_pow2(qpk), max(16, next_pow2(head_dim))
-    block_q, tile_n, num_warps = _launch_config(head_dim_p, qpk_p, meta.max_query_len)
+    upcast = upcast_dot(q.dtype)
+    fp32_dot = q.dtype == torch.float32 or upcast
+    block_q, tile_n, num_warps = _launch_config(head_dim_p, qpk_p, meta.max_query_len, fp32_dot)
     q_blocks = max(1, -(-meta.max_query_len // block_q))
     programs = meta.num_reqs * num_kv_heads * q_blocks
     splits = num_splits or _num_splits(meta, programs, tile_n, q.device)
@@ -362,8 +369,7 @@ def tree_attention_triton(
     if splits > 1:
         part = torch.empty(num_rows, num_q_heads, splits, head_dim_p, dtype=torch.float32, device=q.device)
         lse = torch.empty(num_rows, num_q_heads, splits, dtype=torch.float32, device=q.device)
-    upcast = upcast_dot(q.dtype)
-    dot_prec = "ieee" if (q.dtype == torch.float32 or upcast) else "tf32"
+    dot_prec = "ieee" if fp32_dot else "tf32"
     tree_attention_kernel[(q_blocks, num_kv_heads * splits, meta.num_reqs)](
         out, part, lse, q, k_cache, v_cache,
         meta.block_table, meta.query_start_loc, meta.seq_lens, meta.ancestor_mask, meta.depths,

@@ -22,11 +22,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from harness import env_info, print_table, time_fn, write_json  # noqa: E402
+from harness import env_info, print_table, time_fn, write_json
 
-from vllm_hyco.spec_decode.sampling import SamplingSpec, sampling_support  # noqa: E402
-from vllm_hyco.spec_decode.tree import TokenTree  # noqa: E402
-from vllm_hyco.spec_decode.verify import PackedTrees, verify_batch  # noqa: E402
+from vllm_hyco.spec_decode.sampling import SamplingSpec, sampling_support
+from vllm_hyco.spec_decode.tree import TokenTree
+from vllm_hyco.spec_decode.verify import PackedTrees, verify_batch
 
 HIDDEN, VOCAB, ROWS = 2816, 262_144, 33
 PAPER = SamplingSpec(temperature=1.0, top_k=64, top_p=0.95)
@@ -51,7 +51,7 @@ def bench_batch(batch: int, weight: torch.Tensor, reps: int, warmup: int) -> lis
     logits = hidden @ weight.T  # [N, V] bf16
     rows = []
     for eps in (None, 0.005):
-        def run():
+        def run(eps=eps):
             gens = [torch.Generator().manual_seed(b) for b in range(batch)]
             return verify_batch(packed, logits, PAPER, eps, gens)
 

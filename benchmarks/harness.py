@@ -15,8 +15,9 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 OUT_DIR = Path(__file__).resolve().parent / "out"
 

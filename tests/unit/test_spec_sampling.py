@@ -78,7 +78,7 @@ def test_matches_vllm_sampler_on_random_logits(case, tie_rounding):
     logits, temperature, top_k, top_p = _random_case(gen, 24, 3000, tie_rounding)
     if case % 2 == 1:  # every row with top-k on: exercises the no-full-sort path
         top_k = top_k.clamp(min=1)
-    theirs, masked = _vllm_probs(logits, temperature, top_k, top_p)
+    theirs, _ = _vllm_probs(logits, temperature, top_k, top_p)
     ours = sampling_probs(logits, temperature, top_k, top_p)
     scaled = logits / torch.where(temperature < 1e-5, 1.0, temperature)[:, None]
     _assert_same_p(ours, theirs, scaled, case)

@@ -47,7 +47,7 @@ def test_masks_and_depths_match_brute_force_on_random_trees():
         tree = TokenTree.make_dummy(n, kind="random", vocab_size=V, seed=seed)
         parents = tree.parents.tolist()
         assert tree.ancestor_mask.tolist() == _brute_ancestors(parents)
-        depth = [bin(m).count("1") - 1 for m in _brute_ancestors(parents)]
+        depth = [m.bit_count() - 1 for m in _brute_ancestors(parents)]
         assert tree.depth.tolist() == depth
 
 

@@ -77,7 +77,7 @@ class SparseProbs:
         return (self.probs[rows] * hit).sum(dim=1)
 
     @classmethod
-    def from_dense(cls, probs: torch.Tensor) -> "SparseProbs":
+    def from_dense(cls, probs: torch.Tensor) -> SparseProbs:
         """Support = the nonzero entries of each row of a dense [R, V] p̃."""
         num_rows, vocab = probs.shape
         nz = probs > 0  # [R, V]

@@ -37,7 +37,7 @@ class RoundStats:
 
     @classmethod
     def from_counts(cls, *, accepted: int, hits: int, per_depth, per_source, eps_only_per_source,
-                    drafted: int = 0) -> "RoundStats":
+                    drafted: int = 0) -> RoundStats:
         """One round's stats."""
         assert 0 <= hits <= accepted, (hits, accepted)
         return cls(
@@ -46,7 +46,7 @@ class RoundStats:
             eps_only_per_source=[int(x) for x in eps_only_per_source],
         )
 
-    def __add__(self, other: "RoundStats") -> "RoundStats":
+    def __add__(self, other: RoundStats) -> RoundStats:
         return RoundStats(
             rounds=self.rounds + other.rounds,
             accepted=self.accepted + other.accepted,

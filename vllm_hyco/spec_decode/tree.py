@@ -29,8 +29,9 @@ from __future__ import annotations
 
 import enum
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -246,7 +247,7 @@ class TokenTree:
         vocab_size: int,
         budget: int = DEFAULT_BUDGET,
         labels: Sequence[int] | torch.Tensor | None = None,
-    ) -> "TokenTree":
+    ) -> TokenTree:
         """Validate (``validate_tree``) and derive depth and ancestor masks.
 
         >>> TokenTree.from_parents([7, 11, 12, 21], [-1, 0, 1, 0], vocab_size=100).depth.tolist()
@@ -317,7 +318,7 @@ class TokenTree:
     @classmethod
     def from_wire(
         cls, wire: dict[str, Sequence[int]], *, vocab_size: int, budget: int = DEFAULT_BUDGET
-    ) -> "TokenTree":
+    ) -> TokenTree:
         """Inverse of ``to_wire``; validates like ``from_parents``."""
         missing = [k for k in ("tokens", "parents") if k not in wire]
         if missing:
@@ -336,7 +337,7 @@ class TokenTree:
         vocab_size: int = 1000,
         seed: int = 0,
         labelled: bool = False,
-    ) -> "TokenTree":
+    ) -> TokenTree:
         """A small valid tree from plain lists, for tests: ``kind`` is "chain", "star" or "random".
 
         Random trees draw each parent uniformly below the row and give siblings distinct tokens.

@@ -16,11 +16,12 @@ The one per-request loop is that draw; everything else is vectorized (loops run 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
+from vllm_hyco.errors import TreeValidationError
 from vllm_hyco.spec_decode.acceptance import decide, normalize_epsilon
 from vllm_hyco.spec_decode.sampling import (
     SamplingSpec,
@@ -30,10 +31,13 @@ from vllm_hyco.spec_decode.sampling import (
     sampling_support,
 )
 from vllm_hyco.spec_decode.stats import NUM_SOURCES, RoundStats
-from vllm_hyco.errors import TreeValidationError
 from vllm_hyco.spec_decode.tree import NodeSource, TokenTree
 
 _OTHER = int(NodeSource.OTHER)
+
+
+def as_long(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64)
 
 
 @dataclass(frozen=True)
@@ -62,7 +66,7 @@ class PackedTrees:
         return int(self.num_real.numel())
 
     @classmethod
-    def pack(cls, trees: Sequence[TokenTree], rows_per_tree: int | None = None) -> "PackedTrees":
+    def pack(cls, trees: Sequence[TokenTree], rows_per_tree: int | None = None) -> PackedTrees:
         """Concatenate trees; with ``rows_per_tree`` each is padded to that many rows (repeating the
         last row, ``valid`` False)."""
         tokens, parent, depth, req, valid, labels = [], [], [], [], [], []
@@ -86,7 +90,6 @@ class PackedTrees:
             valid += [True] * n + [False] * extra
             offsets.append(base + rows)
             num_real.append(n)
-        as_long = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
         return cls(
             tokens=as_long(tokens), parent=as_long(parent), depth=as_long(depth), req=as_long(req),
             valid=torch.tensor(valid, dtype=torch.bool), labels=as_long(labels),

@@ -28,6 +28,11 @@ from triton.compiler import ASTSource
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from vllm_hyco.kernels._backend import next_pow2  # noqa: E402
+from vllm_hyco.kernels._triton.handoff_gather import (  # noqa: E402
+    gather_quantize_kv_kernel,
+    quantize_int8_kernel,
+)
+from vllm_hyco.kernels._triton.kv_compaction import compact_kv_kernel  # noqa: E402
 from vllm_hyco.kernels._triton.tree_attention import tree_attention_kernel  # noqa: E402
 from vllm_hyco.kernels.tree_attention import _launch_config  # noqa: E402
 
@@ -78,6 +83,29 @@ def tree_case(layer: str, dtype: torch.dtype, split: bool, arch: int) -> dict:
             "BLOCK_M": block_q * qpk_p, "TILE_N": tile_n, "num_warps": warps, **res}
 
 
+def other_cases(arch: int) -> list[dict]:
+    """KV compaction (int64 -> pointer casts) and the int8 hand-off kernels, at their launch settings."""
+    cases = [
+        ("compact_kv", compact_kv_kernel,
+         dict(table_ptr="*i64", src_ptr="*i64", dst_ptr="*i64", move_start_ptr="*i32", stride_group="i32"),
+         dict(UNIT_BYTES=8, CHUNKS=1, BLOCK=256)),
+        ("gather_quantize_kv", gather_quantize_kv_kernel,
+         dict(out_ptr="*i8", cache_ptr="*bf16", slots_ptr="*i64", scale_ptr="*fp32", stride_cb="i32",
+              stride_cs="i32", stride_ch="i32"),
+         dict(BLOCK_SIZE=16, NUM_HEADS=8, HEAD_DIM=256, HEAD_DIM_P=256)),
+        ("quantize_int8", quantize_int8_kernel, dict(out_ptr="*i8", x_ptr="*bf16", scale_ptr="*fp32"),
+         dict(CHANNELS=2816, BLOCK=1024)),
+    ]
+    rows = []
+    for name, fn, sig, consts in cases:
+        try:
+            rows.append({"kernel": name, **resources(fn, sig, consts, 4, 3, arch)})
+        except Exception as e:
+            rows.append({"kernel": name, "ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", type=int, default=90)
@@ -94,6 +122,7 @@ def main() -> None:
                            "error": f"{type(e).__name__}: {str(e)[:300]}"}
                 print(json.dumps(row), flush=True)
                 rows.append(row)
+    rows += other_cases(args.arch)
     report = {"arch": f"sm_{args.arch}", "triton": triton.__version__, "rows": rows,
               "all_ok": all(r["ok"] for r in rows)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

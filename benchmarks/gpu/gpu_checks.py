@@ -147,6 +147,26 @@ def check_replays(tmp: Path) -> list[dict]:
     return out
 
 
+def compiled_resources() -> list[dict]:
+    """Registers, spills and shared memory of every kernel variant compiled in this run (best effort)."""
+    from vllm_hyco.kernels._triton import handoff_gather, kv_compaction, tree_attention as ta
+
+    kernels = {"tree_attention": ta.tree_attention_kernel, "reduce": ta.tree_attention_reduce_kernel,
+               "compact_kv": kv_compaction.compact_kv_kernel,
+               "gather_quantize_kv": handoff_gather.gather_quantize_kv_kernel}
+    rows = []
+    for name, fn in kernels.items():
+        for entry in getattr(fn, "device_caches", {}).values():
+            cache = entry[0] if isinstance(entry, tuple) else entry
+            for compiled in getattr(cache, "values", lambda: [])():
+                meta = getattr(compiled, "metadata", None)
+                rows.append({"kernel": name, "n_regs": getattr(compiled, "n_regs", None),
+                             "n_spills": getattr(compiled, "n_spills", None),
+                             "shared": getattr(meta, "shared", None),
+                             "num_warps": getattr(meta, "num_warps", None)})
+    return rows
+
+
 def run_all(out_path: Path) -> dict:
     cuda = DEVICE == "cuda"
     report = {"device": torch.cuda.get_device_name() if cuda else "cpu (interpreter smoke run)",
@@ -177,6 +197,10 @@ def run_all(out_path: Path) -> dict:
             print(json.dumps(rep), flush=True)
     except Exception as e:
         report["checks"].append({"name": "replay", "ok": False, "error": f"{type(e).__name__}: {e}"})
+    try:
+        report["compiled_resources"] = compiled_resources()
+    except Exception as e:
+        report["compiled_resources"] = f"unavailable: {type(e).__name__}: {e}"
     report["all_ok"] = all(c.get("ok") for c in report["checks"])
     out_path.write_text(json.dumps(report, indent=1))
     return report

@@ -15,7 +15,7 @@ import random
 import pytest
 import torch
 
-from test_engine_sessions import BLOCK, GEN, VOCAB, _build_tiny, _prompts, _reference, _tree
+from test_engine_sessions import BLOCK, VOCAB, _build_tiny, _tree
 from tolerances import tol
 
 log = logging.getLogger(__name__)
@@ -73,6 +73,14 @@ def _session_kv(llm, req_id: str, num_positions: int) -> dict[str, tuple[torch.T
     return out
 
 
+def _plain_greedy(hy, prompt: list[int], n: int, req_id: str) -> list[int]:
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    return [t for o in hy.run_plain(req_id, {"prompt_token_ids": prompt}, params) for t in o.outputs[0].token_ids]
+
+
 def _margin(logits: torch.Tensor) -> float:
     top = torch.topk(logits.float(), 2, dim=-1).values
     return float((top[..., 0] - top[..., 1]).min())
@@ -81,7 +89,7 @@ def _margin(logits: torch.Tensor) -> float:
 def test_kv_after_rounds_equals_fresh_prefill(llm, hy):
     rng = random.Random(7)
     prompts = [[2] + [rng.randrange(5, VOCAB) for _ in range(n)] for n in (4, 30, 45)]
-    refs = _reference(llm, prompts, max_tokens=100)
+    refs = [_plain_greedy(hy, p, 100, f"ref{i}") for i, p in enumerate(prompts)]
     handles = [hy.open(prompt_token_ids=p, temperature=0.0, max_tokens=100, ignore_eos=True) for p in prompts]
     outs = {h.sid: [] for h in handles}
     roots = {h.sid: h.root for h in handles}
@@ -113,3 +121,118 @@ def test_kv_after_rounds_equals_fresh_prefill(llm, hy):
         assert va.committed == vb.committed
         hy.close(h.sid)
         hy.close(fresh.sid)
+
+
+def test_handoff_rows_and_seed_match_the_cache(llm, hy):
+    rng = random.Random(11)
+    prompt = [2] + [rng.randrange(5, VOCAB) for _ in range(44)]  # longer than the window (32)
+    ref = _plain_greedy(hy, prompt, 60, "ref-handoff")
+    s = hy.open(prompt_token_ids=prompt, temperature=0.0, max_tokens=60, ignore_eos=True)
+    runner = _runner(llm)
+    out, root = [], s.root
+    for rnd in range(3):
+        toks, pars, _ = _tree(root, ref[len(out):], "deep", rng)
+        v = hy.submit(s.sid, rnd, toks, pars)
+        out += v.committed
+        root = v.bonus
+        h, d = v.handoff, len(v.path_rows)
+        num_kv = len(prompt) + len(out) - 1  # positions with K/V: the bonus has none yet
+        assert h["position"] == num_kv - 1 and h["start"] == num_kv - 1 - d
+        with torch.no_grad():
+            torch.testing.assert_close(h["e_bonus"], runner.model.embed_input_ids(torch.tensor([v.bonus]))[0],
+                                       **tol("kv_copy", torch.float32))
+        assert h["h"].shape == (64,) and torch.isfinite(h["h"]).all()
+        kv = _session_kv(llm, s.engine_req_id, num_kv)
+        for kind in ("full", "sliding"):
+            k, vv = kv[h["layers"][kind]]
+            torch.testing.assert_close(h[f"{kind}_k"], k[-(d + 1):], **tol("kv_copy", torch.float32))
+            torch.testing.assert_close(h[f"{kind}_v"], vv[-(d + 1):], **tol("kv_copy", torch.float32))
+        if rnd == 0:  # D2: the first verdict carries the seed, the last W positions, from the paged cache
+            seed = h["seed"]
+            assert (seed["start"], seed["end"]) == (num_kv - 32, num_kv)
+            for kind in ("full", "sliding"):
+                k, vv = kv[h["layers"][kind]]
+                torch.testing.assert_close(seed[f"{kind}_k"], k[-32:], **tol("kv_copy", torch.float32))
+                torch.testing.assert_close(seed[f"{kind}_v"], vv[-32:], **tol("kv_copy", torch.float32))
+        else:
+            assert "seed" not in h
+    assert out == ref[:len(out)]
+    hy.close(s.sid)
+
+
+def test_seeded_sampling_follows_the_core_on_engine_logits(llm, hy):
+    from vllm_hyco.spec_decode.acceptance import select_path
+    from vllm_hyco.spec_decode.sampling import draw_uniforms, sample_sparse, sampling_support
+
+    rng = random.Random(3)
+    prompt = [2] + [rng.randrange(5, VOCAB) for _ in range(20)]
+    params = dict(temperature=0.8, top_k=20, top_p=0.9, seed=1234)
+    s = hy.open(prompt_token_ids=prompt, max_tokens=200, ignore_eos=True, **params)
+    gen = torch.Generator().manual_seed(params["seed"])
+    text, root, accepted = list(prompt), s.root, 0
+    for rnd in range(8):
+        greedy = _plain_greedy(hy, text + [root], 6, f"g{rnd}")  # likely tokens, so some nodes hit
+        toks, pars, _ = _tree(root, greedy, rng.choice(["chain", "sibling", "slm"]), rng)
+        v = hy.submit(s.sid, rnd, toks, pars)
+        logits = v.stats["logits"]  # [num_rows, vocab], what the engine decided on
+        support = sampling_support(logits, params["temperature"], params["top_k"], params["top_p"])
+        samples = sample_sparse(support, draw_uniforms(len(toks), gen))
+        path, bonus = select_path(toks, pars, None, samples, None)
+        assert (v.path_rows, v.bonus) == (path, int(bonus)), rnd
+        accepted += len(path)
+        text += [root] + v.path_tokens
+        root = v.bonus
+    assert accepted > 0
+    hy.close(s.sid)
+
+
+def test_bad_input_gets_typed_errors_and_the_session_keeps_working(llm, hy):
+    from vllm_hyco.errors import RequestFieldError, SessionError, TreeValidationError
+
+    prompt = [2, 11, 12, 13, 14]
+    ref = _plain_greedy(hy, prompt, 20, "ref-bad")
+    s = hy.open(prompt_token_ids=prompt, temperature=0.0, max_tokens=20, ignore_eos=True)
+    root = s.root
+
+    def code_of(exc_type, fn):
+        with pytest.raises(exc_type) as info:
+            fn()
+        return info.value.code
+
+    assert code_of(SessionError, lambda: hy.submit("no-such-session", 0, [root], [-1])) == "unknown_session"
+    assert code_of(SessionError, lambda: hy.submit(s.sid, 1, [root], [-1])) == "future_round"
+    bad_trees = [
+        ([root, 5, 5], [-1, 0, 0], "duplicate_sibling"),
+        ([root, 5, 6], [-1, 2, 0], "parent_not_before_child"),
+        ([root, VOCAB + 3], [-1, 0], "token_out_of_vocab"),
+        ([root] + list(range(5, 38)), [-1] + [0] * 33, "tree_too_large"),
+        ([root + 1, 5], [-1, 0], "bad_root"),
+    ]
+    for toks, pars, code in bad_trees:
+        assert code_of(TreeValidationError, lambda: hy.submit(s.sid, 0, toks, pars)) == code
+    v = hy.submit(s.sid, 0, [root, ref[0], ref[1]], [-1, 0, 1])
+    assert v.committed == ref[:3]
+    assert code_of(SessionError, lambda: hy.submit(s.sid, 0, [v.bonus], [-1])) == "duplicate_round"
+    v1 = hy.submit(s.sid, 1, [v.bonus, ref[3]], [-1, 0])
+    assert v1.committed == ref[3:5]
+    assert code_of(SessionError, lambda: hy.submit(s.sid, 0, [v1.bonus], [-1])) == "stale_round"
+    assert code_of(RequestFieldError, lambda: hy.open(prompt_token_ids=prompt, presence_penalty=0.5)) \
+        == "unsupported_field"
+    with pytest.raises(RequestFieldError) as info:
+        hy.open(prompt_token_ids=prompt, logprobs=3)
+    assert info.value.field == "logprobs"
+    assert code_of(RequestFieldError, lambda: hy.open(prompt_token_ids=prompt, eps=0.01)) == "unsupported_field"
+    assert code_of(SessionError, lambda: hy.open(prompt_token_ids=[2])) == "prompt_too_short"
+    # idle timeout: the parked session is finished and its KV freed; the engine keeps serving
+    reg = _core(llm).scheduler.hyco_sessions
+    old, reg.idle_timeout_s = reg.idle_timeout_s, 0.0
+    try:
+        assert s.sid in hy.poll()
+    finally:
+        reg.idle_timeout_s = old
+    assert code_of(SessionError, lambda: hy.submit(s.sid, 2, [v1.bonus], [-1])) == "session_timeout"
+    assert _core(llm).scheduler.kv_cache_manager.get_block_ids(s.engine_req_id) in ((), ([],) * 4, [])  \
+        or s.engine_req_id not in _core(llm).scheduler.requests
+    s2 = hy.open(prompt_token_ids=prompt, temperature=0.0, max_tokens=20, ignore_eos=True)
+    assert hy.submit(s2.sid, 0, [s2.root, ref[0]], [-1, 0]).committed == ref[:2]
+    hy.close(s2.sid)

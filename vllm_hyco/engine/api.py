@@ -29,6 +29,7 @@ from vllm_hyco.errors import RequestFieldError, SessionError
 
 ALLOWED_FIELDS = ("temperature", "top_k", "top_p", "seed", "max_tokens", "stop", "ignore_eos", "min_tokens")
 DEFAULT_BUDGET = 32
+ENDED_CODES = ("session_timeout", "session_evicted", "session_finished", "closed", "aborted", "finished")
 
 
 @dataclass
@@ -128,9 +129,13 @@ class HycoEngine:
         if sid in self._sessions:
             raise SessionError(f"session {sid!r} is already open", code="duplicate_session")
         eps = resolve_session_eps(self._server_eps(), eps)
+        # The seed travels in extra_args, not SamplingParams.seed: the session's tree decision draws from its
+        # own generator, and vLLM 0.32's CPU runner cannot rewind a seeded generator after the discarded
+        # sample of a partial prefill (``gen.set_offset`` raises "CPU Generator does not use offset").
+        seed = fields.pop("seed", None)
         params = SamplingParams(**{k: v for k, v in fields.items() if v is not None},
                                 output_kind=RequestOutputKind.DELTA,
-                                extra_args={"hyco": {"sid": sid, "eps": eps}})
+                                extra_args={"hyco": {"sid": sid, "eps": eps, "seed": seed}})
         req_id = f"hyco-{sid}"
         if prompt_token_ids is not None:
             inputs: Any = {"prompt_token_ids": list(prompt_token_ids)}
@@ -174,7 +179,15 @@ class HycoEngine:
         for sid, round_, tokens, parents, *rest in trees:
             if sid not in self._sessions:
                 raise SessionError(f"unknown session {sid!r}", code="unknown_session")
-            self._call("hyco_submit_tree", sid, round_, list(tokens), list(parents), rest[0] if rest else None)
+            try:
+                self._call("hyco_submit_tree", sid, round_, list(tokens), list(parents), rest[0] if rest else None)
+            except SessionError as e:
+                if e.code in ENDED_CODES:  # the engine finished it (timeout, eviction...): drop it here too
+                    req_id = self._sessions.pop(sid)
+                    self._ended.add(sid)
+                    self.engine.abort_request([req_id])
+                    self._take(req_id)
+                raise
         for _ in range(self.max_steps):
             infos = [self._call("hyco_session_info", t[0]) for t in trees]
             if all(t[1] in i["pending_verdicts"] or i["state"] == "finished" for t, i in zip(trees, infos)):
@@ -226,6 +239,21 @@ class HycoEngine:
 
     def step(self) -> None:
         self._step()
+
+    def run_plain(self, req_id: str, inputs: Any, params) -> list[Any]:
+        """Run one ordinary request to completion on the shared engine (parked sessions stay parked).
+
+        ``LLM.generate`` cannot be used while sessions are open: it steps until *every* request the
+        frontend knows is finished, and a parked session never is.
+        """
+        self.engine.add_request(req_id, inputs, params)
+        outs: list[Any] = []
+        for _ in range(self.max_steps):
+            self._step()
+            outs += self._take(req_id)
+            if outs and outs[-1].finished:
+                return outs
+        raise SessionError(f"request {req_id!r} made no progress", code="stalled")
 
     def take_outputs(self, req_id: str) -> list[Any]:
         return self._take(req_id)

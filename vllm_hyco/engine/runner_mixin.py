@@ -93,28 +93,41 @@ class HycoRunnerMixin:
         return output
 
     def _sample(self, logits, spec_decode_metadata):
-        sampler_output = super()._sample(logits, spec_decode_metadata)
         st = self._hyco_state()
         if not st["trees"]:
-            return sampler_output
-        out = sampler_output.sampled_token_ids  # [num_reqs, max_spec + 1]
-        for tr in st["trees"]:
-            if spec_decode_metadata is None:
-                lo = tr.batch_idx
-            else:
-                k = spec_decode_metadata.num_draft_tokens[tr.batch_idx]
-                assert k + 1 == tr.num_rows, (k, tr.num_rows)
-                lo = int(spec_decode_metadata.cu_num_sampled_tokens[tr.batch_idx]) - tr.num_rows
-            rows_logits = logits[lo:lo + tr.num_rows]  # [num_rows, vocab]
+            return super()._sample(logits, spec_decode_metadata)
+        trees = {tr.batch_idx: tr for tr in st["trees"]}
+        num_reqs = self.input_batch.num_reqs
+        # Row ranges of each request in ``logits``: [lo, hi).
+        if spec_decode_metadata is None:
+            bounds = [(b, b + 1) for b in range(num_reqs)]
+        else:
+            cu = spec_decode_metadata.cu_num_sampled_tokens.tolist()
+            bounds = [(cu[b] - spec_decode_metadata.num_draft_tokens[b] - 1, cu[b]) for b in range(num_reqs)]
+        for b, (lo, hi) in enumerate(bounds):
+            assert b in trees or hi - lo == 1, "only tree requests carry draft rows in a HyCo engine"
+        # vLLM's plain sampler for everyone on one row each (a tree request's sample is overwritten). The
+        # chain rejection sampler is bypassed: it would reject tree rows as a chain, draw from seeded
+        # generators, and on the CPU build its top-k expansion of 33-row drafts reads garbage.
+        last_rows = torch.tensor([lo for lo, _ in bounds], dtype=torch.long)
+        sampler_output = super()._sample(logits[last_rows], None)
+        width = max(tr.num_rows for tr in trees.values())
+        out = torch.full((num_reqs, width), PLACEHOLDER, dtype=sampler_output.sampled_token_ids.dtype)
+        out[:, :1] = sampler_output.sampled_token_ids[:, :1]  # [num_reqs, width]
+        for b, tr in trees.items():
+            lo, hi = bounds[b]
+            assert hi - lo == tr.num_rows, (hi - lo, tr.num_rows)
+            rows_logits = logits[lo:hi]  # [num_rows, vocab]
             verdict = self._hyco_decide(tr, rows_logits)
             if st.get("debug_logits"):  # tests only: the rows' logits as the decision saw them
                 verdict["logits"] = rows_logits.detach().float().clone()
             committed = [tr.tokens[r] for r in verdict["path_rows"]] + [verdict["bonus"]]
-            out[tr.batch_idx].fill_(PLACEHOLDER)
-            out[tr.batch_idx, :len(committed)] = torch.tensor(committed, dtype=out.dtype)
+            out[b].fill_(PLACEHOLDER)
+            out[b, :len(committed)] = torch.tensor(committed, dtype=out.dtype)
             self._hyco_compact(tr, verdict["path_rows"])
             verdict["handoff"] = self._hyco_handoff(tr, verdict)
             st["verdicts"][tr.req_id] = verdict
+        sampler_output.sampled_token_ids = out
         return sampler_output
 
     def _hyco_decide(self, tr: TreeRows, logits: torch.Tensor) -> dict[str, Any]:
@@ -145,8 +158,10 @@ class HycoRunnerMixin:
     def _hyco_generator(self, req_id: str, params) -> torch.Generator | None:
         gens = self._hyco_state()["gens"]
         if req_id not in gens:
+            spec = (params.extra_args or {}).get("hyco") or {}
+            seed = spec.get("seed", params.seed)
             gen = torch.Generator()
-            gen.manual_seed(params.seed if params.seed is not None else torch.seed())
+            gen.manual_seed(int(seed) if seed is not None else torch.seed())
             gens[req_id] = gen
         return gens[req_id]
 

@@ -18,6 +18,7 @@ engine-argument expansion. The HTTP side is the separate ``vllm.endpoint_plugins
 from __future__ import annotations
 
 import logging
+import os
 
 from vllm_hyco import SUPPORTED_VLLM, __version__, envs
 from vllm_hyco.errors import VllmVersionError
@@ -74,5 +75,9 @@ def register() -> None:
 
     speculative_config_arg.PATCH.apply()
     engine_config.PATCH.apply()
+    if os.environ.get("VLLM_HYCO_BENCH_TIMING"):  # benchmarks only: engine-side g (vllm_hyco/bench/timing.py)
+        from vllm_hyco.bench import timing
+
+        timing.install()
     _REGISTERED = True
     logger.debug("vllm_hyco %s registered", __version__)

@@ -1,0 +1,161 @@
+"""Engine-side server compute for the benchmark's g (adapter, vLLM 0.32 ``v1/worker/gpu_worker.Worker``).
+
+g, the paper's server cost, is the server's compute time (prefill included) divided by the output tokens.
+This module measures the compute where it happens: when ``VLLM_HYCO_BENCH_TIMING=1`` is set, the plugin's
+``register()`` (every vLLM process) calls :func:`install`, which wraps the worker's ``execute_model``,
+``sample_tokens`` and ``take_draft_token_ids`` (vLLM's MTP drafts inside these) with a wall-clock timer
+(after a ``torch.cuda.synchronize()`` on a GPU). Every forward of every request is counted: prefill,
+plain decode, MTP chains, HyCo trees. Scheduling, detokenization and HTTP are not.
+
+Why a wrapper: vLLM's own ``/metrics`` has no busy-time counter for the model. What it replaces: the three
+methods, by thin timing wrappers that call the originals (recorded in ``ORIGINALS``). Removal: when vLLM
+exports per-step model execution time. Worker subclasses that override a method (``CPUWorker`` does not in
+0.32) are wrapped too if they are imported before :func:`install`; ``install`` also wraps the classes in
+``vllm.v1.worker.cpu_worker``.
+
+How the totals leave the engine (no route needed, so it works for any server, HyCo or plain vLLM):
+
+* ``VLLM_HYCO_BENCH_TIMING_DIR=DIR``: each process rewrites ``DIR/timing-<pid>.json`` after every timed
+  call (a few hundred bytes); :func:`read_dir` sums them. The harness diffs two reads around a run.
+* ``collective_rpc("hyco_bench_timing")`` (``LLM.collective_rpc`` in-process, or vLLM's dev-mode
+  ``POST /collective_rpc``): the worker's :meth:`EngineTimer.snapshot`.
+
+    >>> t = EngineTimer(); t.add("execute_s", 0.010, rows=33); t.add("sample_s", 0.002)
+    >>> s = t.snapshot(); (s["busy_s"], s["steps"], s["rows"])
+    (0.012, 1, 33)
+    >>> delta({"busy_s": 0.5, "steps": 3, "rows": 9}, s)["busy_s"]
+    -0.488
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+ENV = "VLLM_HYCO_BENCH_TIMING"
+DIR_ENV = "VLLM_HYCO_BENCH_TIMING_DIR"
+FIELDS = ("execute_s", "sample_s", "draft_s")
+COUNTS = ("steps", "rows")
+ORIGINALS: dict[tuple[type, str], Callable] = {}
+_METHODS = {"execute_model": "execute_s", "sample_tokens": "sample_s", "take_draft_token_ids": "draft_s"}
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+class EngineTimer:
+    """Cumulative compute seconds by phase, forward steps and rows (scheduled tokens) of one process."""
+
+    def __init__(self, out_dir: str | None = None):
+        self.totals = {f: 0.0 for f in FIELDS}
+        self.counts = {c: 0 for c in COUNTS}
+        self.out_dir = Path(out_dir) if out_dir else None
+
+    def add(self, field: str, seconds: float, rows: int = 0) -> None:
+        self.totals[field] += seconds
+        if rows:
+            self.counts["steps"] += 1
+            self.counts["rows"] += rows
+        if self.out_dir is not None:
+            self.flush()
+
+    def snapshot(self) -> dict[str, Any]:
+        snap: dict[str, Any] = {k: round(v, 9) for k, v in self.totals.items()}
+        snap["busy_s"] = round(sum(self.totals.values()), 9)
+        snap.update(self.counts)
+        snap["pid"] = os.getpid()
+        return snap
+
+    def flush(self) -> None:
+        path = self.out_dir / f"timing-{os.getpid()}.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.snapshot()))
+        os.replace(tmp, path)
+
+
+TIMER = EngineTimer()
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def _timed(fn: Callable, field: str) -> Callable:
+    @functools.wraps(fn)
+    def timed(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        out = fn(self, *args, **kwargs)
+        _sync()
+        rows = 0
+        if field == "execute_s" and args:
+            rows = int(getattr(args[0], "total_num_scheduled_tokens", 0) or 0)
+        TIMER.add(field, time.perf_counter() - t0, rows=rows)
+        return out
+
+    timed.__hyco_bench_timed__ = True
+    return timed
+
+
+def hyco_bench_timing(self) -> dict[str, Any]:
+    """Worker method for ``collective_rpc("hyco_bench_timing")``: this process's totals."""
+    return TIMER.snapshot()
+
+
+def _worker_classes() -> list[type]:
+    from vllm.v1.worker.gpu_worker import Worker
+
+    classes = [Worker]
+    try:
+        from vllm.v1.worker.cpu_worker import CPUWorker
+
+        classes.append(CPUWorker)
+    except ImportError:  # a GPU build without the CPU worker
+        pass
+    return classes
+
+
+def install() -> bool:
+    """Wrap the worker methods once per process (idempotent). Returns True when timing is on."""
+    if not enabled():
+        return False
+    global TIMER
+    out_dir = os.environ.get(DIR_ENV)
+    if out_dir and TIMER.out_dir is None:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        TIMER.out_dir = Path(out_dir)
+    for cls in _worker_classes():
+        for name, field in _METHODS.items():
+            fn = cls.__dict__.get(name)
+            if fn is None or getattr(fn, "__hyco_bench_timed__", False):
+                continue
+            ORIGINALS[(cls, name)] = fn
+            setattr(cls, name, _timed(fn, field))
+        cls.hyco_bench_timing = hyco_bench_timing
+    return True
+
+
+def read_dir(path: str | Path) -> dict[str, Any]:
+    """The sum of every process's last snapshot in ``path`` (zeros when none wrote yet)."""
+    total: dict[str, Any] = {**{f: 0.0 for f in FIELDS}, "busy_s": 0.0, **{c: 0 for c in COUNTS}}
+    for f in sorted(Path(path).glob("timing-*.json")):
+        try:
+            snap = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue  # being replaced right now; os.replace makes this rare
+        for k in total:
+            total[k] += snap.get(k, 0)
+    return total
+
+
+def delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """``after - before`` for every numeric field both have."""
+    return {k: round(after[k] - before[k], 9) for k in after
+            if k in before and k != "pid" and isinstance(after[k], (int, float))}

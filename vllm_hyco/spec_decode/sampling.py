@@ -53,17 +53,20 @@ class SparseProbs:
     """p̃ on a per-row support: ``probs[r, j]`` is p̃(``ids[r, j]`` | row r); padding entries have p 0.
 
     ``ids`` ascend along each row (padding entries hold ids past the vocabulary end, ``vocab_size``
-    onwards), so a float64 cumulative sum along a row visits tokens in id order.
+    onwards), so a float64 cumulative sum along a row visits tokens in id order. ``ids`` None means the
+    support is the whole vocabulary: ``probs`` is then the dense [R, V] p̃ (the top-k-off case).
     """
 
-    # [R, S] int64
-    ids: torch.Tensor
-    # [R, S] float32
+    # [R, S] int64, or None for dense rows
+    ids: torch.Tensor | None
+    # [R, S] float32 ([R, V] when ids is None)
     probs: torch.Tensor
     vocab_size: int
 
     def to_dense(self) -> torch.Tensor:
         """[R, V] float32."""
+        if self.ids is None:
+            return self.probs
         num_rows = self.probs.shape[0]
         out = torch.zeros(num_rows, self.vocab_size + 1, dtype=torch.float32)
         # Padding entries (ids >= V, probability 0) all land in the spare last column.
@@ -72,23 +75,31 @@ class SparseProbs:
 
     def lookup(self, rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """[M] float32: p̃(tokens[m] | rows[m])."""
-        ids = self.ids[rows]  # [M, S]
-        hit = ids == tokens.unsqueeze(1)  # [M, S]
-        return (self.probs[rows] * hit).sum(dim=1)
+        if self.ids is None:
+            return self.probs[rows, tokens]
+        out = torch.empty(rows.shape, dtype=torch.float32)
+        step = _rows_per_chunk(self.ids.shape[1])
+        for s in range(0, rows.numel(), step):
+            r, t = rows[s : s + step], tokens[s : s + step].unsqueeze(1)
+            ids = self.ids[r]  # [m, S], ascending
+            pos = torch.searchsorted(ids, t).clamp(max=ids.shape[1] - 1)  # [m, 1]
+            hit = ids.gather(1, pos) == t
+            out[s : s + step] = torch.where(hit, self.probs[r].gather(1, pos), 0.0).squeeze(1)
+        return out
+
+    def token_at(self, pos: torch.Tensor) -> torch.Tensor:
+        """[R] int64: the token id of column ``pos[r]`` of each row."""
+        return pos if self.ids is None else self.ids.gather(1, pos.unsqueeze(1)).squeeze(1)
 
     @classmethod
     def from_dense(cls, probs: torch.Tensor) -> SparseProbs:
-        """Support = the nonzero entries of each row of a dense [R, V] p̃."""
-        num_rows, vocab = probs.shape
-        nz = probs > 0  # [R, V]
-        width = max(int(nz.sum(dim=1).max().item()) if num_rows else 1, 1)
-        # Nonzero columns first, in id order; zero columns get keys past the vocabulary.
-        key = torch.where(nz, torch.arange(vocab), vocab + torch.arange(vocab))  # [R, V]
-        ids = key.topk(width, dim=1, largest=False, sorted=True).values  # [R, S]
-        keep = ids < vocab
-        ids = torch.where(keep, ids, vocab + torch.arange(width))
-        p = torch.where(keep, probs.gather(1, ids.clamp(max=vocab - 1)), torch.zeros(()))
-        return cls(ids=ids, probs=p.float(), vocab_size=vocab)
+        """Wrap a dense [R, V] p̃ (no copy for float32)."""
+        return cls(ids=None, probs=probs.to(torch.float32), vocab_size=probs.shape[1])
+
+
+def _rows_per_chunk(width: int) -> int:
+    """Rows per chunk so that a [rows, width] temporary stays near 2^22 elements."""
+    return max(1, (1 << 22) // max(width, 1))
 
 
 def _per_row(value, num_rows: int, dtype: torch.dtype) -> torch.Tensor:
@@ -116,10 +127,10 @@ def _candidates(logits, temperature, k_on, k, random_rows):
             vals = raw.to(torch.float32) / scale
             kth = vals.gather(1, (k.clamp(1, width) - 1).unsqueeze(1)).squeeze(1)
             if bool(((vals[:, -1] < kth) | ~random_rows).all()):
-                return vals, ids
+                return vals, ids, False
             width *= 2
     x = logits.to(torch.float32) / scale  # [R, V]
-    return x, torch.arange(vocab).expand(num_rows, vocab)
+    return x, torch.arange(vocab).expand(num_rows, vocab), True
 
 
 def _ascending(vals: torch.Tensor, ids: torch.Tensor):
@@ -150,29 +161,30 @@ def _truncate(asc: torch.Tensor, k: torch.Tensor, k_on: torch.Tensor, p: torch.T
     return e / torch.cumsum(e, dim=1)[:, -1:]
 
 
-def _support_chunk(logits, temperature, top_k, top_p) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids [R, S], probs [R, S]) for one chunk; ids in ascending order, padding ids >= V."""
+def _support_chunk(logits, temperature, top_k, top_p) -> SparseProbs:
+    """p̃ of one chunk of rows: sparse (ids ascending, padding ids >= V) or dense over the vocabulary."""
     num_rows, vocab = logits.shape
     greedy = temperature < SAMPLING_EPS
     random_rows = ~greedy
     k_on = (top_k > 0) & (top_k < vocab)
     scale = torch.where(greedy, 1.0, temperature)
-    vals, ids = _candidates(logits, scale, k_on, top_k, random_rows)
+    vals, ids, dense = _candidates(logits, scale, k_on, top_k, random_rows)
     vals, ids = _ascending(vals, ids)
     probs = _truncate(vals, top_k, k_on, top_p.to(torch.float32))  # [R, S]
-    if greedy.any():
-        arg = torch.zeros(num_rows, dtype=torch.int64)
-        arg[greedy] = logits[greedy].to(torch.float32).argmax(dim=1)  # first maximal index
-        one_hot_ids = torch.full_like(ids, vocab) + torch.arange(ids.shape[1])
-        one_hot_ids[:, 0] = arg
-        one_hot = torch.zeros_like(probs)
-        one_hot[:, 0] = 1.0
-        ids = torch.where(greedy.unsqueeze(1), one_hot_ids, ids)
-        probs = torch.where(greedy.unsqueeze(1), one_hot, probs)
+    rows = greedy.nonzero().squeeze(1)
+    arg = logits[rows].to(torch.float32).argmax(dim=1)  # greedy: the first maximal index
+    if dense:  # ids is a permutation of the vocabulary on every row
+        out = torch.zeros(num_rows, vocab, dtype=torch.float32).scatter_(1, ids, probs)
+        out[rows] = 0.0
+        out[rows, arg] = 1.0
+        return SparseProbs(ids=None, probs=out, vocab_size=vocab)
+    first = torch.arange(ids.shape[1]) == 0
+    ids[rows] = torch.where(first, arg.unsqueeze(1), ids[rows])
+    probs[rows] = first.to(torch.float32)
     # Zero-mass entries become padding (ids past the vocabulary), then sort by id.
     ids = torch.where(probs > 0, ids, vocab + torch.arange(ids.shape[1]))
     order = ids.argsort(dim=1)
-    return ids.gather(1, order), probs.gather(1, order)
+    return SparseProbs(ids=ids.gather(1, order), probs=probs.gather(1, order), vocab_size=vocab)
 
 
 def sampling_support(logits, temperature=1.0, top_k=-1, top_p=1.0) -> SparseProbs:
@@ -188,12 +200,14 @@ def sampling_support(logits, temperature=1.0, top_k=-1, top_p=1.0) -> SparseProb
     for s in range(0, max(num_rows, 1), _CHUNK_ROWS):
         sl = slice(s, s + _CHUNK_ROWS)
         parts.append(_support_chunk(logits[sl], temperature[sl], top_k[sl], top_p[sl]))
-    width = max(p[0].shape[1] for p in parts)
-    ids = torch.cat([_pad_support(i, width, vocab) for i, _ in parts])
-    probs = torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for _, p in parts])
+    if any(p.ids is None for p in parts):
+        return SparseProbs(ids=None, probs=torch.cat([p.to_dense() for p in parts]), vocab_size=vocab)
+    width = max(p.ids.shape[1] for p in parts)
+    ids = torch.cat([_pad_support(p.ids, width, vocab) for p in parts])
+    probs = torch.cat([torch.nn.functional.pad(p.probs, (0, width - p.probs.shape[1])) for p in parts])
     # Trim columns that are padding in every row.
-    used = int((ids < vocab).sum(dim=1).max()) if num_rows else 1
-    return SparseProbs(ids=ids[:, : max(used, 1)], probs=probs[:, : max(used, 1)], vocab_size=vocab)
+    used = max(int((ids < vocab).sum(dim=1).max()) if num_rows else 1, 1)
+    return SparseProbs(ids=ids[:, :used], probs=probs[:, :used], vocab_size=vocab)
 
 
 def _pad_support(ids: torch.Tensor, width: int, vocab: int) -> torch.Tensor:
@@ -221,13 +235,21 @@ def draw_uniforms(num_rows: int, generator: torch.Generator | None) -> torch.Ten
 
 
 def sample_sparse(support: SparseProbs, uniforms: torch.Tensor) -> torch.Tensor:
-    """[R] int64 inverse-CDF samples: first id (in id order) whose float64 cumulative mass > u * total."""
-    cdf = torch.cumsum(support.probs.to(torch.float64), dim=1)  # [R, S]
-    target = (uniforms * cdf[:, -1]).unsqueeze(1)  # [R, 1]
-    pos = torch.searchsorted(cdf, target, right=True).squeeze(1)  # [R]
-    last = (support.probs > 0).sum(dim=1) - 1  # the last nonzero entry (u * total can round to total)
-    pos = torch.minimum(pos, last.clamp(min=0))
-    return support.ids.gather(1, pos.unsqueeze(1)).squeeze(1)
+    """[R] int64 inverse-CDF samples: first id (in id order) whose float64 cumulative mass > u * total.
+
+    Sparse and dense rows holding the same p̃ give the same token: zero-mass entries add exactly 0.
+    """
+    num_rows, width = support.probs.shape
+    pos = torch.empty(num_rows, dtype=torch.int64)
+    step = _rows_per_chunk(width)
+    for s in range(0, num_rows, step):
+        p = support.probs[s : s + step]
+        cdf = torch.cumsum(p.to(torch.float64), dim=1)  # [r, S]
+        target = (uniforms[s : s + step] * cdf[:, -1]).unsqueeze(1)  # [r, 1]
+        found = torch.searchsorted(cdf, target, right=True).squeeze(1)
+        last = (p > 0).cumsum(dim=1).argmax(dim=1)  # last nonzero (u * total can round to total)
+        pos[s : s + step] = torch.minimum(found, last)
+    return support.token_at(pos)
 
 
 def sample_rows(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

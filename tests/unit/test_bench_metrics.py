@@ -1,0 +1,138 @@
+"""Benchmark metrics from synthetic records: g, MAT, delivery speed, bytes, TTFT, acceptance, spreads,
+ratios, the GPU model, the report files, and the engine timer on a dummy worker class."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vllm_hyco.bench import configs, metrics, report, timing
+from vllm_hyco.bench.metrics import RequestRecord, RoundRecord, RunRecord
+from vllm_hyco.errors import ConfigError
+
+
+def _phone_run(config: str, run: int, mat_bias: int) -> RunRecord:
+    reqs = []
+    for p in range(3):
+        rounds = [RoundRecord(0, 4, 1, 2, device_ms=15.7, draft_ms=3.0, bytes_up=100, bytes_down=5000,
+                              path_sources=[3], drafted_sources={3: 4})]
+        for r in range(1, 4):
+            acc = 2 + mat_bias
+            rounds.append(RoundRecord(r, 32, acc, acc + 1, device_ms=52.9, draft_ms=10.0, bytes_up=240,
+                                      bytes_down=1000 + 100 * acc, path_sources=[1] * (acc - 1) + [3],
+                                      drafted_sources={1: 4, 2: 2, 3: 26}))
+        tokens = sum(x.committed for x in rounds)
+        reqs.append(RequestRecord(config, run, f"p{p}", tokens=tokens, ttft_ms=100.0 * (p + 1),
+                                  wall_ms=1000.0, rounds=rounds))
+    return RunRecord(config, run, reqs, engine={"busy_s": 0.001 * sum(r.tokens for r in reqs) * (3 - mat_bias),
+                                                "steps": 12, "rows": 12 * 33}, wall_s=3.0)
+
+
+def _cloud_run(run: int) -> RunRecord:
+    reqs = [RequestRecord("cloud-mtp", run, f"p{p}", tokens=30, ttft_ms=50.0, wall_ms=500.0) for p in range(3)]
+    return RunRecord("cloud-mtp", run, reqs, engine={"busy_s": 0.27, "steps": 30, "rows": 150},
+                     spec_counters={"drafts": 40, "draft_tokens": 160, "accepted": 50,
+                                    "accepted_per_pos": [30, 12, 6, 2], "k": 4}, wall_s=2.0)
+
+
+def test_phone_run_metrics():
+    m = metrics.run_metrics(_phone_run("hyco", 0, 1))
+    assert m["tokens"] == 3 * (2 + 3 * 4) and m["rounds"] == 12
+    assert m["mat"] == pytest.approx((2 + 3 * 4) / 4, abs=1e-3)
+    assert m["g_ms"] == pytest.approx(2.0)
+    assert m["tok_s"] == pytest.approx(42 / 3.0)
+    assert m["draft_ms_per_token"] == pytest.approx((15.7 + 3 * 52.9) * 3 / 42, abs=1e-3)
+    assert (m["bytes_up_round"], m["bytes_down_round"], m["seed_bytes_down"]) == (240.0, 1300.0, 5000.0)
+    assert (m["ttft_p50_ms"], m["ttft_p90_ms"]) == (200.0, 280.0)
+    assert m["accept_depth"] == [1.0, 0.75, 0.75]
+    src = m["accept_source"]
+    assert src["chain"] == {"drafted": 36, "accepted": 18, "rate": 0.5, "share": 0.6}
+    assert src["runner_up"]["accepted"] == 0 and src["slm"]["accepted"] == 12
+    assert m["gpu_model_g_ms"] == pytest.approx(metrics.physics_forward_ms(1 + (4 + 96) / 4) / m["mat"], abs=1e-3)
+
+
+def test_cloud_metrics_from_spec_counters():
+    m = metrics.run_metrics(_cloud_run(0))
+    assert m["mat"] == pytest.approx(90 / 40, abs=1e-3)
+    assert m["accept_depth"] == [0.75, 0.3, 0.15, 0.05]
+    assert m["g_ms"] == pytest.approx(3.0) and m["gpu_model_g_ms"] == pytest.approx(1.11 / 2.25, abs=1e-3)
+
+
+def test_errors_are_counted_not_pooled():
+    run = _cloud_run(0)
+    run.requests.append(RequestRecord("cloud-mtp", 0, "bad", tokens=99, error="server_busy"))
+    m = metrics.run_metrics(run)
+    assert (m["errors"], m["tokens"]) == (1, 90)
+
+
+def test_spreads_ratios_and_bars():
+    per_run = [metrics.run_metrics(r) for run in range(3)
+               for r in (_cloud_run(run), _phone_run("hyco", run, 1 + (run == 2)), _phone_run("specedge", run, 0))]
+    results = report.build_results(per_run, {"machine": "test"})
+    s = results["summary"]
+    assert s["hyco"]["spread"]["mat"]["n"] == 3 and s["hyco"]["spread"]["mat"]["sd"] > 0
+    assert s["cloud-mtp"]["spread"]["g_ratio"]["mean"] == 1.0
+    assert s["specedge"]["spread"]["g_ratio"]["mean"] == pytest.approx(1.0, abs=1e-3)  # 3 ms / 3 ms
+    bars = results["bars"]
+    assert bars["mat_hyco_vs_cloud_disjoint"] is True and bars["mat_hyco_vs_specedge_disjoint"] is True
+    assert metrics.disjoint({"n": 3, "min": 1, "max": 2}, {"n": 3, "min": 1.5, "max": 3}) is False
+
+
+def test_record_json_round_trip():
+    run = _phone_run("hyco", 0, 0)
+    again = RunRecord.from_dict(json.loads(json.dumps(run.to_dict())))
+    assert metrics.run_metrics(again) == metrics.run_metrics(run)
+
+
+def test_report_files(tmp_path):
+    per_run = [metrics.run_metrics(r) for run in range(2) for r in (_cloud_run(run), _phone_run("hyco", run, 1))]
+    sweep = [dict(metrics.run_metrics(_phone_run("hyco", 0, 1)), concurrency=4)]
+    ordinary = [{"server": "plain vLLM", "requests": 3, "tokens": 90, "server_tok_s": 45.0, "g_ms": 3.0}]
+    results = report.build_results(per_run, {"machine": "test", "slm_only": True}, sweep, ordinary)
+    paths = report.write_report(tmp_path, results)
+    md = paths["markdown"].read_text()
+    assert "| HyCo |" in md and "Cloud+MTP" in md and "SLM alone (modelled)" in md
+    assert "Concurrency sweep" in md and "plain vLLM" in md and "server-head" in md
+    assert json.loads(paths["json"].read_text())["summary"]["hyco"]["spread"]["mat"]["n"] == 2
+    pytest.importorskip("matplotlib")
+    assert paths["saving_vs_speed"].stat().st_size > 1000 and paths["mat"].stat().st_size > 1000
+
+
+def test_config_selection():
+    assert [c.name for c in configs.select("cloud-mtp,hyco")] == ["cloud-mtp", "hyco"]
+    assert len(configs.select("all")) == len(configs.DEFAULT)
+    with pytest.raises(ConfigError, match="not run"):
+        configs.select("server-head")
+    with pytest.raises(ConfigError, match="unknown"):
+        configs.select("hyco,nope")
+    spec = json.loads(configs.CONFIGS["hyco"].server_spec("/a"))
+    assert spec == {"method": "hyco", "max_sessions": 64, "epsilon": 0.005}
+    assert json.loads(configs.CONFIGS["cloud-mtp"].server_spec("/a"))["num_speculative_tokens"] == 4
+    assert configs.CONFIGS["specedge"].server_key() == configs.CONFIGS["hyco-exact"].server_key()
+
+
+def test_engine_timer_wraps_a_worker_class(monkeypatch, tmp_path):
+    class Worker:
+        def execute_model(self, scheduler_output):
+            return "out"
+
+        def sample_tokens(self, grammar_output):
+            return "sampled"
+
+    class Sched:
+        total_num_scheduled_tokens = 33
+
+    monkeypatch.setattr(timing, "_worker_classes", lambda: [Worker])
+    monkeypatch.setattr(timing, "TIMER", timing.EngineTimer())
+    monkeypatch.setenv(timing.ENV, "1")
+    monkeypatch.setenv(timing.DIR_ENV, str(tmp_path))
+    assert timing.install() and timing.install()  # idempotent
+    w = Worker()
+    assert (w.execute_model(Sched()), w.sample_tokens(None)) == ("out", "sampled")
+    snap = w.hyco_bench_timing()
+    assert (snap["steps"], snap["rows"]) == (1, 33) and snap["busy_s"] > 0
+    on_disk = timing.read_dir(tmp_path)
+    assert (on_disk["steps"], on_disk["rows"]) == (1, 33)
+    monkeypatch.setenv(timing.ENV, "0")
+    assert timing.install() is False

@@ -1,0 +1,113 @@
+"""The benchmark's configurations (paper Table 5), each selectable by name, and the phone device model.
+
+| name | server | phone tree | acceptance |
+| --- | --- | --- | --- |
+| ``cloud-mtp`` | vLLM's built-in MTP (the assistant on the server), K = 4 | none: plain ``openai`` requests | exact |
+| ``specedge`` | ``--speculative-config hyco`` | 32 nodes from 4 SLM passes | exact |
+| ``specedge-pd`` | same | + proactive drafting during the wait | exact |
+| ``specedge-eps`` | hyco, ε = 0.005 | 32 nodes from 4 SLM passes | ε = 0.005 |
+| ``hyco`` | hyco, ε = 0.005 | MTP chain K = 4 + runner-ups + 1 SLM pass | ε = 0.005 |
+| ``hyco-2p`` | hyco, ε = 0.005 | same, 2 SLM passes | ε = 0.005 |
+| ``hyco-exact`` | hyco | same as hyco | exact |
+| ``server-head`` | dropped (``DROPPED``): the engine runs no MTP head for phone sessions | | |
+| ``slm-only`` | none: modelled from the paper's device numbers (no server) | | |
+
+Phone compute is **modelled** (decisions.md D8) from the paper's device numbers unless a phone measured
+it: one SLM pass over 32 rows 15.7 ms; a HyCo round 52.9 ms of device time (MTP head K steps, one SLM
+pass, the tree); the on-device head is about 20 ms of that. So: SpecEdge-style 4 x 15.7 ms, HyCo-2P
+52.9 + 15.7 ms, the first round (SLM only, D2) 15.7 ms for every configuration.
+
+    >>> [c.name for c in select("hyco,cloud-mtp")]
+    ['hyco', 'cloud-mtp']
+    >>> CONFIGS["hyco-2p"].device_ms, CONFIGS["specedge"].device_ms
+    (68.6, 62.8)
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from vllm_hyco.errors import ConfigError
+
+#: the paper's device numbers (decisions.md D8), milliseconds
+SLM_PASS_MS = 15.7
+HYCO_ROUND_MS = 52.9
+HEAD_ON_DEVICE_MS = 20.0
+#: the SLM alone on the device (paper Table 11, "On-device 8K"): tokens/s and device ms per token
+SLM_ONLY_TOK_S = 26.4
+SLM_ONLY_MS_PER_TOKEN = 36.8
+EPSILON = 0.005
+MTP_K = 4
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One configuration. ``kind``: ``cloud`` (openai requests), ``phone`` (phone sessions), ``modelled``."""
+
+    name: str
+    kind: str
+    label: str  # as the paper's tables name it
+    server: str | None = None  # "mtp" or "hyco"; None: no server
+    epsilon: float | None = None  # the server's ε (None: exact); the phones ask for the server's mode
+    drafter: str | None = None  # "hybrid", "hybrid-2p", "specedge", "specedge-pd"
+    device_ms: float = 0.0  # modelled device ms per round after the first
+    first_round_ms: float = SLM_PASS_MS  # round 0 is the SLM's alone (D2)
+
+    @property
+    def mode(self) -> str:
+        return "exact" if self.epsilon is None else "epsilon"
+
+    def server_spec(self, assistant: str, max_sessions: int = 64) -> str:
+        """The ``--speculative-config`` JSON for this configuration's server."""
+        if self.server == "mtp":
+            return json.dumps({"method": "mtp", "model": assistant, "num_speculative_tokens": MTP_K})
+        spec: dict = {"method": "hyco", "max_sessions": max_sessions}
+        if self.epsilon is not None:
+            spec["epsilon"] = self.epsilon
+        return json.dumps(spec)
+
+    def server_key(self) -> tuple:
+        """Configurations with equal keys can share one server (same engine arguments)."""
+        return (self.server, self.epsilon)
+
+
+CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
+    BenchConfig("cloud-mtp", "cloud", "Cloud+MTP", server="mtp"),
+    BenchConfig("specedge", "phone", "SpecEdge-style", server="hyco", drafter="specedge",
+                device_ms=4 * SLM_PASS_MS),
+    BenchConfig("specedge-pd", "phone", "SpecEdge-style + PD", server="hyco", drafter="specedge-pd",
+                device_ms=4 * SLM_PASS_MS),
+    BenchConfig("specedge-eps", "phone", "SpecEdge-eps", server="hyco", epsilon=EPSILON, drafter="specedge",
+                device_ms=4 * SLM_PASS_MS),
+    BenchConfig("hyco", "phone", "HyCo", server="hyco", epsilon=EPSILON, drafter="hybrid",
+                device_ms=HYCO_ROUND_MS),
+    BenchConfig("hyco-2p", "phone", "HyCo-2P", server="hyco", epsilon=EPSILON, drafter="hybrid-2p",
+                device_ms=round(HYCO_ROUND_MS + SLM_PASS_MS, 3)),
+    BenchConfig("hyco-exact", "phone", "HyCo exact", server="hyco", drafter="hybrid", device_ms=HYCO_ROUND_MS),
+    BenchConfig("slm-only", "modelled", "SLM alone (modelled)"),
+)}
+
+#: configurations the harness knows but does not run, and why
+DROPPED = {
+    "server-head": "HyCo server head (paper Table 5) is not run: the HyCo engine runs no MTP head for phone "
+                   "sessions (NullProposer, decisions.md D1), so a server-side head drafting into the "
+                   "phone's tree would need a server drafter that does not exist; its cost would be "
+                   "cloud-mtp's head steps plus a 33-row verify, reported by neither.",
+}
+DEFAULT = ("cloud-mtp", "specedge", "specedge-pd", "specedge-eps", "hyco", "hyco-2p", "hyco-exact", "slm-only")
+
+
+def select(names: str | list[str] | None) -> list[BenchConfig]:
+    """Configurations by comma-separated names (``all`` or None: every runnable one)."""
+    if names is None or names == "all":
+        return [CONFIGS[n] for n in DEFAULT]
+    items = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
+    out = []
+    for n in filter(None, items):
+        if n in DROPPED:
+            raise ConfigError(f"configuration {n!r} is not run: {DROPPED[n]}")
+        if n not in CONFIGS:
+            raise ConfigError(f"unknown configuration {n!r}; choose from {', '.join(CONFIGS)}")
+        out.append(CONFIGS[n])
+    return out

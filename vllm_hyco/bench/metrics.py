@@ -1,0 +1,263 @@
+"""Records of one benchmark run and the paper's Table 11 metrics computed from them (no vLLM, no I/O).
+
+A *request record* is one request (a phone session, or one ``openai`` request for Cloud+MTP); a *run
+record* is one configuration's pass over the prompts on one server, with the engine's compute time for
+that pass (``vllm_hyco.bench.timing``) and, for Cloud+MTP, the server's own spec-decode counters.
+
+Metrics per run (``run_metrics``), every ratio pooled (numerators and denominators summed first, as the
+paper's Appendix G does):
+
+* ``g_ms``: engine compute ms / output tokens, prefill included (CPU-measured on a CPU server);
+* ``mat``: committed tokens per round (path + bonus); Cloud+MTP: 1 + accepted / drafts from vLLM's counters;
+* ``tok_s``: output tokens / the requests' wall seconds from start to last token (delivery speed);
+* ``draft_ms_per_token``: modelled device ms / output tokens (``measured_draft_ms_per_token``: CPU-measured);
+* ``bytes_up_round`` / ``bytes_down_round``: whole frames per round after the first; ``seed_bytes_down``:
+  round 0's verdict with the seed hand-off;
+* ``ttft_p50_ms`` / ``ttft_p90_ms``: request start to its first committed token;
+* ``accept_depth``: share of rounds whose path reaches depth k (k = 1, 2, ...), the chain-style curve;
+* ``accept_source``: per node source (chain, runner-up, SLM): accepted / drafted, and ``share``: the source's
+  part of all accepted nodes.
+
+    >>> r = RequestRecord("hyco", 0, "p0", tokens=7, ttft_ms=100.0, wall_ms=700.0, rounds=[
+    ...     RoundRecord(0, nodes=4, accepted=2, committed=3, device_ms=15.7, path_sources=[3, 3],
+    ...                 drafted_sources={3: 4}),
+    ...     RoundRecord(1, nodes=6, accepted=3, committed=4, device_ms=52.9, path_sources=[1, 1, 3],
+    ...                 drafted_sources={1: 4, 3: 2}, bytes_up=200, bytes_down=1000)])
+    >>> m = run_metrics(RunRecord("hyco", 0, [r], engine={"busy_s": 0.07}))
+    >>> m["g_ms"], m["mat"], m["tok_s"], m["accept_depth"][:3]
+    (10.0, 3.5, 10.0, [1.0, 1.0, 0.5])
+    >>> m["accept_source"]["chain"]["rate"], m["accept_source"]["slm"]["share"]
+    (0.5, 0.6)
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import asdict, dataclass, field
+from typing import Any, Sequence
+
+#: node sources (mobile_client.tree.Source / vllm_hyco.spec_decode.tree.NodeSource values)
+SOURCES = {1: "chain", 2: "runner_up", 3: "slm", 4: "other"}
+
+
+@dataclass
+class RoundRecord:
+    round: int
+    nodes: int  # drafted nodes sent (root excluded)
+    accepted: int  # |P|
+    committed: int  # path + bonus (fewer on a finishing round)
+    device_ms: float = 0.0  # modelled device time of this round (decisions.md D8)
+    draft_ms: float = 0.0  # CPU-measured drafting on this machine
+    wait_ms: float = 0.0  # tree sent -> verdict in (link + server)
+    bytes_up: int = 0
+    bytes_down: int = 0
+    path_sources: list[int] = field(default_factory=list)  # source of each accepted node, by depth
+    drafted_sources: dict[int, int] = field(default_factory=dict)  # source -> nodes drafted
+    proactive_hit: bool | None = None
+
+
+@dataclass
+class RequestRecord:
+    config: str
+    run: int
+    prompt_id: str
+    tokens: int = 0  # output tokens
+    ttft_ms: float | None = None
+    wall_ms: float = 0.0  # start -> last token (phone: the session's wall time incl. modelled device time)
+    rounds: list[RoundRecord] = field(default_factory=list)
+    error: str | None = None
+
+
+@dataclass
+class RunRecord:
+    config: str
+    run: int
+    requests: list[RequestRecord]
+    engine: dict[str, Any] = field(default_factory=dict)  # timing.delta(): busy_s, steps, rows, ...
+    spec_counters: dict[str, Any] = field(default_factory=dict)  # Cloud+MTP: drafts, accepted, per_pos
+    wall_s: float = 0.0  # the whole pass
+    concurrency: int = 1
+    link: dict[str, Any] = field(default_factory=dict)
+    proxy_bytes: dict[str, int] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RunRecord":
+        reqs = []
+        for r in d["requests"]:
+            rounds = [RoundRecord(**{**x, "drafted_sources": {int(k): v for k, v in x["drafted_sources"].items()}})
+                      for x in r["rounds"]]
+            reqs.append(RequestRecord(**{**r, "rounds": rounds}))
+        return cls(**{**d, "requests": reqs})
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Linear-interpolated percentile (numpy's default), None for no values.
+
+    >>> percentile([1, 2, 3, 4], 50), percentile([1, 2, 3, 4], 90)
+    (2.5, 3.7)
+    """
+    xs = sorted(values)
+    if not xs:
+        return None
+    pos = (len(xs) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return round(xs[lo] + (xs[hi] - xs[lo]) * (pos - lo), 6)
+
+
+def _div(a: float, b: float, nd: int = 4) -> float | None:
+    return round(a / b, nd) if b else None
+
+
+def accept_depth(rounds: Sequence[RoundRecord]) -> list[float]:
+    """Share of rounds whose accepted path reaches depth k, for k = 1 .. the deepest path seen."""
+    if not rounds:
+        return []
+    deepest = max(r.accepted for r in rounds)
+    return [round(sum(r.accepted >= k for r in rounds) / len(rounds), 4) for k in range(1, deepest + 1)]
+
+
+def accept_source(rounds: Sequence[RoundRecord]) -> dict[str, dict[str, float | int | None]]:
+    accepted: dict[int, int] = {}
+    drafted: dict[int, int] = {}
+    for r in rounds:
+        for s in r.path_sources:
+            accepted[s] = accepted.get(s, 0) + 1
+        for s, n in r.drafted_sources.items():
+            drafted[s] = drafted.get(s, 0) + n
+    total = sum(accepted.values())
+    return {SOURCES.get(s, str(s)): {"drafted": drafted.get(s, 0), "accepted": accepted.get(s, 0),
+                                     "rate": _div(accepted.get(s, 0), drafted.get(s, 0)),
+                                     "share": _div(accepted.get(s, 0), total)}
+            for s in sorted(set(accepted) | set(drafted))}
+
+
+def _phone_metrics(reqs: Sequence[RequestRecord], tokens: int) -> dict[str, Any]:
+    rounds = [x for r in reqs for x in r.rounds]
+    later = [x for x in rounds if x.round > 0]
+    first = [x for x in rounds if x.round == 0]
+    return {
+        "rounds": len(rounds),
+        "mat": _div(sum(x.committed for x in rounds), len(rounds), 3),
+        "draft_ms_per_token": _div(sum(x.device_ms for x in rounds), tokens, 3),
+        "measured_draft_ms_per_token": _div(sum(x.draft_ms for x in rounds), tokens, 3),
+        "bytes_up_round": _div(sum(x.bytes_up for x in later), len(later), 1),
+        "bytes_down_round": _div(sum(x.bytes_down for x in later), len(later), 1),
+        "bytes_down_per_position": _div(sum(x.bytes_down for x in later), sum(x.committed for x in later), 1),
+        "seed_bytes_down": _div(sum(x.bytes_down for x in first), len(first), 1),
+        "accept_depth": accept_depth(rounds),
+        "accept_source": accept_source(rounds),
+        "proactive_hits": _div(sum(bool(x.proactive_hit) for x in rounds),
+                               sum(x.proactive_hit is not None for x in rounds), 3),
+    }
+
+
+def _cloud_metrics(c: dict[str, Any]) -> dict[str, Any]:
+    drafts, accepted = c.get("drafts", 0), c.get("accepted", 0)
+    per_pos = c.get("accepted_per_pos", [])
+    return {"rounds": drafts, "mat": _div(drafts + accepted, drafts, 3),
+            "accept_depth": [round(a / drafts, 4) for a in per_pos] if drafts else [],
+            "accept_source": {"chain": {"drafted": c.get("draft_tokens", 0), "accepted": accepted,
+                                        "rate": _div(accepted, c.get("draft_tokens", 0)), "share": 1.0}}}
+
+
+def run_metrics(run: RunRecord) -> dict[str, Any]:
+    """One run's metrics (see the module docstring)."""
+    ok = [r for r in run.requests if r.error is None]
+    tokens = sum(r.tokens for r in ok)
+    busy_ms = float(run.engine.get("busy_s", 0.0)) * 1e3
+    out: dict[str, Any] = {
+        "config": run.config, "run": run.run, "concurrency": run.concurrency,
+        "requests": len(run.requests), "errors": len(run.requests) - len(ok), "tokens": tokens,
+        "g_ms": _div(busy_ms, tokens, 4) if run.engine else None,
+        "engine_rows_per_step": _div(run.engine.get("rows", 0), run.engine.get("steps", 0), 2),
+        "tok_s": _div(tokens, sum(r.wall_ms for r in ok) / 1e3, 3),
+        "server_tok_s": _div(tokens, run.wall_s, 3),
+        "ttft_p50_ms": percentile([r.ttft_ms for r in ok if r.ttft_ms is not None], 50),
+        "ttft_p90_ms": percentile([r.ttft_ms for r in ok if r.ttft_ms is not None], 90),
+    }
+    rows = None
+    if any(r.rounds for r in ok):
+        out.update(_phone_metrics(ok, tokens))
+        rounds = [x for r in ok for x in r.rounds]
+        rows = 1 + sum(x.nodes for x in rounds) / len(rounds)
+    elif run.spec_counters:
+        out.update(_cloud_metrics(run.spec_counters))
+        rows = 1 + run.spec_counters.get("k", 4)
+    out["gpu_model_g_ms"] = gpu_model_g(rows, out.get("mat")) if rows else None
+    return out
+
+
+def spread(values: Sequence[float | None]) -> dict[str, float | int | None]:
+    """mean, sample sd, min, max and n of the non-None values.
+
+    >>> spread([4.0, 5.0, 6.0])
+    {'mean': 5.0, 'sd': 1.0, 'min': 4.0, 'max': 6.0, 'n': 3}
+    """
+    xs = [float(v) for v in values if v is not None]
+    if not xs:
+        return {"mean": None, "sd": None, "min": None, "max": None, "n": 0}
+    sd = statistics.stdev(xs) if len(xs) > 1 else 0.0
+    return {"mean": round(statistics.fmean(xs), 4), "sd": round(sd, 4), "min": min(xs), "max": max(xs),
+            "n": len(xs)}
+
+
+def disjoint(a: dict, b: dict) -> bool | None:
+    """Do two spreads' [min, max] ranges not overlap? None when either has fewer than 2 runs."""
+    if a.get("n", 0) < 2 or b.get("n", 0) < 2:
+        return None
+    return a["max"] < b["min"] or b["max"] < a["min"]
+
+
+SPREAD_KEYS = ("g_ms", "g_ratio", "mat", "tok_s", "draft_ms_per_token", "bytes_up_round", "bytes_down_round",
+               "ttft_p50_ms", "ttft_p90_ms", "server_tok_s", "gpu_model_g_ms")
+
+
+def with_ratios(per_run: list[dict[str, Any]], reference: str = "cloud-mtp") -> list[dict[str, Any]]:
+    """Adds ``g_ratio`` (g / the reference's g in the same run index) to every run's metrics."""
+    ref = {m["run"]: m.get("g_ms") for m in per_run if m["config"] == reference}
+    for m in per_run:
+        g, r = m.get("g_ms"), ref.get(m["run"])
+        m["g_ratio"] = round(g / r, 4) if g is not None and r else None
+    return per_run
+
+
+def summarize(per_run: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per configuration: every run's metrics, and the spread of each headline metric over runs."""
+    out: dict[str, dict[str, Any]] = {}
+    for m in per_run:
+        out.setdefault(m["config"], {"runs": []})["runs"].append(m)
+    for cfg, entry in out.items():
+        entry["spread"] = {k: spread([m.get(k) for m in entry["runs"]]) for k in SPREAD_KEYS}
+        last = entry["runs"][-1]
+        entry["accept_depth"] = last.get("accept_depth", [])
+        entry["accept_source"] = last.get("accept_source", {})
+    return out
+
+
+# -- a GPU-modelled g (physics.md: a memory-bound H200, batch 1, independent expert routing) ---------------
+#: rows per forward -> ms per forward at the memory-bound limit (physics.md table, H200 column)
+PHYSICS_H200_MS = ((1, 0.59), (5, 1.11), (33, 2.60))
+
+
+def physics_forward_ms(rows: float) -> float:
+    """Piecewise-linear interpolation of physics.md's H200 bound over rows per forward.
+
+    >>> physics_forward_ms(5), physics_forward_ms(19)
+    (1.11, 1.855)
+    """
+    pts = PHYSICS_H200_MS
+    rows = min(max(rows, pts[0][0]), pts[-1][0])
+    for (r0, t0), (r1, t1) in zip(pts, pts[1:]):
+        if rows <= r1:
+            return round(t0 + (t1 - t0) * (rows - r0) / (r1 - r0), 4)
+    return pts[-1][1]
+
+
+def gpu_model_g(rows_per_round: float, mat: float | None) -> float | None:
+    """Modelled decode g (ms/token) on an H200 at physics.md's limit: one verify forward per round / MAT.
+    Prefill and the server head's own steps (Cloud+MTP) are not in it."""
+    return round(physics_forward_ms(rows_per_round) / mat, 4) if mat else None

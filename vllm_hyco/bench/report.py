@@ -1,0 +1,179 @@
+"""The benchmark's outputs: a markdown table (Table 2 / Table 11 style), JSON, PNG plots.
+
+``write_report(out_dir, results)`` writes ``results.json`` (everything: environment, every run's
+metrics and spreads), ``report.md`` and, when matplotlib is installed, ``saving_vs_speed.png`` (server
+saving against delivery speed, like the paper's Figure 1) and ``mat.png`` (MAT per configuration, with the
+3-run spread). ``results`` is :func:`build_results`' dict.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from vllm_hyco.bench.configs import CONFIGS, DROPPED, SLM_ONLY_MS_PER_TOKEN, SLM_ONLY_TOK_S
+from vllm_hyco.bench.metrics import disjoint, summarize, with_ratios
+
+LABELS = {
+    "g": "CPU-measured (engine compute incl. prefill / output tokens; compare only as ratios in one run)",
+    "gpu_model_g": "modelled: physics.md H200 memory-bound verify forward / MAT (no prefill, no server head)",
+    "tok_s": "simulated: CPU-measured server + modelled link (proxy) + modelled device time (D8)",
+    "draft": "modelled from the paper's device numbers (D8); CPU-measured drafting in the JSON",
+    "bytes": "measured: whole WebSocket frames (msgpack) per round after the first",
+    "ttft": "simulated: start -> first committed token (prefill + round 0 + link)",
+}
+
+
+def build_results(per_run: list[dict[str, Any]], env: dict[str, Any], sweep: list[dict] | None = None,
+                  ordinary: list[dict] | None = None) -> dict[str, Any]:
+    per_run = with_ratios(per_run)
+    summary = summarize(per_run)
+    if "slm-only" in {m["config"] for m in per_run} or env.get("slm_only"):
+        summary.setdefault("slm-only", {"runs": [], "spread": {}})
+    return {"env": env, "labels": LABELS, "per_run": per_run, "summary": summary, "sweep": sweep or [],
+            "ordinary": ordinary or [], "dropped": DROPPED, "bars": _bars(summary)}
+
+
+def _bars(summary: dict[str, Any]) -> dict[str, Any]:
+    """Where HyCo stands against the issue's bars (paper: g ratio 0.614, MAT ratio 1.54 vs Cloud+MTP)."""
+    def sp(cfg, key):
+        return summary.get(cfg, {}).get("spread", {}).get(key, {})
+
+    hyco, cloud, se = sp("hyco", "mat"), sp("cloud-mtp", "mat"), sp("specedge", "mat")
+    mat_ratio = (round(hyco["mean"] / cloud["mean"], 3)
+                 if hyco.get("mean") and cloud.get("mean") else None)
+    return {"paper_g_ratio": 0.614, "paper_mat_ratio": 1.54,
+            "hyco_g_ratio": sp("hyco", "g_ratio").get("mean"), "hyco_mat_ratio": mat_ratio,
+            "mat_hyco_vs_cloud_disjoint": disjoint(hyco, cloud) if hyco and cloud else None,
+            "mat_hyco_vs_specedge_disjoint": disjoint(hyco, se) if hyco and se else None}
+
+
+def _fmt(s: dict | None, nd: int = 2) -> str:
+    if not s or s.get("mean") is None:
+        return "–"
+    if s.get("n", 0) > 1:
+        return f"{s['mean']:.{nd}f} ± {s['sd']:.{nd}f}"
+    return f"{s['mean']:.{nd}f}"
+
+
+def markdown(results: dict[str, Any]) -> str:
+    env, summary = results["env"], results["summary"]
+    lines = [f"# HyCo benchmark ({env.get('date', '')})", "",
+             f"Machine: {env.get('machine', '?')}. Fixtures: {env.get('fixtures', '?')} "
+             f"({env.get('weights', '?')} weights). Link: {env.get('link', {})}. Prompts: "
+             f"{env.get('prompts')} x {env.get('runs')} runs, max_tokens {env.get('max_tokens')}, "
+             f"temperature {env.get('temperature')}.", "",
+             "| configuration | g ms/token (CPU) | g ratio | GPU-modelled g | MAT | tok/s | draft ms/token "
+             "(modelled) | up B/round | down B/round | TTFT p50 / p90 ms | errors |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, entry in summary.items():
+        if name == "slm-only":
+            lines.append(f"| {CONFIGS[name].label} | – | – | – | – | {SLM_ONLY_TOK_S} (modelled) | "
+                         f"{SLM_ONLY_MS_PER_TOKEN} (modelled) | – | – | – | – |")
+            continue
+        s = entry["spread"]
+        errors = sum(m.get("errors", 0) for m in entry["runs"])
+        label = CONFIGS[name].label if name in CONFIGS else name
+        lines.append(
+            f"| {label} | {_fmt(s['g_ms'])} | {_fmt(s['g_ratio'], 3)} | {_fmt(s['gpu_model_g_ms'], 3)} | "
+            f"{_fmt(s['mat'])} | {_fmt(s['tok_s'], 1)} | {_fmt(s['draft_ms_per_token'], 1)} | "
+            f"{_fmt(s['bytes_up_round'], 0)} | {_fmt(s['bytes_down_round'], 0)} | "
+            f"{_fmt(s['ttft_p50_ms'], 0)} / {_fmt(s['ttft_p90_ms'], 0)} | {errors} |")
+    lines += ["", "Labels: " + "; ".join(f"**{k}**: {v}" for k, v in results["labels"].items()), ""]
+    lines += _acceptance_md(summary) + _sweep_md(results) + _ordinary_md(results)
+    lines += ["", "Not run: " + "; ".join(f"**{k}**: {v}" for k, v in results["dropped"].items()), "",
+              f"Bars: `{json.dumps(results['bars'])}`", ""]
+    return "\n".join(lines)
+
+
+def _acceptance_md(summary: dict[str, Any]) -> list[str]:
+    out = ["## Acceptance per depth and per source (last run)", "",
+           "| configuration | share of rounds reaching depth 1, 2, ... | per source: accepted/drafted (share) |",
+           "|---|---|---|"]
+    for name, entry in summary.items():
+        depth = ", ".join(f"{x:.2f}" for x in entry.get("accept_depth", [])[:8]) or "–"
+        src = "; ".join(f"{k} {v['rate'] if v['rate'] is not None else '–'} ({v['share'] or 0:.2f})"
+                        for k, v in entry.get("accept_source", {}).items()) or "–"
+        out.append(f"| {name} | {depth} | {src} |")
+    return out + [""]
+
+
+def _sweep_md(results: dict[str, Any]) -> list[str]:
+    if not results["sweep"]:
+        return []
+    out = ["## Concurrency sweep", "", "| configuration | phones | server tok/s | g ms/token (CPU) | MAT | errors |",
+           "|---|---|---|---|---|---|"]
+    for m in results["sweep"]:
+        out.append(f"| {m['config']} | {m['concurrency']} | {m.get('server_tok_s')} | {m.get('g_ms')} | "
+                   f"{m.get('mat')} | {m.get('errors')} |")
+    return out + [""]
+
+
+def _ordinary_md(results: dict[str, Any]) -> list[str]:
+    if not results["ordinary"]:
+        return []
+    out = ["## Ordinary requests (no phone): hyco server vs plain vLLM, same fixtures", "",
+           "| server | requests | tokens | server tok/s | g ms/token (CPU) |", "|---|---|---|---|---|"]
+    for m in results["ordinary"]:
+        out.append(f"| {m['server']} | {m['requests']} | {m['tokens']} | {m.get('server_tok_s')} | "
+                   f"{m.get('g_ms')} |")
+    return out + [""]
+
+
+def plots(results: dict[str, Any], out_dir: Path) -> list[Path]:
+    """saving_vs_speed.png and mat.png (skipped without matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    summary, written = results["summary"], []
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, entry in summary.items():
+        s = entry.get("spread", {})
+        ratio, speed = s.get("g_ratio", {}).get("mean"), s.get("tok_s", {}).get("mean")
+        if name == "slm-only":
+            ax.axvline(SLM_ONLY_TOK_S, ls="--", c="grey", lw=1)
+            ax.text(SLM_ONLY_TOK_S, 0, " SLM alone (modelled)", rotation=90, va="bottom", fontsize=7)
+            continue
+        if ratio is None or speed is None:
+            continue
+        ax.errorbar(speed, 100 * (1 - ratio), xerr=s["tok_s"].get("sd") or 0,
+                    yerr=100 * (s["g_ratio"].get("sd") or 0), fmt="o", capsize=3)
+        ax.annotate(name, (speed, 100 * (1 - ratio)), fontsize=8, xytext=(4, 4), textcoords="offset points")
+    ax.set_xlabel("delivery speed, tokens/s (simulated phone)")
+    ax.set_ylabel("server saving vs cloud-mtp, % (CPU-measured g)")
+    ax.axhline(0, c="k", lw=0.5)
+    ax.set_title("Server saving vs delivery speed")
+    fig.tight_layout()
+    written.append(out_dir / "saving_vs_speed.png")
+    fig.savefig(written[-1], dpi=120)
+    plt.close(fig)
+    names = [n for n, e in summary.items() if e.get("spread", {}).get("mat", {}).get("mean") is not None]
+    if names:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        means = [summary[n]["spread"]["mat"]["mean"] for n in names]
+        sds = [summary[n]["spread"]["mat"]["sd"] or 0 for n in names]
+        ax.bar(range(len(names)), means, yerr=sds, capsize=3, color="tab:blue")
+        ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel("MAT (tokens per round)")
+        ax.set_title("Mean accepted tokens per round (spread over runs)")
+        fig.tight_layout()
+        written.append(out_dir / "mat.png")
+        fig.savefig(written[-1], dpi=120)
+        plt.close(fig)
+    return written
+
+
+def write_report(out_dir: str | Path, results: dict[str, Any]) -> dict[str, Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "results.json", "markdown": out / "report.md"}
+    paths["json"].write_text(json.dumps(results, indent=1, default=str))
+    paths["markdown"].write_text(markdown(results))
+    for p in plots(results, out):
+        paths[p.stem] = p
+    return paths

@@ -172,3 +172,18 @@ def test_many_ties_at_the_kth_value_on_a_large_vocabulary_widen_the_candidates()
         theirs, _ = _vllm_probs(x, torch.full((3,), 0.8), k, torch.ones(3))
         torch.testing.assert_close(ours, theirs, **tol("probs", torch.float32))
         assert (ours > 0).sum(dim=1).tolist() == [12, 13, 20]
+
+
+def test_a_rows_p_tilde_does_not_depend_on_the_rows_batched_with_it():
+    gen = torch.Generator().manual_seed(11)
+    logits = (torch.randn(6, 3000, generator=gen) * 2).to(torch.bfloat16)
+    temperature = torch.tensor([1.0, 0.7, 1.3, 0.0, 1.0, 0.9])
+    top_k = torch.tensor([-1, -1, 40, 5, 0, 64])
+    top_p = torch.tensor([1.0, 0.9, 1.0, 0.5, 0.95, 0.95])
+    batched = sampling_probs(logits, temperature, top_k, top_p)
+    for r in range(6):
+        alone = sampling_probs(logits[r : r + 1], temperature[r], top_k[r], top_p[r])
+        assert torch.equal(alone[0], batched[r]), r
+    theirs, _ = _vllm_probs(logits, temperature, top_k, top_p)
+    scaled = logits.float() / torch.where(temperature < 1e-5, 1.0, temperature)[:, None]
+    _assert_same_p(batched, theirs, scaled, "batch")

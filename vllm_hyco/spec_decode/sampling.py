@@ -133,10 +133,13 @@ def _candidates(logits, temperature, k_on, k, random_rows):
     return x, torch.arange(vocab).expand(num_rows, vocab), True
 
 
-def _ascending(vals: torch.Tensor, ids: torch.Tensor):
+def _ascending(vals: torch.Tensor, ids: torch.Tensor, dense: bool):
     """Order candidates ascending by value, ties by *descending* id (so the lowest ids come last)."""
-    by_id = ids.argsort(dim=1, descending=True, stable=True)  # [R, S]
-    vals, ids = vals.gather(1, by_id), ids.gather(1, by_id)
+    if dense:  # ids = arange(V) on every row: descending id order is a flip
+        vals, ids = vals.flip(1), ids.flip(1)
+    else:
+        by_id = ids.argsort(dim=1, descending=True, stable=True)  # [R, S]
+        vals, ids = vals.gather(1, by_id), ids.gather(1, by_id)
     by_val = vals.argsort(dim=1, stable=True)
     return vals.gather(1, by_val), ids.gather(1, by_val)
 
@@ -168,16 +171,36 @@ def _support_chunk(logits, temperature, top_k, top_p) -> SparseProbs:
     random_rows = ~greedy
     k_on = (top_k > 0) & (top_k < vocab)
     scale = torch.where(greedy, 1.0, temperature)
-    vals, ids, dense = _candidates(logits, scale, k_on, top_k, random_rows)
-    vals, ids = _ascending(vals, ids)
-    probs = _truncate(vals, top_k, k_on, top_p.to(torch.float32))  # [R, S]
     rows = greedy.nonzero().squeeze(1)
     arg = logits[rows].to(torch.float32).argmax(dim=1)  # greedy: the first maximal index
-    if dense:  # ids is a permutation of the vocabulary on every row
+    plain = random_rows & ~k_on & (top_p >= 1)  # no truncation: p̃ is the softmax
+    if bool((random_rows & ~plain).any()):
+        vals, ids, dense = _candidates(logits, scale, k_on, top_k, random_rows)
+        vals, ids = _ascending(vals, ids, dense)
+        probs = _truncate(vals, top_k, k_on, top_p.to(torch.float32))  # [R, S]
+        if not dense:  # only when every sampled row has top-k on, so no row is plain
+            return _sparse_chunk(ids, probs, rows, arg, vocab)
+        # ids is a permutation of the vocabulary on every row
         out = torch.zeros(num_rows, vocab, dtype=torch.float32).scatter_(1, ids, probs)
-        out[rows] = 0.0
-        out[rows, arg] = 1.0
-        return SparseProbs(ids=None, probs=out, vocab_size=vocab)
+    else:
+        out = torch.zeros(num_rows, vocab, dtype=torch.float32)
+    if bool(plain.any()):
+        out[plain] = _softmax_rows(logits[plain], scale[plain])
+    out[rows] = 0.0
+    out[rows, arg] = 1.0
+    return SparseProbs(ids=None, probs=out, vocab_size=vocab)
+
+
+def _softmax_rows(logits: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """[r, V] softmax of logits / T; the denominator is a sequential float32 sum in id order, so a row's
+    p̃ never depends on the rows batched with it (``torch.sum`` may split a row across threads)."""
+    x = logits.to(torch.float32) / scale.unsqueeze(1)
+    e = torch.exp(x - x.max(dim=1, keepdim=True).values)
+    return e / torch.cumsum(e, dim=1)[:, -1:]
+
+
+def _sparse_chunk(ids, probs, rows, arg, vocab: int) -> SparseProbs:
+    """Greedy rows to one-hot, zero-mass entries to padding, columns in id order."""
     first = torch.arange(ids.shape[1]) == 0
     ids[rows] = torch.where(first, arg.unsqueeze(1), ids[rows])
     probs[rows] = first.to(torch.float32)

@@ -75,6 +75,9 @@ def register() -> None:
 
     speculative_config_arg.PATCH.apply()
     engine_config.PATCH.apply()
+    from vllm_hyco.serving import core_utils
+
+    core_utils.install()  # the phone route's engine-core utility methods (vllm_hyco.serving)
     if os.environ.get("VLLM_HYCO_BENCH_TIMING"):  # benchmarks only: engine-side g (vllm_hyco/bench/timing.py)
         from vllm_hyco.bench import timing
 

@@ -1,0 +1,151 @@
+"""One phone connection on ``WS /v1/hyco/session`` (Starlette WebSocket; docs/protocol.md sections 1-3, 7).
+
+The loop reads one binary message at a time, decodes it with the wire owner
+(``vllm_hyco.handoff.decode_client_frame``, which raises only typed errors) and hands it to
+:class:`~vllm_hyco.serving.service.HycoService`. Every violation after the handshake gets an ``error``
+frame with a code and a message; the connection is closed only after ``too_many_sessions``,
+``idle_timeout`` and ``internal_error``. A phone that disappears leaves its session in the table for
+resume (``idle_timeout_s``); nothing it committed is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from vllm_hyco.errors import FrameError, HandoffSchemaError
+from vllm_hyco.handoff.client_frames import StartFrame
+from vllm_hyco.handoff.frames import decode_client_frame, encode_frame
+from vllm_hyco.handoff.server_frames import ErrorFrame
+from vllm_hyco.serving.service import HycoService, WireError
+from vllm_hyco.serving.table import HeldSession
+
+logger = logging.getLogger("vllm.hyco")
+
+
+class _Gone(Exception):
+    """The socket is closed; stop the loop."""
+
+
+class PhoneConnection:
+    def __init__(self, ws: Any, service: HycoService):
+        self.ws, self.service = ws, service
+        self.session: HeldSession | None = None
+        self.metrics = service.metrics
+
+    async def run(self) -> None:
+        await self.ws.accept()
+        self.service.ensure_sweeper()
+        try:
+            while True:
+                data = await self._receive()
+                if data is None:
+                    return
+                try:
+                    await self._handle(data)
+                except WireError as e:
+                    await self._error(e)
+                    if e.closes:
+                        await self._close(1008 if e.code != "internal_error" else 1011)
+                        return
+        except _Gone:
+            return
+        except Exception as e:  # noqa: BLE001 - a bug must cost this connection only, never the server
+            logger.exception("HyCo connection failed")
+            try:
+                await self._error(WireError(f"the server failed: {type(e).__name__}: {e}", code="internal_error"))
+                await self._close(1011)
+            except _Gone:
+                pass
+        finally:
+            self._detach()
+
+    # -- socket -----------------------------------------------------------------------------------------
+    async def _receive(self) -> bytes | None:
+        try:
+            msg = await asyncio.wait_for(self.ws.receive(), self.service.table.idle_timeout_s)
+        except asyncio.TimeoutError:
+            await self._error(WireError(f"no frame for {self.service.table.idle_timeout_s:g} s; the connection "
+                                        f"is closed (a session can be resumed until its own idle timeout)",
+                                        code="idle_timeout"))
+            await self._close(1008)
+            return None
+        except Exception:  # noqa: BLE001 - receive after a close
+            return None
+        if msg["type"] == "websocket.disconnect":
+            return None
+        data = msg.get("bytes")
+        if data is None:
+            text = msg.get("text") or ""
+            self._count_up(len(text.encode()))
+            await self._error(WireError("text messages are not frames: send one binary msgpack frame per "
+                                        "message", code="bad_msgpack"))
+            return b""
+        self._count_up(len(data))
+        return data
+
+    async def _send(self, data: bytes) -> None:
+        try:
+            await self.ws.send_bytes(data)
+        except Exception as e:  # noqa: BLE001 - the phone is gone; its session waits for a resume
+            raise _Gone(str(e)) from None
+        self.metrics.bytes.labels(direction="down").inc(len(data))
+        if self.session is not None:
+            self.session.bytes_down += len(data)
+
+    async def _error(self, e: WireError) -> None:
+        self.metrics.errors.labels(code=e.code).inc()
+        await self._send(encode_frame(ErrorFrame(e.code, str(e)[:4096], e.fatal, e.round)))
+
+    async def _close(self, code: int) -> None:
+        try:
+            await self.ws.close(code=code)
+        except Exception:  # noqa: BLE001 - already closed
+            pass
+
+    def _count_up(self, n: int) -> None:
+        self.metrics.bytes.labels(direction="up").inc(n)
+        if self.session is not None:
+            self.session.bytes_up += n
+
+    def _detach(self) -> None:
+        s, self.session = self.session, None
+        if s is not None and s.owner is self:
+            s.owner = None
+            s.touch()
+
+    # -- frames -----------------------------------------------------------------------------------------
+    async def _handle(self, data: bytes) -> None:
+        if not data:
+            return
+        try:
+            frame = decode_client_frame(data, self.service.limits)
+        except (FrameError, HandoffSchemaError) as e:
+            raise WireError(str(e), code=e.code) from None
+        if isinstance(frame, StartFrame):
+            await self._start(frame, len(data))
+            return
+        s = self.session
+        if s is None or s.owner is not self:
+            self.session = None
+            raise WireError("a tree arrived before `start` on this connection (or the session was resumed "
+                            "elsewhere); send start first", code="no_session", fatal=False, round=frame.round)
+        for out in await self.service.tree(s, frame):
+            await self._send(out)
+        if s.finished:
+            self._detach()
+
+    async def _start(self, frame: StartFrame, nbytes: int) -> None:
+        self._detach()  # one session per connection: a new start leaves the old one resumable
+        if frame.hyco.resume is None:
+            self.session = await self.service.open(frame, owner=self)
+            self.session.bytes_up += nbytes
+            return
+        s, frames = await self.service.resume(frame, owner=self)
+        self.session = s
+        s.bytes_up += nbytes
+        for out in frames:
+            await self._send(out)
+        if s.finished:
+            self._detach()

@@ -1,0 +1,134 @@
+"""The server's hand-off side: the model's HandoffSpec and scales, and wire payloads from engine verdicts.
+
+The engine's raw verdict (``vllm_hyco.engine``, docs/engine.md) carries float tensors: ``e_bonus`` and
+``h`` ``[hidden]``, ``{kind}_k``/``{kind}_v`` ``[d + 1, kv_heads, head_dim]`` for positions
+``start .. position`` (the root and the accepted path), and in round 0 a ``seed`` with the last W
+positions. The wire hand-off (docs/protocol.md section 5) covers ``[a, t')`` with ``t' = position + 1``.
+
+:class:`KvRing` keeps each session's last W quantized positions, so a phone that lost its drafter state
+(``resume.need_seed``) gets a seed for *any* round from the endpoint, without asking the engine again.
+
+Scales: ``handoff_scales.npz`` next to the model (``MODEL/handoff_scales.npz`` or ``MODEL/../``, where the
+trained fixtures ship it) or ``VLLM_HYCO_HANDOFF_SCALES``; without one the server uses flat scales
+(range +-8, logged): the phone then has no spec to check against and drafts SLM-only trees.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from vllm_hyco.handoff.quant import HandoffScales, load_scales, quantize
+from vllm_hyco.handoff.schema import HandoffHeader, HandoffPayload, HandoffSpec, LayerSpec
+from vllm_hyco.handoff.sizes import layers_from_hf_config
+
+logger = logging.getLogger("vllm.hyco")
+SCALES_FILE = "handoff_scales.npz"
+FLAT_RANGE = 8.0
+
+
+def _np(x) -> np.ndarray:
+    if hasattr(x, "detach"):
+        x = x.detach().float().cpu().numpy()
+    return np.asarray(x, dtype=np.float32)
+
+
+def find_scales(model_dir: Path) -> Path | None:
+    env = os.environ.get("VLLM_HYCO_HANDOFF_SCALES")
+    if env:
+        return Path(env)
+    for d in (model_dir, model_dir.parent):
+        if (d / SCALES_FILE).exists():
+            return d / SCALES_FILE
+    return None
+
+
+def flat_scales(hidden: int, layers: tuple[LayerSpec, ...]) -> HandoffScales:
+    s = np.float32(FLAT_RANGE / 127.0)
+    per = tuple((lay.layer_id, np.full((lay.kv_heads, lay.head_dim), s, np.float32),
+                 np.full((lay.kv_heads, lay.head_dim), s, np.float32) if lay.has_v else None) for lay in layers)
+    return HandoffScales(e=np.full(hidden, s, np.float32), h=np.full(hidden, s, np.float32), layers=per,
+                         model="flat")
+
+
+@dataclass
+class ServerModel:
+    """What the endpoint needs to build hand-offs for one served model."""
+
+    spec: HandoffSpec
+    scales: HandoffScales
+    window: int  # W
+    flat: bool  # no scales file: flat scales (the phone cannot use the MTP chain)
+
+    @classmethod
+    def load(cls, model_dir: str | Path, window: int | None = None) -> "ServerModel":
+        model_dir = Path(model_dir)
+        cfg = json.loads((model_dir / "config.json").read_text())
+        hidden, layers = layers_from_hf_config(cfg)
+        path = find_scales(model_dir)
+        scales = load_scales(path) if path is not None else flat_scales(hidden, layers)
+        if path is None:
+            logger.warning("HyCo: no %s next to %s; hand-offs use flat scales (+-%s), phones draft SLM-only "
+                           "trees", SCALES_FILE, model_dir, FLAT_RANGE)
+        text = cfg.get("text_config", cfg)
+        w = int(window or text.get("sliding_window") or 1024)
+        return cls(HandoffSpec.from_scales(cfg, layers, scales), scales, w, path is None)
+
+    def quantize_rows(self, raw: dict[str, Any]) -> list[tuple[np.ndarray, np.ndarray | None]]:
+        """Per header layer: int8 (K, V) ``[P, kv_heads, head_dim]`` from the engine's ``{kind}_k/v``."""
+        out = []
+        for layer in self.spec.layers:
+            k_scale, v_scale = self.scales.layer(layer.layer_id)
+            k = quantize(_np(raw[f"{layer.kind}_k"]), k_scale)
+            v = quantize(_np(raw[f"{layer.kind}_v"]), v_scale) if layer.has_v else None
+            out.append((k, v))
+        return out
+
+    def payload(self, span_start: int, root_position: int, bonus: int, e_q: np.ndarray, h_q: np.ndarray,
+                rows: list[tuple[np.ndarray, np.ndarray | None]]) -> HandoffPayload:
+        header = HandoffHeader(self.spec, span_start, root_position)
+        return HandoffPayload(header, int(bonus), e_q, h_q, tuple(k for k, _ in rows), tuple(v for _, v in rows))
+
+    def quantize_eh(self, raw: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+        e = quantize(_np(raw["e_bonus"]), self.scales.e)
+        h = raw.get("h")
+        h = quantize(_np(h), self.scales.h) if h is not None else np.zeros(self.spec.hidden_size, np.int8)
+        return e, h
+
+
+class KvRing:
+    """The last W positions of one session's quantized hand-off K/V rows (for ``need_seed`` replays)."""
+
+    def __init__(self, window: int):
+        self.window = window
+        self.start = 0  # position of row 0
+        self.rows: list[tuple[np.ndarray, np.ndarray | None]] | None = None
+
+    @property
+    def end(self) -> int:
+        return self.start + (0 if self.rows is None else self.rows[0][0].shape[0])
+
+    def extend(self, start: int, rows: list[tuple[np.ndarray, np.ndarray | None]]) -> None:
+        """Add rows for positions ``[start, start + P)`` (overwriting any from ``start`` on), keep W."""
+        if self.rows is None or start < self.start or start > self.end:
+            self.start, self.rows = start, [(k.copy(), None if v is None else v.copy()) for k, v in rows]
+        else:
+            keep = start - self.start
+            self.rows = [(np.concatenate([k0[:keep], k]), None if v is None else np.concatenate([v0[:keep], v]))
+                         for (k0, v0), (k, v) in zip(self.rows, rows)]
+        extra = self.end - self.start - self.window
+        if extra > 0:
+            self.start += extra
+            self.rows = [(k[extra:], None if v is None else v[extra:]) for k, v in self.rows]
+
+    def seed_rows(self, root_position: int) -> tuple[int, list[tuple[np.ndarray, np.ndarray | None]]]:
+        """``(a, rows)`` covering ``[max(0, t' - W), t')`` (requires the ring to end at t')."""
+        if self.rows is None or self.end != root_position:
+            raise ValueError(f"the ring ends at {self.end}, not at the root position {root_position}")
+        return self.start, self.rows

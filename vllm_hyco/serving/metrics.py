@@ -1,0 +1,66 @@
+"""Prometheus metrics of HyCo sessions, served by vLLM's own ``/metrics`` route.
+
+The WebSocket route runs in the API-server process, so these live in that process's
+``prometheus_client`` registry, which vLLM's ``/metrics`` exposes. Multiprocess caveat: with several API
+servers (``--api-server-count > 1``, refused for HyCo by decisions.md D7) vLLM switches prometheus_client to
+multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``); counters would then aggregate across processes and the
+gauge would need a ``multiprocess_mode``. Created once per process (idempotent :func:`get`).
+
+| metric | type | labels |
+| --- | --- | --- |
+| ``vllm_hyco_sessions_total`` | counter | ``outcome``: opened, finished, resumed, expired, refused |
+| ``vllm_hyco_rounds_total`` | counter | |
+| ``vllm_hyco_accepted_tokens_total`` | counter | ``depth`` (1..32), ``source`` (chain, runner_up, slm, other, unlabelled) |
+| ``vllm_hyco_bonus_tokens_total`` | counter | |
+| ``vllm_hyco_bytes_total`` | counter | ``direction``: up (frames received), down (frames sent) |
+| ``vllm_hyco_parked_sessions`` | gauge | sessions held by the endpoint (connected or waiting for a resume) |
+| ``vllm_hyco_rejected_trees_total`` | counter | ``code`` (bad_round, bad_tree, budget_exceeded, ...) |
+| ``vllm_hyco_error_frames_total`` | counter | ``code`` |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+SOURCES = {0: "root", 1: "chain", 2: "runner_up", 3: "slm", 4: "other"}
+
+
+@dataclass
+class HycoMetrics:
+    sessions: Any
+    rounds: Any
+    accepted: Any
+    bonus: Any
+    bytes: Any
+    parked: Any
+    rejected: Any
+    errors: Any
+
+    def accepted_path(self, path_rows: list[int], labels: tuple[int, ...] | None) -> None:
+        for depth, row in enumerate(path_rows, start=1):
+            src = "unlabelled" if labels is None else SOURCES.get(labels[row], "other")
+            self.accepted.labels(depth=str(depth), source=src).inc()
+
+
+_METRICS: HycoMetrics | None = None
+
+
+def get() -> HycoMetrics:
+    global _METRICS
+    if _METRICS is None:
+        from prometheus_client import Counter, Gauge
+
+        p = "vllm_hyco_"
+        _METRICS = HycoMetrics(
+            sessions=Counter(p + "sessions", "HyCo phone sessions by outcome", ["outcome"]),
+            rounds=Counter(p + "rounds", "HyCo rounds verified (one tree each)"),
+            accepted=Counter(p + "accepted_tokens", "Accepted draft tokens by depth and source",
+                             ["depth", "source"]),
+            bonus=Counter(p + "bonus_tokens", "Bonus tokens committed by HyCo rounds"),
+            bytes=Counter(p + "bytes", "HyCo WebSocket frame bytes", ["direction"]),
+            parked=Gauge(p + "parked_sessions", "HyCo sessions held by the endpoint"),
+            rejected=Counter(p + "rejected_trees", "Trees refused before verification", ["code"]),
+            errors=Counter(p + "error_frames", "Error frames sent to phones", ["code"]),
+        )
+    return _METRICS

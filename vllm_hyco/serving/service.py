@@ -1,0 +1,291 @@
+"""HycoService: the phone sessions of one server (API-server process), independent of the socket.
+
+It turns frames into engine calls and engine verdicts into frames (docs/protocol.md sections 3 and 4):
+
+* :meth:`open` (``start`` with ``request``): admits (``too_many_sessions``), checks the ``hyco`` object
+  (``handoff_version``, ``fingerprint_mismatch``, ε under D4), opens the engine session (prefill of the
+  prompt except its last token, D2);
+* :meth:`tree`: checks the round, the budget and the tree (``bad_round``, ``budget_exceeded``,
+  ``bad_tree``; root = the last committed token, round 0: the prompt's last token), verifies it in the
+  engine and returns the encoded frames: the verdict (with the seed in round 0, chunked when it is bigger
+  than one chunk), its chunks, and ``final`` after the finishing verdict;
+* :meth:`resume`: the replay (byte-identical, or with a seed ``[max(0, t' - W), t')`` on ``need_seed``);
+* :meth:`sweep`: idle timeouts; the endpoint calls it every second.
+
+Errors are raised as :class:`WireError` (code, fatal, round, close) for the connection to send.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import Any
+
+from vllm_hyco.engine.api import resolve_session_eps
+from vllm_hyco.errors import FrameError, HycoError, RequestFieldError, SessionError, TreeValidationError
+from vllm_hyco.handoff.chunks import plan_handoff
+from vllm_hyco.handoff.client_frames import StartFrame, TreeFrame
+from vllm_hyco.handoff.frames import encode_frame
+from vllm_hyco.handoff.limits import DEFAULT_LIMITS, WireLimits
+from vllm_hyco.handoff.schema import HANDOFF_SCHEMA_VERSION
+from vllm_hyco.handoff.server_frames import FinalFrame, VerdictFrame, openai_chunk
+from vllm_hyco.serving import metrics as _metrics
+from vllm_hyco.serving.bridge import BridgeError, EngineBridge, RoundResult
+from vllm_hyco.serving.handoffs import KvRing, ServerModel
+from vllm_hyco.serving.table import HeldSession, SessionTable
+
+logger = logging.getLogger("vllm.hyco")
+# codes after which the server closes the WebSocket (docs/protocol.md section 7)
+CLOSING_CODES = frozenset({"unauthorized", "too_many_sessions", "idle_timeout", "internal_error"})
+FATAL_CODES = frozenset({"unsupported_version", "bad_request", "request_too_large", "bad_hyco", "bad_verdict",
+                         "bad_handoff", "handoff_version", "fingerprint_mismatch", "layout_mismatch",
+                         "scales_mismatch", "bad_scales", "unauthorized", "unknown_session",
+                         "too_many_sessions", "idle_timeout", "unsupported_field", "internal_error"})
+
+
+class WireError(HycoError):
+    """An error to send as an ``error`` frame."""
+
+    def __init__(self, message: str, *, code: str, fatal: bool | None = None, round: int | None = None):
+        super().__init__(message, code=code)
+        self.fatal = code in FATAL_CODES if fatal is None else fatal
+        self.round = round
+
+    @property
+    def closes(self) -> bool:
+        return self.code in CLOSING_CODES
+
+
+class HycoService:
+    def __init__(self, bridge: EngineBridge, model: ServerModel, *, node_budget: int = 32,
+                 server_eps: float | None = None, max_sessions: int = 16, idle_timeout_s: float = 60.0,
+                 limits: WireLimits = DEFAULT_LIMITS):
+        self.bridge, self.model, self.limits = bridge, model, limits
+        self.node_budget, self.server_eps = node_budget, server_eps
+        self.table = SessionTable(max_sessions, idle_timeout_s)
+        self.metrics = _metrics.get()
+        self._sweeper: asyncio.Task | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------------------
+    def ensure_sweeper(self) -> None:
+        if self._sweeper is None or self._sweeper.done():
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever())
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            try:
+                await self.sweep()
+            except Exception:  # noqa: BLE001 - the sweeper must outlive any one failure
+                logger.exception("HyCo session sweep failed")
+
+    async def sweep(self) -> int:
+        gone = self.table.expired()
+        for s in gone:
+            if not s.finished:
+                self.metrics.sessions.labels(outcome="expired").inc()
+            await self.release(s)
+            self.table.remove(s)
+        self.metrics.parked.set(self.table.active())
+        return len(gone)
+
+    async def release(self, s: HeldSession) -> None:
+        if not s.closed:
+            s.closed = True
+            await self.bridge.close(s.engine)
+        s.ring.rows = None
+
+    # -- start ------------------------------------------------------------------------------------------
+    def _check_hyco(self, frame: StartFrame) -> float | str | None:
+        h = frame.hyco
+        if HANDOFF_SCHEMA_VERSION not in h.capabilities.handoff_schemas:
+            raise WireError(f"this server produces hand-off schema {HANDOFF_SCHEMA_VERSION}; the phone decodes "
+                            f"{list(h.capabilities.handoff_schemas)}", code="handoff_version")
+        if h.fingerprint is not None and h.fingerprint != self.model.spec.fingerprint:
+            raise WireError(f"the phone's model fingerprint {h.fingerprint.hex()} differs from the server's "
+                            f"{self.model.spec.fingerprint.hex()}; update the model bundle",
+                            code="fingerprint_mismatch")
+        requested = "exact" if h.mode == "exact" else h.epsilon
+        try:
+            return resolve_session_eps(self.server_eps, requested if h.mode == "exact" or h.epsilon is not None
+                                       else None)
+        except RequestFieldError as e:
+            raise WireError(str(e), code="bad_hyco") from None
+
+    async def open(self, frame: StartFrame, owner: Any) -> HeldSession:
+        eps = self._check_hyco(frame)
+        if frame.hyco.mode == "epsilon" and self.server_eps is None:
+            raise WireError("mode 'epsilon' asks for lossy verification but this server runs exact only; use "
+                            "mode 'exact'", code="bad_hyco")
+        if not self.table.has_room():
+            self.metrics.sessions.labels(outcome="refused").inc()
+            raise WireError(f"the server holds its maximum of {self.table.max_sessions} sessions; retry later",
+                            code="too_many_sessions")
+        self.table.reserved += 1
+        try:
+            es = await self.bridge.open(frame.endpoint, frame.request, eps)
+        except RequestFieldError as e:
+            raise WireError(str(e), code="unsupported_field") from None
+        except FrameError as e:
+            raise WireError(str(e), code=e.code) from None
+        except SessionError as e:
+            raise WireError(str(e), code="too_many_sessions" if e.code == "too_many_sessions"
+                            else "internal_error") from None
+        finally:
+            self.table.reserved -= 1
+        sid = bytes.fromhex(es.sid)[:16]
+        caps = frame.hyco.capabilities
+        s = HeldSession(sid=sid, engine=es, endpoint=frame.endpoint, caps=caps,
+                        completion_id=("chatcmpl-" if frame.endpoint == "chat.completions" else "cmpl-")
+                        + uuid.uuid4().hex, created=int(time.time()), ring=KvRing(self.model.window),
+                        root=es.root, root_position=len(es.prompt_ids) - 1,
+                        budget=min(self.node_budget, caps.max_nodes), owner=owner)
+        self.table.add(s)
+        self.metrics.sessions.labels(outcome="opened").inc()
+        self.metrics.parked.set(self.table.active())
+        return s
+
+    # -- rounds -----------------------------------------------------------------------------------------
+    def _reject(self, message: str, code: str, round_: int) -> WireError:
+        self.metrics.rejected.labels(code=code).inc()
+        return WireError(message, code=code, fatal=False, round=round_)
+
+    def check_tree(self, s: HeldSession, t: TreeFrame) -> None:
+        from vllm_hyco.spec_decode.tree import validate_tree
+
+        if s.finished:
+            raise self._reject("the session is finished; send a new start", "bad_round", t.round)
+        if t.round != s.expected_round:
+            raise self._reject(f"tree round {t.round} is not the session's next round {s.expected_round}",
+                               "bad_round", t.round)
+        if t.num_nodes > s.budget:
+            raise self._reject(f"the tree has {t.num_nodes} nodes; the last verdict granted {s.budget}: resend "
+                               f"a smaller tree for round {t.round}", "budget_exceeded", t.round)
+        if t.tokens[0] != s.root:
+            raise self._reject(f"the tree's root is token {t.tokens[0]}; round {t.round}'s root must be "
+                               f"{s.root} ({'the last prompt token' if t.round == 0 else 'the last bonus'})",
+                               "bad_tree", t.round)
+        try:
+            validate_tree(list(t.tokens), list(t.parents), vocab_size=self.bridge.vocab_size,
+                          budget=self.limits.max_nodes, labels=list(t.labels) if t.labels is not None else None)
+        except TreeValidationError as e:
+            raise self._reject(f"{e} ({e.code})", "bad_tree", t.round) from None
+
+    async def tree(self, s: HeldSession, t: TreeFrame) -> list[bytes]:
+        """Verify one tree; returns the frames to send (verdict, chunks, final)."""
+        async with s.lock:
+            self.check_tree(s, t)
+            s.touch()
+            try:
+                r = await self.bridge.round(s.engine, t.round, list(t.tokens), list(t.parents))
+            except (BridgeError, SessionError) as e:
+                await self._engine_lost(s, e, t.round)
+            frames = self._verdict_frames(s, t, r)
+            s.touch()
+            return frames
+
+    async def _engine_lost(self, s: HeldSession, e: HycoError, round_: int):
+        s.finished = True
+        await self.release(s)
+        self.table.remove(s)
+        self.metrics.parked.set(self.table.active())
+        if e.code in ("session_timeout",):
+            raise WireError("the session was idle past the timeout and was closed; start over",
+                            code="idle_timeout", round=round_)
+        if e.code in ("session_evicted", "session_finished", "aborted", "closed"):
+            raise WireError(f"the server no longer holds this session ({e.code}); start over",
+                            code="unknown_session", round=round_)
+        logger.warning("HyCo round %d failed in the engine: %s (%s)", round_, e, e.code)
+        raise WireError(f"verifying round {round_} failed in the engine: {e} ({e.code})", code="internal_error",
+                        round=round_)
+
+    def _verdict_frames(self, s: HeldSession, t: TreeFrame, r: RoundResult) -> list[bytes]:
+        raw, m = r.raw, self.metrics
+        path = [int(x) for x in raw["path_rows"]]
+        finished = r.finish_reason is not None
+        committed = [int(x) for x in (r.token_ids or raw.get("committed") or [raw["bonus"]])][: len(path) + 1]
+        role = "assistant" if s.endpoint == "chat.completions" and s.rounds == 0 else None
+        chunk = openai_chunk(s.kind, s.completion_id, self.bridge.model_name, r.text, r.finish_reason,
+                             created=s.created, role=role)
+        handoff = ref = None
+        chunks: list = []
+        if not finished:
+            bonus = int(raw["bonus"])
+            payload = self._handoff(s, t.round, raw["handoff"], bonus)
+            s.last_payload = payload
+            handoff, ref, chunks = plan_handoff(payload, t.round, self.limits, s.caps.max_message_bytes)
+            s.root, s.root_position = bonus, payload.header.root_position
+            s.budget = min(self.node_budget, s.caps.max_nodes)
+        v = VerdictFrame(s.sid, t.round, tuple(path), tuple(committed), None if finished else int(raw["bonus"]),
+                         handoff, ref, 0 if finished else s.budget, chunk)
+        frames = [encode_frame(v), *(encode_frame(c) for c in chunks)]
+        s.last_verdict, s.last_frames, s.last_round = v, frames, t.round
+        s.expected_round = t.round + 1
+        s.rounds += 1
+        s.completion_tokens += len(committed)
+        m.rounds.inc()
+        m.accepted_path(path[: min(len(path), len(committed))], t.labels)
+        if len(committed) > len(path):
+            m.bonus.inc()
+        if finished:
+            s.finished = True
+            down = s.bytes_down + sum(map(len, frames))  # the connection counts them when it sends them
+            final = FinalFrame(s.sid, len(s.engine.prompt_ids), s.completion_tokens, s.rounds,
+                               s.completion_tokens / max(s.rounds, 1), s.bytes_up, down)
+            s.final_frame = encode_frame(final)
+            frames.append(s.final_frame)
+            m.sessions.labels(outcome="finished").inc()
+            m.parked.set(self.table.active())
+        return frames
+
+    def _handoff(self, s: HeldSession, round_: int, h: dict, bonus: int):
+        """Round 0: the seed ``[max(0, t' - W), t')``; later rounds: the positions committed this round."""
+        model = self.model
+        e_q, h_q = model.quantize_eh(h)
+        root_position = int(h["position"]) + 1
+        if round_ == 0 and h.get("seed") is not None:
+            seed = h["seed"]
+            rows = model.quantize_rows(seed)
+            s.ring.extend(int(seed["start"]), rows)
+            return model.payload(int(seed["start"]), root_position, bonus, e_q, h_q, rows)
+        rows = model.quantize_rows(h)
+        s.ring.extend(int(h["start"]), rows)
+        return model.payload(int(h["start"]), root_position, bonus, e_q, h_q, rows)
+
+    # -- resume -----------------------------------------------------------------------------------------
+    async def resume(self, frame: StartFrame, owner: Any) -> tuple[HeldSession, list[bytes]]:
+        self._check_hyco(frame)
+        rq = frame.hyco.resume
+        s = self.table.get(rq.session_id)
+        if s is None:
+            raise WireError(f"the server holds no session {rq.session_id.hex()} (expired or never existed); "
+                            f"start over", code="unknown_session")
+        async with s.lock:  # a round still in flight on the old connection completes first
+            if rq.last_round not in (s.last_round, s.last_round - 1):
+                raise WireError(f"resume.last_round {rq.last_round} is impossible: the session's last verdict "
+                                f"is round {s.last_round} (send it or the one before)", code="bad_round",
+                                fatal=True)
+            s.owner, s.caps = owner, frame.hyco.capabilities
+            s.resumes += 1
+            s.touch()
+            self.metrics.sessions.labels(outcome="resumed").inc()
+            if s.last_verdict is None:
+                return s, []
+            frames = list(s.last_frames)
+            if rq.need_seed and not s.finished:
+                frames = self._seed_replay(s)
+            if s.finished and s.final_frame is not None:
+                frames.append(s.final_frame)
+            return s, frames
+
+    def _seed_replay(self, s: HeldSession) -> list[bytes]:
+        v, last = s.last_verdict, s.last_payload
+        if last is None or (last.header.span_start == max(0, s.root_position - self.model.window)):
+            return list(s.last_frames)  # its hand-off is a seed already
+        start, rows = s.ring.seed_rows(s.root_position)
+        payload = self.model.payload(start, s.root_position, last.bonus_token, last.e_bonus, last.h, rows)
+        handoff, ref, chunks = plan_handoff(payload, v.round, self.limits, s.caps.max_message_bytes)
+        seeded = VerdictFrame(v.session_id, v.round, v.path, v.tokens, v.bonus, handoff, ref, v.budget, v.chunk)
+        return [encode_frame(seeded), *(encode_frame(c) for c in chunks)]

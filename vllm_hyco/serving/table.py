@@ -1,0 +1,101 @@
+"""The endpoint's session table: what survives a dropped WebSocket (resume), and the session limits.
+
+Each :class:`HeldSession` keeps the engine session, the round it waits for, the expected root token and
+position, the node budget granted, the encoded frames of its last verdict (replayed byte-identical on
+resume), the last verdict itself (rebuilt with a seed when the phone asks ``need_seed``), a
+:class:`~vllm_hyco.serving.handoffs.KvRing` of the last W hand-off positions, and statistics.
+
+Limits: ``max_sessions`` unfinished sessions (``too_many_sessions`` beyond); a session nobody drives for
+``idle_timeout_s`` is closed and its KV freed (:meth:`SessionTable.expired`); a finished session is kept
+for ``finished_grace_s`` so that a phone that lost the last verdict or ``final`` can still resume.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_hyco.handoff.client_frames import ClientCapabilities
+from vllm_hyco.handoff.server_frames import VerdictFrame
+from vllm_hyco.serving.bridge import EngineSession
+from vllm_hyco.serving.handoffs import KvRing
+
+
+@dataclass
+class HeldSession:
+    sid: bytes  # 16 bytes on the wire; sid.hex() is the engine's key
+    engine: EngineSession
+    endpoint: str  # "chat.completions" | "completions"
+    caps: ClientCapabilities
+    completion_id: str
+    created: int
+    ring: KvRing
+    root: int  # the next tree's root token
+    root_position: int
+    budget: int  # nodes granted for the next round
+    expected_round: int = 0
+    last_round: int = -1
+    last_verdict: VerdictFrame | None = None
+    last_payload: Any = None  # the last hand-off (HandoffPayload), for seed replays
+    last_frames: list[bytes] = field(default_factory=list)  # verdict + handoff_chunk frames, encoded
+    final_frame: bytes | None = None
+    finished: bool = False
+    closed: bool = False  # engine side released
+    owner: Any = None  # the connection driving it, None while the phone is away
+    last_active: float = field(default_factory=time.monotonic)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    rounds: int = 0
+    completion_tokens: int = 0
+    bytes_up: int = 0
+    bytes_down: int = 0
+    resumes: int = 0
+
+    @property
+    def kind(self) -> str:
+        return "chat.completion.chunk" if self.endpoint == "chat.completions" else "text_completion"
+
+    def touch(self) -> None:
+        self.last_active = time.monotonic()
+
+
+class SessionTable:
+    def __init__(self, max_sessions: int, idle_timeout_s: float, finished_grace_s: float | None = None):
+        self.max_sessions, self.idle_timeout_s = max_sessions, idle_timeout_s
+        self.finished_grace_s = idle_timeout_s if finished_grace_s is None else finished_grace_s
+        self._by_sid: dict[bytes, HeldSession] = {}
+        self.reserved = 0  # sessions being opened (prefill in progress)
+
+    def __len__(self) -> int:
+        return len(self._by_sid)
+
+    def get(self, sid: bytes) -> HeldSession | None:
+        return self._by_sid.get(sid)
+
+    def active(self) -> int:
+        """Unfinished sessions (the ones holding KV in the engine), the gauge's value."""
+        return sum(1 for s in self._by_sid.values() if not s.finished)
+
+    def has_room(self) -> bool:
+        return self.active() + self.reserved < self.max_sessions
+
+    def add(self, s: HeldSession) -> None:
+        self._by_sid[s.sid] = s
+
+    def remove(self, s: HeldSession) -> None:
+        self._by_sid.pop(s.sid, None)
+
+    def expired(self, now: float | None = None) -> list[HeldSession]:
+        """Sessions to drop now: unfinished ones nobody drove for the idle timeout, finished ones past grace.
+        A session whose connection is waiting on its round (lock held) is never expired."""
+        now = time.monotonic() if now is None else now
+        out = []
+        for s in self._by_sid.values():
+            limit = self.finished_grace_s if s.finished else self.idle_timeout_s
+            if now - s.last_active > limit and not s.lock.locked():
+                out.append(s)
+        return out
+
+    def sessions(self) -> list[HeldSession]:
+        return list(self._by_sid.values())

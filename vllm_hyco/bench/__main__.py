@@ -1,0 +1,224 @@
+"""``python -m vllm_hyco.bench``: HyCo against vLLM's built-in MTP and the paper's variants (docs/benchmarks.md).
+
+    python -m vllm_hyco.bench --configs cloud-mtp,specedge,hyco --prompts 8 --runs 3 --link lte \\
+        --out benchmarks/out/run1 [--sweep 1,4,16,64] [--ordinary]
+
+Starts one server per distinct engine setup (configurations with the same server arguments share it;
+prefix caching is off, so each pays its own prefill), runs every configuration ``--runs`` times over the
+same prompts, and writes ``report.md``, ``results.json``, ``records.json`` and the PNG plots to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from vllm_hyco.bench import configs as C
+from vllm_hyco.bench import metrics as M
+from vllm_hyco.bench.drive import Sampling, run_cloud, run_phones
+from vllm_hyco.bench.linkproxy import LinkModel
+from vllm_hyco.bench.report import build_results, write_report
+from vllm_hyco.bench.server import BenchServer, counters_delta, spec_counters
+from vllm_hyco.errors import HycoError
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m vllm_hyco.bench", description=__doc__.split("\n")[0])
+    p.add_argument("--configs", default="all", help=f"comma-separated, from: {', '.join(C.CONFIGS)} (all)")
+    p.add_argument("--phones", type=int, default=1, help="concurrent phones (requests) in the main runs")
+    p.add_argument("--prompts", type=int, default=6, help="prompts per run")
+    p.add_argument("--prompt-set", default="uc_val", choices=("uc_val", "bench"))
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--out", default=None, help="output folder (default benchmarks/out/<time>)")
+    p.add_argument("--link", default="lte", help="lan | lte | 5g | rtt=MS,up=MBPS,down=MBPS")
+    p.add_argument("--sweep", default="", help="concurrency levels, e.g. 1,4,16,64 (empty: no sweep)")
+    p.add_argument("--sweep-configs", default="cloud-mtp,hyco")
+    p.add_argument("--ordinary", action="store_true", help="ordinary requests: hyco server vs plain vLLM")
+    p.add_argument("--fixtures", default=None, help="a built fixtures folder (default: build/reuse in HYCO_CACHE)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0: off (vLLM 0.32's CPU MTP sampler crashes on top-k)")
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--machine", default=None, help="how to describe this machine in the report")
+    return p.parse_args(argv)
+
+
+def fixtures_dir(arg: str | None) -> Path:
+    if arg:
+        return Path(arg)
+    from vllm_hyco import envs
+    from vllm_hyco.fixtures import ensure_fixtures
+
+    return ensure_fixtures(envs.HYCO_CACHE, fp32=True, window=128, seed=0).root
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = ""
+    try:
+        kb = int(Path("/proc/meminfo").read_text().split()[1])
+        mem = f", {kb / 2**20:.0f} GiB RAM"
+    except (OSError, ValueError, IndexError):
+        pass
+    return f"{cpu}, {os.cpu_count()} CPUs{mem}, no GPU (CPU build of vLLM)"
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace):
+        from vllm_hyco.fixtures.corpus import eval_prompts
+
+        self.args = args
+        self.fx = fixtures_dir(args.fixtures)
+        self.link = LinkModel.parse(args.link)
+        self.sampling = Sampling(args.max_tokens, args.temperature, args.top_k, args.top_p)
+        self.prompts = eval_prompts(args.prompt_set)[: args.prompts]
+        self.out = Path(args.out or Path("benchmarks/out") / time.strftime("%Y%m%d-%H%M%S"))
+        self.out.mkdir(parents=True, exist_ok=True)
+        self._ids: list[list[int]] | None = None
+        self.records: list[dict] = []
+
+    def ids(self) -> list[list[int]]:
+        if self._ids is None:
+            from vllm_hyco.bench.phones import prompt_ids
+
+            tok = self.fx / "tokenizer" if (self.fx / "tokenizer").exists() else self.fx / "verifier"
+            self._ids = [prompt_ids(tok, p["messages"]) for p in self.prompts]
+        return self._ids
+
+    def server(self, spec: str | None, max_num_seqs: int | None = None) -> BenchServer:
+        return BenchServer(self.fx / "verifier", spec, max_num_seqs=max_num_seqs or self.args.max_num_seqs,
+                           log_dir=self.out / "logs")
+
+    def one_pass(self, srv: BenchServer, cfg: C.BenchConfig, run: int, prompts: list[dict], ids, concurrency: int
+                 ) -> M.RunRecord:
+        before_t, before_c = srv.timing(), spec_counters(srv.metrics())
+        t0 = time.perf_counter()
+        if cfg.kind == "cloud":
+            recs, proxy = asyncio.run(run_cloud(srv.url, cfg.name, run, prompts, self.sampling,
+                                                concurrency=concurrency, link=self.link, seed0=1000 * run))
+        else:
+            recs, proxy = asyncio.run(run_phones(srv.url, cfg, run, prompts, ids, self.fx, self.sampling,
+                                                 concurrency=concurrency, link=self.link, seed0=1000 * run))
+        wall = time.perf_counter() - t0
+        time.sleep(0.5)  # let the API server's stat loggers see the last outputs
+        counters = counters_delta(before_c, spec_counters(srv.metrics())) | {"k": C.MTP_K}
+        rec = M.RunRecord(cfg.name, run, recs, engine=M_delta(before_t, srv.timing()),
+                          spec_counters=counters if cfg.kind == "cloud" else {}, wall_s=round(wall, 4),
+                          concurrency=concurrency, link=self.link.to_dict(), proxy_bytes=proxy)
+        self.records.append(rec.to_dict())
+        return rec
+
+    def main_runs(self, selected: list[C.BenchConfig]) -> list[dict]:
+        per_run: list[dict] = []
+        groups: dict[tuple, list[C.BenchConfig]] = {}
+        for cfg in selected:
+            if cfg.kind != "modelled":
+                groups.setdefault(cfg.server_key(), []).append(cfg)
+        for cfgs in groups.values():
+            spec = cfgs[0].server_spec(str(self.fx / "assistant"))
+            _log(f"starting server for {', '.join(c.name for c in cfgs)}: {spec}")
+            with self.server(spec) as srv:
+                _log(f"  up in {srv.startup_s:.0f} s")
+                warm = cfgs[0]
+                self.one_pass(srv, warm, -1, self.prompts[:1], self.ids()[:1] if warm.kind == "phone" else None, 1)
+                for cfg in cfgs:
+                    for run in range(self.args.runs):
+                        rec = self.one_pass(srv, cfg, run, self.prompts,
+                                            self.ids() if cfg.kind == "phone" else None, self.args.phones)
+                        per_run.append(M.run_metrics(rec))
+                        _log(f"  {cfg.name} run {run}: {_brief(per_run[-1])}")
+        return per_run
+
+    def sweep(self, levels: list[int]) -> list[dict]:
+        out: list[dict] = []
+        for cfg in C.select(self.args.sweep_configs):
+            spec = cfg.server_spec(str(self.fx / "assistant"), max_sessions=max(levels))
+            with self.server(spec, max_num_seqs=max(levels)) as srv:
+                for n in levels:
+                    prompts = [self.prompts[i % len(self.prompts)] for i in range(n)]
+                    ids = [self.ids()[i % len(self.prompts)] for i in range(n)] if cfg.kind == "phone" else None
+                    rec = self.one_pass(srv, cfg, 100 + n, prompts, ids, n)
+                    out.append(M.run_metrics(rec))
+                    _log(f"  sweep {cfg.name} x{n}: {_brief(out[-1])}")
+        return out
+
+    def ordinary(self) -> list[dict]:
+        out = []
+        cloud = C.BenchConfig("ordinary", "cloud", "ordinary")
+        for name, spec in (("plain vLLM", None), ("hyco server", C.CONFIGS["hyco-exact"].server_spec("-"))):
+            with self.server(spec) as srv:
+                self.one_pass(srv, cloud, -1, self.prompts[:1], None, 1)
+                rec = self.one_pass(srv, cloud, 0, self.prompts, None, self.args.phones)
+                m = M.run_metrics(rec)
+                out.append({"server": name, "requests": m["requests"], "tokens": m["tokens"],
+                            "server_tok_s": m["server_tok_s"], "g_ms": m["g_ms"], "errors": m["errors"]})
+                _log(f"  ordinary on {name}: {out[-1]}")
+        return out
+
+
+def M_delta(a: dict, b: dict) -> dict:
+    from vllm_hyco.bench.timing import delta
+
+    return delta(a, b)
+
+
+def _brief(m: dict) -> str:
+    keys = ("tokens", "errors", "g_ms", "mat", "tok_s", "ttft_p50_ms", "bytes_up_round", "bytes_down_round")
+    return json.dumps({k: m.get(k) for k in keys})
+
+
+def _log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        selected = C.select(args.configs)
+        bench = Bench(args)
+        per_run = bench.main_runs(selected)
+        levels = [int(x) for x in args.sweep.split(",") if x.strip()]
+        sweep = bench.sweep(levels) if levels else []
+        ordinary = bench.ordinary() if args.ordinary else []
+    except HycoError as e:
+        print(f"python -m vllm_hyco.bench: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    env: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                           "machine": args.machine or machine(), "fixtures": str(bench.fx),
+                           "weights": _weights(bench.fx), "link": bench.link.to_dict(), "prompts": len(bench.prompts),
+                           "prompt_set": args.prompt_set, "runs": args.runs, "phones": args.phones,
+                           "max_tokens": args.max_tokens, "temperature": args.temperature, "top_k": args.top_k,
+                           "top_p": args.top_p, "slm_only": any(c.name == "slm-only" for c in selected),
+                           "argv": sys.argv[1:] if argv is None else argv}
+    results = build_results(per_run, env, sweep, ordinary)
+    (bench.out / "records.json").write_text(json.dumps(bench.records, default=str))
+    paths = write_report(bench.out, results)
+    print(paths["markdown"].read_text())
+    _log(f"wrote {', '.join(str(p) for p in paths.values())}")
+    return 0
+
+
+def _weights(fx: Path) -> str:
+    try:
+        return json.loads((fx / "fixtures.json").read_text()).get("options", {}).get("weights", "?")
+    except (OSError, ValueError):
+        return "?"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

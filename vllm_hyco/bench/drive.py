@@ -1,0 +1,129 @@
+"""Drive one configuration's requests through the link proxy and turn them into records.
+
+* ``cloud`` configurations (and ordinary requests): streaming chat completions with the official
+  ``openai`` client; time to first token = the first content chunk; tokens from the usage chunk.
+* ``phone`` configurations: one simulated phone per prompt (``phones.load_phone``), a
+  ``RecordingSession`` over ``/v1/hyco/session``, modelled device time per round (``BenchClient``).
+
+Both run ``concurrency`` requests at a time on one event loop, through one ``LinkProxy`` per pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vllm_hyco.bench import phones
+from vllm_hyco.bench.configs import BenchConfig
+from vllm_hyco.bench.linkproxy import LinkModel, LinkProxy
+from vllm_hyco.bench.metrics import RequestRecord
+from vllm_hyco.bench.server import MODEL_NAME
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """The requests' sampling (decisions.md D4: the paper's T = 1, top-k 64, top-p 0.95 by default)."""
+
+    max_tokens: int = 64
+    temperature: float = 1.0
+    top_k: int = 64
+    top_p: float = 0.95
+
+    def body(self, seed: int) -> dict[str, Any]:
+        out: dict[str, Any] = {"max_tokens": self.max_tokens, "temperature": self.temperature, "seed": seed}
+        if self.temperature > 0:
+            if self.top_k > 0:
+                out["top_k"] = self.top_k
+            if self.top_p < 1.0:
+                out["top_p"] = self.top_p
+        return out
+
+
+async def _cloud_one(client, config: str, run: int, prompt: dict, sampling: Sampling, seed: int) -> RequestRecord:
+    rec = RequestRecord(config, run, prompt["id"])
+    body = sampling.body(seed)
+    extra = {k: body.pop(k) for k in ("top_k",) if k in body}
+    t0 = time.perf_counter()
+    try:
+        stream = await client.chat.completions.create(
+            model=MODEL_NAME, messages=prompt["messages"], stream=True,
+            stream_options={"include_usage": True}, extra_body=extra, **body)
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content and rec.ttft_ms is None:
+                rec.ttft_ms = (time.perf_counter() - t0) * 1e3
+            if chunk.usage is not None:
+                rec.tokens = chunk.usage.completion_tokens
+    except Exception as e:  # recorded, not raised: errors are a metric of the sweep
+        rec.error = f"{type(e).__name__}: {e}"[:300]
+    rec.wall_ms = (time.perf_counter() - t0) * 1e3
+    return rec
+
+
+async def run_cloud(url: str, config: str, run: int, prompts: list[dict], sampling: Sampling, *,
+                    concurrency: int = 1, link: LinkModel, seed0: int = 0) -> tuple[list[RequestRecord], dict]:
+    from openai import AsyncOpenAI
+
+    async with LinkProxy(_target(url), link) as proxy:
+        client = AsyncOpenAI(base_url=f"http://127.0.0.1:{proxy.port}/v1", api_key="bench", max_retries=0,
+                             timeout=600.0)
+        sem = asyncio.Semaphore(concurrency)
+
+        async def one(i, p):
+            async with sem:
+                return await _cloud_one(client, config, run, p, sampling, seed0 + i)
+
+        records = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        await client.close()
+        return list(records), {"up": proxy.bytes_up, "down": proxy.bytes_down}
+
+
+def _target(url: str) -> tuple[str, int]:
+    host, port = url.split("://", 1)[-1].split("/", 1)[0].rsplit(":", 1)
+    return host, int(port)
+
+
+async def _phone_one(url: str, cfg: BenchConfig, run: int, prompt: dict, ids: list[int], bundle: Path,
+                     sampling: Sampling, seed: int, frame_timeout_s: float) -> RequestRecord:
+    from mobile_client.client import Timeouts
+    from mobile_client.session import SessionOptions
+
+    rec = RequestRecord(cfg.name, run, prompt["id"])
+    try:
+        drafter, spec, opts, rows, _ = await asyncio.to_thread(phones.load_phone, bundle, cfg)
+        request = {"messages": prompt["messages"], **sampling.body(seed)}
+        session = phones.recording_session_class()(drafter, prompt_tokens=ids, request=request,
+                                                   endpoint="chat.completions", spec=spec,
+                                                   options=SessionOptions(**opts))
+        rows.context = session.before_root
+        client = phones.bench_client_class()(url, config=cfg, session=session,
+                                             timeouts=Timeouts(frame_s=frame_timeout_s), max_retries=2)
+        t0 = time.perf_counter()
+        try:
+            result = await client.run(session)
+        finally:
+            rec.wall_ms = (time.perf_counter() - t0) * 1e3
+        rec.tokens = len(result.token_ids)
+        if session.bench_first_token is not None:
+            rec.ttft_ms = (session.bench_first_token - t0) * 1e3
+        rec.rounds = phones.round_records(session, result)
+    except Exception as e:  # recorded, not raised
+        rec.error = f"{type(e).__name__}: {e}"[:300]
+    return rec
+
+
+async def run_phones(url: str, cfg: BenchConfig, run: int, prompts: list[dict], ids: list[list[int]],
+                     bundle: Path, sampling: Sampling, *, concurrency: int = 1, link: LinkModel, seed0: int = 0,
+                     frame_timeout_s: float = 300.0) -> tuple[list[RequestRecord], dict]:
+    async with LinkProxy(_target(url), link) as proxy:
+        sem = asyncio.Semaphore(concurrency)
+        base = f"http://127.0.0.1:{proxy.port}"
+
+        async def one(i, p):
+            async with sem:
+                return await _phone_one(base, cfg, run, p, ids[i], bundle, sampling, seed0 + i, frame_timeout_s)
+
+        records = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        return list(records), {"up": proxy.bytes_up, "down": proxy.bytes_down}

@@ -1,0 +1,165 @@
+"""One server per configuration: ``vllm-hyco serve`` as a subprocess on 127.0.0.1, with the engine timer.
+
+Every server (HyCo or plain vLLM with ``--speculative-config mtp``) is started through the ``vllm-hyco``
+console script, so the plugin loads in every process and ``VLLM_HYCO_BENCH_TIMING=1`` turns on the
+engine-side compute timer (``vllm_hyco.bench.timing``), which writes to this server's own folder. Prefix
+caching is off on every server, so a configuration that runs the same prompts again (or after another
+one on a shared server) pays the same prefill.
+
+    >>> parse_prometheus('vllm:x_total{a="1",position="2"} 3.0\\n# HELP y\\nvllm:y 4\\n')
+    {'vllm:x_total': [({'a': '1', 'position': '2'}, 3.0)], 'vllm:y': [({}, 4.0)]}
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from vllm_hyco.bench import timing
+from vllm_hyco.errors import ConfigError
+
+MODEL_NAME = "tiny"
+RUNTIME_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+               "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def cli() -> list[str]:
+    script = Path(sys.executable).parent / "vllm-hyco"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "vllm_hyco.cli"]
+
+
+def parse_prometheus(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """Prometheus text exposition -> name -> [(labels, value)]."""
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = re.match(r"^([^{\s]+)(?:\{(.*)\})?\s+(\S+)", line)
+        if not m:
+            continue
+        labels = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', m.group(2) or ""))
+        try:
+            out.setdefault(m.group(1), []).append((labels, float(m.group(3))))
+        except ValueError:
+            continue
+    return out
+
+
+def spec_counters(metrics: dict[str, list[tuple[dict[str, str], float]]]) -> dict[str, Any]:
+    """vLLM's spec-decode counters (summed over label sets), per position in position order."""
+    def total(name):
+        return sum(v for _, v in metrics.get(name, []))
+
+    per_pos: dict[int, float] = {}
+    for labels, v in metrics.get("vllm:spec_decode_num_accepted_tokens_per_pos_total", []):
+        pos = int(labels.get("position", 0))
+        per_pos[pos] = per_pos.get(pos, 0.0) + v
+    return {"drafts": total("vllm:spec_decode_num_drafts_total"),
+            "draft_tokens": total("vllm:spec_decode_num_draft_tokens_total"),
+            "accepted": total("vllm:spec_decode_num_accepted_tokens_total"),
+            "accepted_per_pos": [per_pos[k] for k in sorted(per_pos)]}
+
+
+def counters_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    per_pos = [a - (before["accepted_per_pos"][i] if i < len(before["accepted_per_pos"]) else 0)
+               for i, a in enumerate(after["accepted_per_pos"])]
+    return {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted")} | {"accepted_per_pos": per_pos}
+
+
+class BenchServer:
+    """``vllm-hyco serve VERIFIER`` with ``spec`` (a ``--speculative-config`` JSON, or None: plain vLLM)."""
+
+    def __init__(self, verifier: Path, spec: str | None, *, max_num_seqs: int = 8, max_model_len: int = 1024,
+                 dtype: str = "float32", log_dir: Path | None = None, startup_timeout_s: float = 600.0,
+                 extra_args: list[str] | None = None):
+        self.verifier, self.spec, self.max_num_seqs = Path(verifier), spec, max_num_seqs
+        self.max_model_len, self.dtype, self.extra_args = max_model_len, dtype, list(extra_args or [])
+        self.timeout_s = startup_timeout_s
+        self.timing_dir = Path(tempfile.mkdtemp(prefix="hyco-bench-timing-"))
+        self.log_path = Path(log_dir or self.timing_dir) / f"server-{os.getpid()}-{id(self)}.log"
+        self.port = free_port()
+        self.proc: subprocess.Popen | None = None
+        self.startup_s = 0.0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def args(self) -> list[str]:
+        args = [*cli(), "serve", str(self.verifier), "--host", "127.0.0.1", "--port", str(self.port),
+                "--served-model-name", MODEL_NAME, "--dtype", self.dtype, "--max-model-len",
+                str(self.max_model_len), "--max-num-seqs", str(self.max_num_seqs), "--enforce-eager",
+                "--distributed-executor-backend", "uni", "--no-enable-prefix-caching", *self.extra_args]
+        return args + (["--speculative-config", self.spec] if self.spec else [])
+
+    def env(self) -> dict[str, str]:
+        env = {**RUNTIME_ENV, **os.environ, timing.ENV: "1", timing.DIR_ENV: str(self.timing_dir)}
+        env.pop("VLLM_PLUGINS", None)  # vllm-hyco sets it
+        return env
+
+    def start(self) -> "BenchServer":
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        t0 = time.monotonic()
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(self.args(), env=self.env(), stdout=log, stderr=subprocess.STDOUT)
+        while True:
+            if self.proc.poll() is not None:
+                raise ConfigError(f"the server exited with {self.proc.returncode} during startup; log "
+                                  f"{self.log_path}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() - t0 > self.timeout_s:
+                self.stop()
+                raise ConfigError(f"the server was not healthy after {self.timeout_s:.0f} s; log "
+                                  f"{self.log_path}:\n{self.log_tail()}")
+            time.sleep(1.0)
+        self.startup_s = time.monotonic() - t0
+        return self
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def timing(self) -> dict[str, Any]:
+        """The engine's cumulative compute totals (sum over its processes)."""
+        return timing.read_dir(self.timing_dir)
+
+    def metrics(self) -> dict[str, list[tuple[dict[str, str], float]]]:
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as resp:
+            return parse_prometheus(resp.read().decode())
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=30)
+
+    def __enter__(self) -> "BenchServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -182,6 +182,8 @@ class LinkProxy:
         self._tasks.update(tasks)
         try:
             await asyncio.gather(*tasks)
+        except asyncio.CancelledError:  # the proxy closed with this connection still open (keep-alive)
+            pass
         finally:
             self._tasks.difference_update(tasks)
             for w in (s_writer, c_writer):

@@ -55,6 +55,7 @@ class RoundRecord:
     path_sources: list[int] = field(default_factory=list)  # source of each accepted node, by depth
     drafted_sources: dict[int, int] = field(default_factory=dict)  # source -> nodes drafted
     proactive_hit: bool | None = None
+    proactive_ms: float = 0.0  # CPU-measured proactive drafting during the wait
 
 
 @dataclass
@@ -64,7 +65,8 @@ class RequestRecord:
     prompt_id: str
     tokens: int = 0  # output tokens
     ttft_ms: float | None = None
-    wall_ms: float = 0.0  # start -> last token (phone: the session's wall time incl. modelled device time)
+    wall_ms: float = 0.0  # start -> last token (phone: CPU drafting beyond the modelled device time removed)
+    wall_ms_measured: float = 0.0  # start -> last token as measured on this machine
     rounds: list[RoundRecord] = field(default_factory=list)
     error: str | None = None
 
@@ -161,7 +163,8 @@ def _cloud_metrics(c: dict[str, Any]) -> dict[str, Any]:
     return {"rounds": drafts, "mat": _div(drafts + accepted, drafts, 3),
             "accept_depth": [round(a / drafts, 4) for a in per_pos] if drafts else [],
             "accept_source": {"chain": {"drafted": c.get("draft_tokens", 0), "accepted": accepted,
-                                        "rate": _div(accepted, c.get("draft_tokens", 0)), "share": 1.0}}}
+                                        "rate": _div(accepted, c.get("draft_tokens", 0)),
+                                        "share": _div(accepted, accepted)}}}
 
 
 def run_metrics(run: RunRecord) -> dict[str, Any]:

@@ -173,7 +173,8 @@ def round_records(session, result) -> list[RoundRecord]:
         out.append(RoundRecord(st.round, st.nodes, st.accepted, st.committed,
                                device_ms=session.bench_device_ms.get(st.round, 0.0), draft_ms=st.draft_ms,
                                wait_ms=st.wait_ms, bytes_up=st.bytes_up, bytes_down=st.bytes_down,
-                               path_sources=sources, drafted_sources=drafted, proactive_hit=st.proactive_hit))
+                               path_sources=sources, drafted_sources=drafted, proactive_hit=st.proactive_hit,
+                               proactive_ms=st.proactive_ms))
     return out
 
 
@@ -184,6 +185,23 @@ def prompt_ids(tokenizer_dir: Path, messages: list[dict]) -> list[int]:
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return list(tok(text, add_special_tokens=False)["input_ids"])
+
+
+def cpu_overrun_ms(rounds: list[RoundRecord], proactive_device_ms: float = 4 * SLM_PASS_MS) -> float:
+    """Wall time this CPU spent drafting beyond the modelled device time: drafting slower than the model
+    (the client pads only when it is faster), and a proactive draft still running when the verdict came
+    (the phone would wait for ``proactive_device_ms`` at most).
+
+    >>> cpu_overrun_ms([RoundRecord(1, 32, 2, 3, device_ms=50.0, draft_ms=80.0, wait_ms=40.0,
+    ...                             proactive_hit=False, proactive_ms=100.0)])
+    67.2
+    """
+    total = 0.0
+    for x in rounds:
+        total += max(0.0, x.draft_ms - x.device_ms)
+        if x.proactive_hit is not None:
+            total += max(0.0, x.proactive_ms - x.wait_ms) - max(0.0, proactive_device_ms - x.wait_ms)
+    return round(total, 3)
 
 
 def describe(config: BenchConfig) -> str:

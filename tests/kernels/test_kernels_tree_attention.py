@@ -258,7 +258,8 @@ def test_dense_ref_on_window_keys_only():
 
 @needs_triton
 @pytest.mark.parametrize("splits", [2, 3, 7])
-@pytest.mark.parametrize("name", ["mixed_batch_f32", "hyco33_ctx200_win64_f16", "d512_k_eq_v_f32"])
+@pytest.mark.parametrize("name", ["mixed_batch_f32", "hyco33_ctx200_win64_f16", "d512_k_eq_v_f32",
+                                  "d48_padded_f32"])
 def test_kernel_split_k_matches_twin(name, splits):
     """Flash-decoding splits (the GPU picks them by SM count): empty splits and windows included."""
     from vllm_hyco.kernels.tree_attention import tree_attention_triton

@@ -211,7 +211,7 @@ def tree_attention_reduce_kernel(
     w = tl.exp(lse - m)
     w = w / tl.sum(w, axis=0)
     parts = tl.load(part_ptr + (base + s)[:, None].to(tl.int64) * HEAD_DIM_P + d[None, :],
-                    mask=(s < num_splits)[:, None], other=0.0)  # [SPLITS_P, HEAD_DIM_P]
+                    mask=(s < num_splits)[:, None] & (d < HEAD_DIM)[None, :], other=0.0)  # [SPLITS_P, D_P]
     o = tl.sum(parts * w[:, None], axis=0)
     o = o.to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_ot + head * stride_oh + d, o, mask=d < HEAD_DIM)

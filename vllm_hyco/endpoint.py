@@ -6,7 +6,11 @@ sets it; plain ``vllm serve --speculative-config hyco`` without it is refused at
 | route | what | status |
 | --- | --- | --- |
 | ``GET /v1/hyco/info`` | plugin and vLLM versions, and the server's HycoConfig (null if HyCo is off) | done |
-| ``WS /v1/hyco/session`` | the phone's session (trees in, verdicts + hand-offs out, docs/protocol.md) | placeholder: one error frame, then close |
+| ``WS /v1/hyco/session`` | the phone's session (trees in, verdicts + hand-offs out, docs/protocol.md; ``vllm_hyco.serving``) | done |
+| ``GET /metrics`` | vLLM's own route; HyCo adds ``vllm_hyco_*`` series (``vllm_hyco.serving.metrics``) | done |
+
+The API key (``--api-key``) guards the WebSocket at the handshake (401 with a JSON body,
+``vllm_hyco.serving.auth``).
 
 On a HyCo server it also answers ``/v1/completions`` and ``/v1/chat/completions`` requests that set
 ``min_p`` or ``logit_bias`` with a 400 naming the field: vLLM cannot apply them while speculative
@@ -119,14 +123,26 @@ class HycoEndpointPlugin:
 
         @router.websocket(SESSION_PATH)
         async def hyco_session(websocket: WebSocket) -> None:
-            await websocket.accept()
-            await websocket.send_text(json.dumps({
-                "type": "error", "code": "not_implemented",
-                "message": "HyCo phone sessions are not served yet by this build of vllm_hyco"}))
-            await websocket.close(code=1011)
+            service = getattr(app.state, "hyco_service", None)
+            if service is None:
+                await websocket.accept()
+                from vllm_hyco.handoff.frames import encode_frame
+                from vllm_hyco.handoff.server_frames import ErrorFrame
+
+                await websocket.send_bytes(encode_frame(ErrorFrame(
+                    "internal_error", "this server does not run HyCo (start it with --speculative-config hyco)",
+                    True)))
+                await websocket.close(code=1011)
+                return
+            from vllm_hyco.serving.connection import PhoneConnection
+
+            await PhoneConnection(websocket, service).run()
 
         app.include_router(router)
         app.add_middleware(RejectIgnoredFieldsMiddleware)
+        from vllm_hyco.serving.auth import install_guard
+
+        install_guard(app, SESSION_PATH)
 
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
         import vllm
@@ -135,5 +151,9 @@ class HycoEndpointPlugin:
         vllm_config = getattr(engine_client, "vllm_config", None) if engine_client is not None else None
         state.hyco_config = (HycoConfig.maybe_from_vllm_config(vllm_config)
                              if vllm_config is not None else None)
+        state.hyco_service = None
         if state.hyco_config is not None:
+            from vllm_hyco.serving import create_service
+
+            state.hyco_service = create_service(engine_client, state.hyco_config)
             logger.info("HyCo phone routes: GET %s, WS %s", INFO_PATH, SESSION_PATH)

@@ -56,9 +56,23 @@ def hyco_srv_take(self, sid: str, round_: int) -> Any:
     from vllm_hyco.errors import HycoError
 
     try:
-        return self.scheduler.hyco_take_verdict(sid, int(round_))
+        return plain(self.scheduler.hyco_take_verdict(sid, int(round_)))
     except HycoError as e:
         return _error(e)
+
+
+def plain(obj: Any) -> Any:
+    """Tensors and arrays as ``{"__nd__": dtype, "shape", "data": bytes}`` (vLLM's utility-result encoder
+    does not restore their types on the other side); dicts and lists recursively; logits dropped."""
+    if hasattr(obj, "detach"):
+        obj = obj.detach().float().cpu().contiguous().numpy()
+    if hasattr(obj, "dtype") and hasattr(obj, "tobytes") and hasattr(obj, "shape"):
+        return {"__nd__": str(obj.dtype), "shape": list(obj.shape), "data": obj.tobytes()}
+    if isinstance(obj, dict):
+        return {k: plain(v) for k, v in obj.items() if k != "logits"}
+    if isinstance(obj, (list, tuple)):
+        return [plain(v) for v in obj]
+    return obj
 
 
 def hyco_srv_close(self, sid: str) -> bool:

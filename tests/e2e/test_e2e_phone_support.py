@@ -1,0 +1,198 @@
+"""Shared pieces of the phone e2e modules (no tests here): one real server per pytest process, and the
+reference phone of issue 6 item 5.
+
+``phone_server(fixtures_dir)`` starts ``vllm-hyco serve DIR/verifier --speculative-config {...hyco}
+--api-key KEY`` on 127.0.0.1 once and returns its base URL; the phone, fuzz, resume and soak modules all
+use it (a 2-core CI machine pays ~60 s per server start). It is stopped by PID at interpreter exit.
+
+The reference phone (``PlantedDrafter``) proposes random trees (random tokens, random shapes) and, with
+probability ``p_plant``, plants the next tokens of a known continuation along a chain at a random place
+among the root's children, behind decoy siblings; the server must commit exactly plain greedy decoding
+whatever the phone proposes.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from mobile_client.client import HycoClient, Timeouts
+from mobile_client.session import PhoneSession, SessionOptions
+from mobile_client.tree import DraftTree
+
+API_KEY = "hyco-e2e-key"
+MODEL = "tiny"
+STARTUP_TIMEOUT_S = 400
+IDLE_TIMEOUT_S = 20.0
+MAX_SESSIONS = 24
+HYCO = {"method": "hyco", "max_sessions": MAX_SESSIONS, "session_idle_timeout_s": IDLE_TIMEOUT_S}
+_SERVER: dict = {}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _cli() -> list[str]:
+    script = Path(sys.executable).parent / "vllm-hyco"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "vllm_hyco.cli"]
+
+
+def http_get(url: str, timeout: float = 10.0, headers: dict | None = None) -> tuple[int, bytes]:
+    req = urllib.request.Request(url, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
+def phone_server(fixtures_dir: Path) -> str:
+    """The base URL of the shared server (started on first use; ``HYCO_E2E_SERVER=URL`` reuses a running one
+    started with the same options, for debugging)."""
+    if os.environ.get("HYCO_E2E_SERVER"):
+        return os.environ["HYCO_E2E_SERVER"].rstrip("/")
+    if "base" in _SERVER:
+        if _SERVER["proc"].poll() is not None:
+            raise RuntimeError(f"the shared server died:\n{Path(_SERVER['log']).read_text()[-4000:]}")
+        return _SERVER["base"]
+    port = _free_port()
+    log_path = Path(os.environ.get("HYCO_CACHE", Path(__file__).resolve().parents[2] / ".cache")) / \
+        f"e2e-phone-server-{port}.log"
+    env = dict(os.environ)
+    env.pop("VLLM_PLUGINS", None)
+    args = [*_cli(), "serve", str(fixtures_dir / "verifier"), "--host", "127.0.0.1", "--port", str(port),
+            "--served-model-name", MODEL, "--dtype", "float32", "--max-model-len", "1024",
+            "--max-num-seqs", "32", "--enforce-eager", "--distributed-executor-backend", "uni",
+            "--api-key", API_KEY, "--speculative-config", json.dumps(HYCO)]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT)
+    atexit.register(_stop, proc)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
+        try:
+            if http_get(f"{base}/health", timeout=2)[0] == 200:
+                break
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            _stop(proc)
+            raise RuntimeError(f"server not healthy after {STARTUP_TIMEOUT_S}s:\n{log_path.read_text()[-4000:]}")
+        time.sleep(1.0)
+    _SERVER.update(base=base, proc=proc, log=str(log_path))
+    return base
+
+
+def server_rss_bytes() -> int:
+    """Resident memory of the server process and its children (the engine core)."""
+    if "proc" not in _SERVER:
+        return 0
+    pid = _SERVER["proc"].pid
+    pids = [pid]
+    try:
+        out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+        pids += [int(p) for p in out]
+    except OSError:
+        pass
+    total = 0
+    for p in pids:
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+        except OSError:
+            pass
+    return total
+
+
+def metric_values(base: str, name: str) -> dict[str, float]:
+    """``{labels: value}`` of one metric family from ``/metrics``."""
+    _, body = http_get(f"{base}/metrics", headers={"Authorization": f"Bearer {API_KEY}"})
+    out = {}
+    for line in body.decode().splitlines():
+        if line.startswith(name) and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            out[key[len(name):]] = float(value)
+    return out
+
+
+# -- the reference phone ----------------------------------------------------------------------------------
+class PlantedDrafter:
+    """Random trees; with probability ``p_plant`` the known continuation is planted as a chain.
+
+    ``target``: token ids of plain greedy decoding after the prompt (a guess is fine: a wrong plant only
+    costs acceptance, never correctness). ``session`` is set after the PhoneSession is built.
+    """
+
+    def __init__(self, target: list[int], vocab: int, *, seed: int = 0, p_plant: float = 0.8,
+                 max_nodes: int = 32):
+        self.target, self.vocab, self.p_plant = list(target), vocab, p_plant
+        self.rng, self.max_nodes, self.session = random.Random(seed), max_nodes, None
+
+    def propose(self, context, tree_budget: int) -> DraftTree:
+        budget = min(tree_budget, self.max_nodes, self.rng.randint(1, self.max_nodes))
+        tokens, parents = [context.root], [-1]
+        children: dict[int, set[int]] = {0: set()}
+
+        def add(parent: int, tok: int) -> int | None:
+            if len(tokens) - 1 >= budget or tok in children[parent]:
+                return None
+            children[parent].add(tok)
+            tokens.append(tok)
+            parents.append(parent)
+            children[len(tokens) - 1] = set()
+            return len(tokens) - 1
+
+        done = len(self.session.tokens) if self.session is not None else 0
+        nxt = self.target[done:done + self.rng.randint(1, 8)]
+        for _ in range(self.rng.randint(0, 3)):  # decoys before the plant
+            add(self.rng.randrange(len(tokens)), self.rng.randrange(self.vocab))
+        if nxt and self.rng.random() < self.p_plant:
+            row = 0
+            for tok in nxt:
+                row = add(row, tok)
+                if row is None:
+                    break
+        while len(tokens) - 1 < budget:
+            add(self.rng.randrange(len(tokens)), self.rng.randrange(self.vocab))
+        return DraftTree.make_dummy(tokens, parents, budget=self.max_nodes)
+
+
+def make_phone(prompt_ids: list[int], prompt: str | list[int], max_tokens: int, target: list[int],
+               vocab: int, seed: int = 0, p_plant: float = 0.8, endpoint: str = "completions",
+               request: dict | None = None) -> PhoneSession:
+    drafter = PlantedDrafter(target, vocab, seed=seed, p_plant=p_plant)
+    body = request or {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
+    session = PhoneSession(drafter, prompt_tokens=prompt_ids, request=body, endpoint=endpoint,
+                           options=SessionOptions(max_nodes=32))
+    drafter.session = session
+    return session
+
+
+def make_client(base: str, **kw) -> HycoClient:
+    return HycoClient(base, API_KEY, timeouts=Timeouts(connect_s=60, frame_s=300, final_s=60), offload=False,
+                      **kw)

@@ -75,6 +75,7 @@ def _prompts(n: int, seed: int = 1) -> list[list[int]]:
 
 
 def _reference(llm, prompts, max_tokens=GEN) -> list[list[int]]:
+    """Plain vLLM greedy. Only while no session is open: LLM.generate waits for every request."""
     from vllm import SamplingParams
 
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
@@ -176,3 +177,52 @@ def test_tree_shapes_reproduce_plain_greedy(llm, hy):
     for i in range(0, 20, 5):
         assert _run_sessions(hy, prompts[i:i + 5], refs[i:i + 5],
                              shapes=["chain", "sibling", "slm", "deep", "nowhere"], seed=i)
+
+
+def test_eight_sessions_and_two_streaming_requests_share_the_engine(llm, hy):
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    prompts = _prompts(10, seed=9)
+    refs = _reference(llm, prompts, max_tokens=24)
+    stream = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    for i in (8, 9):  # ordinary streaming requests, queued before the sessions open
+        hy.add_request(f"plain-{i}", {"prompt_token_ids": prompts[i]}, stream)
+    rng = random.Random(4)
+    handles = [hy.open(prompt_token_ids=p, temperature=0.0, max_tokens=24, ignore_eos=True) for p in prompts[:8]]
+    state = {h.sid: [h.root, [], 0, refs[i]] for i, h in enumerate(handles)}
+    while state:
+        batch = []
+        for sid, (root, out, rnd, ref) in state.items():
+            toks, pars, _ = _tree(root, ref[len(out):], rng.choice(["chain", "deep", "nowhere"]), rng)
+            batch.append((sid, rnd, toks, pars))
+        for v in hy.submit_many(batch):
+            st = state[v.sid]
+            st[1] += v.committed
+            st[0], st[2] = v.bonus, st[2] + 1
+            if v.finished:
+                assert st[1] == st[3]
+                del state[v.sid]
+    streamed = {}
+    for _ in range(200):
+        for i in (8, 9):
+            for o in hy.take_outputs(f"plain-{i}"):
+                streamed.setdefault(i, []).append(o)
+        if all(i in streamed and streamed[i][-1].finished for i in (8, 9)):
+            break
+        hy.step()
+    for i in (8, 9):
+        chunks = streamed[i]
+        assert len(chunks) > 1  # it streamed while the sessions ran
+        assert [t for c in chunks for t in c.outputs[0].token_ids] == refs[i]
+
+
+def test_max_tokens_inside_an_accepted_path_ends_like_plain_vllm(llm, hy):
+    prompt = _prompts(1, seed=12)[0]
+    ref, longer = _reference(llm, [prompt], max_tokens=7)[0], _reference(llm, [prompt], max_tokens=12)[0]
+    s = hy.open(prompt_token_ids=prompt, temperature=0.0, max_tokens=7, ignore_eos=True)
+    v0 = hy.submit(s.sid, 0, [s.root] + ref[:4], [-1, 0, 1, 2, 3])  # commits 5
+    v1 = hy.submit(s.sid, 1, [v0.bonus] + longer[5:10], [-1, 0, 1, 2, 3, 4])  # path of 5, only 2 allowed
+    assert v0.committed + v1.committed == ref
+    assert v1.finished and v1.finish_reason == "length"
+    assert hy.close(s.sid) is False

@@ -214,7 +214,7 @@ class HycoEngine:
                                 if o.finished and o.outputs), None),
             handoff=raw.get("handoff", {}), budget=self.budget,
             stats={"num_rows": raw["num_rows"], "accepted": len(path_rows), "hits": raw["hits"],
-                   "root_position": raw["root_pos"], "wall_s": wall,
+                   "root_position": raw["root_pos"], "wall_s": wall, "host_s": raw.get("host_s"),
                    **({"logits": raw["logits"]} if "logits" in raw else {})})
 
     def close(self, sid: str) -> bool:

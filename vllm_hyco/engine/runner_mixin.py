@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import time
+
 import torch
 
 from vllm_hyco.engine import cpu_attention
@@ -64,6 +66,7 @@ class HycoRunnerMixin:
             b = self.input_batch.req_id_to_index.get(req_id)
             if b is None:
                 continue
+            t0 = time.perf_counter()
             tr = TreeRows.build(req_id=req_id, batch_idx=b, q_start=int(self.query_start_loc.np[b]),
                                 num_rows=int(num_scheduled_tokens[b]),
                                 context_len=int(self.input_batch.num_computed_tokens_cpu[b]),
@@ -71,6 +74,7 @@ class HycoRunnerMixin:
             assert tr.num_rows <= len(tokens), "a tree request got more rows than its tree has"
             rows = slice(tr.q_start, tr.q_start + tr.num_rows)
             self.positions[rows] = tr.positions.to(self.positions.dtype)
+            tr.host_s += time.perf_counter() - t0
             trees.append(tr)
         st["trees"] = trees or None
         cpu_attention.set_active_trees(trees)
@@ -117,6 +121,7 @@ class HycoRunnerMixin:
         for b, tr in trees.items():
             lo, hi = bounds[b]
             assert hi - lo == tr.num_rows, (hi - lo, tr.num_rows)
+            t0 = time.perf_counter()
             rows_logits = logits[lo:hi]  # [num_rows, vocab]
             verdict = self._hyco_decide(tr, rows_logits)
             if st.get("debug_logits"):  # tests only: the rows' logits as the decision saw them
@@ -126,6 +131,7 @@ class HycoRunnerMixin:
             out[b, :len(committed)] = torch.tensor(committed, dtype=out.dtype)
             self._hyco_compact(tr, verdict["path_rows"])
             verdict["handoff"] = self._hyco_handoff(tr, verdict)
+            verdict["host_s"] = tr.host_s + time.perf_counter() - t0
             st["verdicts"][tr.req_id] = verdict
         sampler_output.sampled_token_ids = out
         return sampler_output

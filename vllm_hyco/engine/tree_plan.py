@@ -74,6 +74,7 @@ class TreeRows:
     captured: dict[str, CapturedKV] = field(default_factory=dict)
     # layer name -> [max_blocks] block-table row of this request in that layer's KV group
     block_rows: dict[str, torch.Tensor] = field(default_factory=dict)
+    host_s: float = 0.0  # host time spent on this tree outside the model (plan, decision, compaction, hand-off)
 
     @classmethod
     def build(cls, *, req_id: str, batch_idx: int, q_start: int, num_rows: int, context_len: int,

@@ -7,6 +7,7 @@ sets it; plain ``vllm serve --speculative-config hyco`` without it is refused at
 | --- | --- | --- |
 | ``GET /v1/hyco/info`` | plugin and vLLM versions, and the server's HycoConfig (null if HyCo is off) | done |
 | ``WS /v1/hyco/session`` | the phone's session (trees in, verdicts + hand-offs out, docs/protocol.md; ``vllm_hyco.serving``) | done |
+| ``GET /v1/hyco/stats`` | sessions held by the endpoint and the engine's live/parked sessions and KV blocks (soak checks) | done |
 | ``GET /metrics`` | vLLM's own route; HyCo adds ``vllm_hyco_*`` series (``vllm_hyco.serving.metrics``) | done |
 
 The API key (``--api-key``) guards the WebSocket at the handshake (401 with a JSON body,
@@ -31,6 +32,7 @@ from vllm_hyco.errors import RequestFieldError
 logger = logging.getLogger("vllm.hyco")
 
 INFO_PATH = "/v1/hyco/info"
+STATS_PATH = "/v1/hyco/stats"
 SESSION_PATH = "/v1/hyco/session"
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 
@@ -120,6 +122,15 @@ class HycoEndpointPlugin:
             cfg = getattr(app.state, "hyco_config", None)
             return {"vllm_hyco": __version__, "vllm": getattr(app.state, "hyco_vllm_version", None),
                     "enabled": cfg is not None, "config": cfg.to_dict() if cfg is not None else None}
+
+        @router.get(STATS_PATH)
+        async def hyco_stats() -> dict:
+            service = getattr(app.state, "hyco_service", None)
+            if service is None:
+                return {"enabled": False}
+            await service.sweep()
+            return {"enabled": True, "sessions": service.table.active(), "held": len(service.table),
+                    "engine": await service.bridge.stats()}
 
         @router.websocket(SESSION_PATH)
         async def hyco_session(websocket: WebSocket) -> None:

@@ -196,3 +196,58 @@ def make_phone(prompt_ids: list[int], prompt: str | list[int], max_tokens: int, 
 def make_client(base: str, **kw) -> HycoClient:
     return HycoClient(base, API_KEY, timeouts=Timeouts(connect_s=60, frame_s=300, final_s=60), offload=False,
                       **kw)
+
+
+# -- raw frames -------------------------------------------------------------------------------------------
+class RawPhone:
+    """A bare WebSocket to the session route: send frames (objects or bytes), receive decoded frames."""
+
+    def __init__(self, http, base: str, key: str | None = API_KEY):
+        self.http, self.url, self.key, self.ws = http, base.replace("http", "ws", 1) + "/v1/hyco/session", key, None
+
+    async def __aenter__(self) -> "RawPhone":
+        headers = {"Authorization": f"Bearer {self.key}"} if self.key else {}
+        self.ws = await self.http.ws_connect(self.url, headers=headers, max_msg_size=8 << 20)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.ws.close()
+
+    async def send(self, frame) -> None:
+        from vllm_hyco.handoff.frames import encode_frame
+
+        await self.ws.send_bytes(frame if isinstance(frame, (bytes, bytearray)) else encode_frame(frame))
+
+    async def recv_raw(self, timeout: float = 300.0) -> bytes:
+        import aiohttp
+
+        msg = await self.ws.receive(timeout=timeout)
+        if msg.type != aiohttp.WSMsgType.BINARY:
+            raise ConnectionError(f"{msg.type.name}: {msg.data!r}")
+        return msg.data
+
+    async def recv(self, timeout: float = 300.0):
+        from vllm_hyco.handoff.frames import decode_server_frame
+
+        return decode_server_frame(await self.recv_raw(timeout))
+
+
+def start_frame(prompt: str, max_tokens: int = 16, **hyco):
+    from vllm_hyco.handoff.client_frames import HycoOptions, StartFrame
+
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+    return StartFrame("completions", body, HycoOptions(**hyco))
+
+
+def resume_frame(sid: bytes, last_round: int, need_seed: bool = False):
+    from vllm_hyco.handoff.client_frames import HycoOptions, ResumeRequest, StartFrame
+
+    return StartFrame("completions", None, HycoOptions(resume=ResumeRequest(sid, last_round, need_seed)))
+
+
+def tree_frame(round_: int, root: int, extra: list[int] = (), parents: list[int] | None = None, labels=None):
+    from vllm_hyco.handoff.client_frames import TreeFrame
+
+    tokens = [root, *extra]
+    parents = parents if parents is not None else [-1, *range(len(extra))]
+    return TreeFrame.from_lists(round_, tokens, parents, labels)

@@ -1,0 +1,168 @@
+"""Resume on the real server (issue 6 item 4, docs/protocol.md section 3 "Resume"): a phone whose
+connection is killed mid-round reconnects and finishes with no token lost; replays are byte-identical;
+``need_seed`` replays carry a seed ``[max(0, t' - W), t')``; impossible or unknown resumes are refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import aiohttp
+import pytest
+from test_e2e_phone_support import (API_KEY, MODEL, RawPhone, make_client, make_phone, phone_server,
+                                    resume_frame, start_frame, tree_frame)
+
+from vllm_hyco.handoff.chunks import HandoffAssembler
+from vllm_hyco.handoff.server_frames import ErrorFrame, FinalFrame, HandoffChunkFrame, VerdictFrame
+
+PROMPT = "And God said, Let there be"
+MAX_TOKENS = 64
+WINDOW = 128  # the fixtures' sliding window = the server's W
+
+
+@pytest.fixture(scope="module")
+def server(fixtures_dir):
+    return phone_server(fixtures_dir)
+
+
+@pytest.fixture(scope="module")
+def tok(fixtures_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(fixtures_dir / "verifier"))
+
+
+@pytest.fixture(scope="module")
+def plain(server):
+    import openai
+
+    oai = openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, timeout=300, max_retries=0)
+    c = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+                               extra_body={"ignore_eos": True, "return_token_ids": True}).choices[0]
+    return c.text, list(c.model_extra["token_ids"])
+
+
+class KillingProxy:
+    """A TCP proxy on 127.0.0.1 that cuts every connection after a random 0.05-0.3 s (mid-round: the
+    tiny server's rounds take tens of milliseconds), ``kills`` times in all, then forwards untouched."""
+
+    def __init__(self, upstream: str, kills: int, seed: int = 0):
+        host, port = upstream.removeprefix("http://").split(":")
+        self.up, self.kills, self.rng, self.cut = (host, int(port)), kills, random.Random(seed), 0
+
+    async def __aenter__(self):
+        self.server = await asyncio.start_server(self._conn, "127.0.0.1", 0)
+        self.base = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def __aexit__(self, *exc):
+        self.server.close()
+
+    async def _conn(self, reader, writer):
+        ur, uw = await asyncio.open_connection(*self.up)
+
+        async def pipe(r, w):
+            try:
+                while data := await r.read(65536):
+                    w.write(data)
+                    await w.drain()
+            except (ConnectionError, asyncio.CancelledError):
+                pass
+            finally:
+                w.close()
+
+        tasks = [asyncio.create_task(pipe(reader, uw)), asyncio.create_task(pipe(ur, writer))]
+        if self.cut < self.kills:
+            self.cut += 1
+            try:
+                await asyncio.sleep(self.rng.uniform(0.05, 0.3))
+            except asyncio.CancelledError:
+                pass
+            for t in tasks:
+                t.cancel()
+            writer.transport.abort()
+            uw.transport.abort()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def test_killed_connections_lose_no_token(server, tok, plain):
+    async def run():
+        async with KillingProxy(server, kills=4, seed=3) as proxy:
+            session = make_phone(tok.encode(PROMPT), PROMPT, MAX_TOKENS, plain[1], len(tok), seed=5, p_plant=0.3,
+                                 request={"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS,
+                                          "temperature": 0.0, "ignore_eos": True})
+            await make_client(proxy.base, max_retries=20).run(session)
+            return session, proxy.cut
+
+    session, cut = asyncio.run(run())
+    assert cut == 4 and session.resumes >= 4
+    assert session.tokens == plain[1] and "".join(session.text_parts) == plain[0]
+
+
+async def _verdict_with_handoff(phone: RawPhone):
+    v = await phone.recv()
+    assert isinstance(v, VerdictFrame), v
+    handoff = v.handoff
+    if v.handoff_ref is not None:
+        asm = HandoffAssembler(v.round, v.handoff_ref)
+        while not asm.complete:
+            chunk = await phone.recv()
+            assert isinstance(chunk, HandoffChunkFrame)
+            asm.add(chunk)
+        handoff = asm.payload()
+    return v, handoff
+
+
+def test_replays_seeds_and_refusals(server, tok, plain):
+    ids = tok.encode(PROMPT)
+
+    async def run():
+        async with aiohttp.ClientSession() as http:
+            async with RawPhone(http, server) as phone:
+                await phone.send(start_frame(PROMPT, MAX_TOKENS))
+                await phone.send(tree_frame(0, ids[-1], plain[1][:2]))
+                v0_raw = await phone.recv_raw()
+                v0 = __import__("vllm_hyco.handoff.frames", fromlist=["x"]).decode_server_frame(v0_raw)
+                assert v0.handoff is not None and v0.handoff.header.span_start == 0  # seed: prompt < W
+                assert v0.handoff.header.root_position == len(ids) + len(v0.path)
+                await phone.send(tree_frame(1, v0.bonus, plain[1][len(v0.tokens):len(v0.tokens) + 3]))
+                v1, h1 = await _verdict_with_handoff(phone)
+            sid = v0.session_id
+            async with RawPhone(http, server) as phone:  # resume after verdict 0 only: replay of verdict 1
+                await phone.send(resume_frame(sid, 0))
+                r1, rh1 = await _verdict_with_handoff(phone)
+                assert r1 == v1 and rh1.header.span_start == h1.header.span_start
+                await phone.send(resume_frame(sid, 1, need_seed=True))  # a seed for the same verdict
+                s1, sh1 = await _verdict_with_handoff(phone)
+                t = sh1.header.root_position
+                assert s1.round == 1 and sh1.header.span_start == max(0, t - WINDOW)
+                assert sh1.k[0].shape[0] == t - sh1.header.span_start
+                assert (sh1.k[0][-h1.k[0].shape[0]:] == h1.k[0]).all()  # the ring ends with round 1's rows
+                await phone.send(resume_frame(sid, 5))
+                err = await phone.recv()
+                assert isinstance(err, ErrorFrame) and err.code == "bad_round" and err.fatal
+                await phone.send(resume_frame(b"\x01" * 16, 0))
+                err = await phone.recv()
+                assert isinstance(err, ErrorFrame) and err.code == "unknown_session" and err.fatal
+                # finish the session on this connection, then resume it: the last verdict and `final`
+                await phone.send(resume_frame(sid, 1))
+                r, _ = await _verdict_with_handoff(phone)
+                done, rnd, root = list(v0.tokens) + list(v1.tokens), 2, v1.bonus
+                while True:
+                    await phone.send(tree_frame(rnd, root, plain[1][len(done):len(done) + 4]))
+                    v, _ = await _verdict_with_handoff(phone)
+                    done += list(v.tokens)
+                    if v.finish_reason is not None:
+                        break
+                    rnd, root = rnd + 1, v.bonus
+                final = await phone.recv()
+                assert isinstance(final, FinalFrame) and final.completion_tokens == MAX_TOKENS
+            assert done == plain[1]
+            async with RawPhone(http, server) as phone:
+                await phone.send(resume_frame(sid, rnd - 1))
+                rv, _ = await _verdict_with_handoff(phone)
+                assert rv.round == rnd and rv.finish_reason == "length"
+                assert isinstance(await phone.recv(), FinalFrame)
+
+    asyncio.run(run())

@@ -143,6 +143,7 @@ class HycoRunnerMixin:
 
         params = self.requests[tr.req_id].sampling_params
         temperature = float(params.temperature) if params is not None else 0.0
+        logits = self._hyco_min_tokens(tr, logits, params)
         probs = None
         if temperature < SAMPLING_EPS:
             # Greedy: p̃ is one-hot at the argmax, so p̃(c) >= ε iff c is the sample: exact path.
@@ -160,6 +161,21 @@ class HycoRunnerMixin:
         return {"round": tr.round, "path_rows": path_rows, "bonus": int(bonus),
                 "hits": _hits(tr.tokens, tr.parents, samples, path_rows), "num_rows": tr.num_rows,
                 "root_pos": tr.context_len, "end_row": end, "samples": samples}
+
+    def _hyco_min_tokens(self, tr: TreeRows, logits: torch.Tensor, params) -> torch.Tensor:
+        """vLLM's min_tokens rule per row: row j samples output token n_out + depth_j, so while that index
+        is below ``min_tokens`` the stop tokens (EOS included) are masked in row j, as plain decoding does."""
+        min_tokens = int(getattr(params, "min_tokens", 0) or 0)
+        stop_ids = sorted(getattr(params, "all_stop_token_ids", None) or ())
+        if not min_tokens or not stop_ids:
+            return logits
+        n_out = len(self.requests[tr.req_id].output_token_ids)
+        rows = torch.nonzero(n_out + tr.depths < min_tokens).flatten()
+        if rows.numel() == 0:
+            return logits
+        logits = logits.clone()
+        logits[rows.unsqueeze(1), torch.tensor(stop_ids).unsqueeze(0)] = float("-inf")
+        return logits
 
     def _hyco_generator(self, req_id: str, params) -> torch.Generator | None:
         gens = self._hyco_state()["gens"]

@@ -1,0 +1,67 @@
+"""HyCo sessions with prefix caching and chunked prefill (real vLLM 0.32 engine, CPU, tiny fp32 model).
+
+The prefill of a session runs in several chunks (max_num_batched_tokens 64 < prompt), and a second
+session on the same prompt hits the prefix cache. The round-0 seed hand-off is gathered from the paged
+cache, so both sessions must return the same seed and the same verdicts, equal to plain vLLM greedy.
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+
+import pytest
+import torch
+
+from test_engine_sessions import BLOCK, VOCAB, _build_tiny, _tree
+from tolerances import tol
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    from vllm import LLM
+
+    path = _build_tiny(tmp_path_factory.mktemp("tiny_prefix"))
+    engine = LLM(model=path, dtype="float32", max_model_len=512, max_num_seqs=8, enforce_eager=True,
+                 distributed_executor_backend="uni", skip_tokenizer_init=True, block_size=BLOCK, seed=0,
+                 enable_prefix_caching=True, max_num_batched_tokens=64, speculative_config={"method": "hyco"})
+    yield engine
+    engine.llm_engine.engine_core.shutdown()
+    del engine
+    gc.collect()
+
+
+def test_chunked_prefill_and_prefix_cached_sessions_share_seed_and_verdicts(llm):
+    from vllm import SamplingParams
+
+    from vllm_hyco.engine.api import HycoEngine
+
+    rng = random.Random(21)
+    prompt = [2] + [rng.randrange(5, VOCAB) for _ in range(149)]  # 150 tokens: 3 chunks of <= 64
+    ref = list(llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=40,
+                            ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids)
+    hy = HycoEngine(llm)
+    a = hy.open(prompt_token_ids=prompt, temperature=0.0, max_tokens=40, ignore_eos=True)
+    b = hy.open(prompt_token_ids=prompt, temperature=0.0, max_tokens=40, ignore_eos=True)  # prefix-cache hit
+    core = llm.llm_engine.engine_core.engine_core
+    full_group = len(core.scheduler.kv_cache_config.kv_cache_groups) - 1  # layer 3, full attention, block 32
+    blocks_a = core.scheduler.kv_cache_manager.get_block_ids(a.engine_req_id)[full_group]
+    blocks_b = core.scheduler.kv_cache_manager.get_block_ids(b.engine_req_id)[full_group]
+    assert blocks_a[:4] == blocks_b[:4]  # b's prefill reused a's cached blocks
+    roots, outs = {a.sid: a.root, b.sid: b.root}, {a.sid: [], b.sid: []}
+    for rnd in range(4):
+        toks, pars, _ = _tree(a.root if rnd == 0 else roots[a.sid], ref[len(outs[a.sid]):], "deep", rng)
+        va, vb = hy.submit_many([(a.sid, rnd, toks, pars), (b.sid, rnd, toks, pars)])
+        assert va.committed == vb.committed == ref[len(outs[a.sid]):len(outs[a.sid]) + len(va.committed)]
+        if rnd == 0:
+            sa, sb = va.handoff["seed"], vb.handoff["seed"]
+            assert (sa["start"], sa["end"]) == (sb["start"], sb["end"]) == (len(prompt) + len(va.committed) - 33,
+                                                                           len(prompt) + len(va.committed) - 1)
+            for key in ("full_k", "full_v", "sliding_k", "sliding_v"):
+                torch.testing.assert_close(sa[key], sb[key], **tol("kv_engine_vs_prefill", torch.float32))
+        for v in (va, vb):
+            outs[v.sid] += v.committed
+            roots[v.sid] = v.bonus
+    assert outs[a.sid] == outs[b.sid] == ref[:len(outs[a.sid])]
+    hy.close(a.sid)
+    hy.close(b.sid)

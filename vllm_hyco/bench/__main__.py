@@ -204,13 +204,23 @@ def main(argv: list[str] | None = None) -> int:
                            "prompt_set": args.prompt_set, "runs": args.runs, "phones": args.phones,
                            "max_tokens": args.max_tokens, "temperature": args.temperature, "top_k": args.top_k,
                            "top_p": args.top_p, "slm_only": any(c.name == "slm-only" for c in selected),
-                           "argv": sys.argv[1:] if argv is None else argv}
+                           "argv": sys.argv[1:] if argv is None else argv, "phone_notes": _phone_notes(bench.fx)}
     results = build_results(per_run, env, sweep, ordinary)
     (bench.out / "records.json").write_text(json.dumps(bench.records, default=str))
     paths = write_report(bench.out, results)
     print(paths["markdown"].read_text())
     _log(f"wrote {', '.join(str(p) for p in paths.values())}")
     return 0
+
+
+def _phone_notes(fx: Path) -> list[str]:
+    """What the bundle lets the HyCo phone do (e.g. no hand-off scales: SLM-only trees)."""
+    from vllm_hyco.bench.phones import load_phone
+
+    try:
+        return load_phone(fx, C.CONFIGS["hyco"])[4]
+    except Exception as e:  # a report note, never fatal
+        return [f"could not load the phone bundle: {e}"]
 
 
 def _weights(fx: Path) -> str:

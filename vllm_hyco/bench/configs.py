@@ -102,6 +102,8 @@ def select(names: str | list[str] | None) -> list[BenchConfig]:
     """Configurations by comma-separated names (``all`` or None: every runnable one)."""
     if names is None or names == "all":
         return [CONFIGS[n] for n in DEFAULT]
+    if names in ("", "none"):
+        return []  # e.g. a sweep-only invocation
     items = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
     out = []
     for n in filter(None, items):

@@ -49,6 +49,13 @@ def _bars(summary: dict[str, Any]) -> dict[str, Any]:
             "mat_hyco_vs_specedge_disjoint": disjoint(hyco, se) if hyco and se else None}
 
 
+def _notes(env: dict[str, Any]) -> str:
+    notes = env.get("phone_notes")
+    if notes is None:
+        return "?"
+    return "; ".join(notes) or "MTP head + SLM"
+
+
 def _fmt(s: dict | None, nd: int = 2) -> str:
     if not s or s.get("mean") is None:
         return "–"
@@ -63,7 +70,9 @@ def markdown(results: dict[str, Any]) -> str:
              f"Machine: {env.get('machine', '?')}. Fixtures: {env.get('fixtures', '?')} "
              f"({env.get('weights', '?')} weights). Link: {env.get('link', {})}. Prompts: "
              f"{env.get('prompts')} x {env.get('runs')} runs, max_tokens {env.get('max_tokens')}, "
-             f"temperature {env.get('temperature')}.", "",
+             f"temperature {env.get('temperature')}, top-k {env.get('top_k') or 'off'}, top-p "
+             f"{env.get('top_p')}. Phone bundle: {_notes(env)}.",
+             "",
              "| configuration | g ms/token (CPU) | g ratio | GPU-modelled g | MAT | tok/s | draft ms/token "
              "(modelled) | up B/round | down B/round | TTFT p50 / p90 ms | errors |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -177,3 +186,29 @@ def write_report(out_dir: str | Path, results: dict[str, Any]) -> dict[str, Path
     for p in plots(results, out):
         paths[p.stem] = p
     return paths
+
+
+def rebuild(out_dir: str | Path, env_updates: dict[str, Any] | None = None) -> dict[str, Path]:
+    """Recompute every metric from ``records.json`` (keeping ``results.json``'s environment) and rewrite
+    the report: ``python -m vllm_hyco.bench.report DIR``."""
+    from vllm_hyco.bench.metrics import RunRecord, run_metrics
+
+    out = Path(out_dir)
+    old = json.loads((out / "results.json").read_text())
+    runs = [RunRecord.from_dict(r) for r in json.loads((out / "records.json").read_text())
+            if not r["config"].startswith("ordinary")]
+    per_run = [run_metrics(r) for r in runs if 0 <= r.run < 100]
+    sweep = [run_metrics(r) for r in runs if r.run >= 100]
+    env = {**old["env"], **(env_updates or {})}
+    if "phone_notes" not in env and env.get("fixtures"):
+        from vllm_hyco.bench.__main__ import _phone_notes
+
+        env["phone_notes"] = _phone_notes(Path(env["fixtures"]))
+    return write_report(out, build_results(per_run, env, sweep or old.get("sweep"), old.get("ordinary")))
+
+
+if __name__ == "__main__":
+    import sys
+
+    for p in rebuild(sys.argv[1]).values():
+        print(p)

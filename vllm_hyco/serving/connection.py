@@ -83,6 +83,9 @@ class PhoneConnection:
                                         "message", code="bad_msgpack"))
             return b""
         self._count_up(len(data))
+        if not data:
+            await self._error(WireError("an empty message is not a frame: send one msgpack map per binary "
+                                        "message", code="bad_msgpack"))
         return data
 
     async def _send(self, data: bytes) -> None:

@@ -204,13 +204,25 @@ def main(argv: list[str] | None = None) -> int:
                            "prompt_set": args.prompt_set, "runs": args.runs, "phones": args.phones,
                            "max_tokens": args.max_tokens, "temperature": args.temperature, "top_k": args.top_k,
                            "top_p": args.top_p, "slm_only": any(c.name == "slm-only" for c in selected),
-                           "argv": sys.argv[1:] if argv is None else argv, "phone_notes": _phone_notes(bench.fx)}
+                           "argv": sys.argv[1:] if argv is None else argv, "phone_notes": _phone_notes(bench.fx),
+                           "handoff_values": _handoff_values(bench.fx)}
     results = build_results(per_run, env, sweep, ordinary)
     (bench.out / "records.json").write_text(json.dumps(bench.records, default=str))
     paths = write_report(bench.out, results)
     print(paths["markdown"].read_text())
     _log(f"wrote {', '.join(str(p) for p in paths.values())}")
     return 0
+
+
+def _handoff_values(fx: Path) -> dict[str, int] | None:
+    """The fixture verifier's hand-off size in the paper's terms (Algorithm 4 line 14)."""
+    try:
+        from vllm_hyco.handoff.sizes import spec_from_hf_config
+
+        spec = spec_from_hf_config(json.loads((fx / "verifier" / "config.json").read_text()))
+        return {"header": 44, "per_round": spec.values_per_round, "per_position": spec.values_per_position}
+    except Exception:  # a report note, never fatal
+        return None
 
 
 def _phone_notes(fx: Path) -> list[str]:

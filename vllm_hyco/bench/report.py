@@ -90,10 +90,33 @@ def markdown(results: dict[str, Any]) -> str:
             f"{_fmt(s['bytes_up_round'], 0)} | {_fmt(s['bytes_down_round'], 0)} | "
             f"{_fmt(s['ttft_p50_ms'], 0)} / {_fmt(s['ttft_p90_ms'], 0)} | {errors} |")
     lines += ["", "Labels: " + "; ".join(f"**{k}**: {v}" for k, v in results["labels"].items()), ""]
+    lines += _bytes_md(results)
     lines += _acceptance_md(summary) + _sweep_md(results) + _ordinary_md(results)
     lines += ["", "Not run: " + "; ".join(f"**{k}**: {v}" for k, v in results["dropped"].items()), "",
               f"Bars: `{json.dumps(results['bars'])}`", ""]
     return "\n".join(lines)
+
+
+def _bytes_md(results: dict[str, Any]) -> list[str]:
+    """Measured bytes per round against the paper's count for this model (44 B + 2H B per round + the K/V
+    values per committed position, 8 bits; positions per round = committed tokens = MAT)."""
+    hv = results["env"].get("handoff_values")
+    if not hv:
+        return []
+    out = ["## Bytes per round: measured frames vs the paper's count for this model", "",
+           f"Paper's count (Algorithm 4 line 14) for the fixture verifier: {hv['header']} B + {hv['per_round']} B "
+           f"per round + {hv['per_position']} B per committed position (26B-A4B: 44 + 5,632 + 6,144; tree "
+           "2.2 KB up).", "", "| configuration | up B/round | down B/round | paper's count at this MAT | seed B |",
+           "|---|---|---|---|---|"]
+    for name, entry in results["summary"].items():
+        runs = entry.get("runs") or []
+        last = runs[-1] if runs else {}
+        if last.get("bytes_down_round") is None:
+            continue
+        paper = hv["header"] + hv["per_round"] + hv["per_position"] * (last.get("mat") or 1)
+        out.append(f"| {name} | {last.get('bytes_up_round')} | {last.get('bytes_down_round')} | {paper:.0f} | "
+                   f"{last.get('seed_bytes_down')} |")
+    return out + [""]
 
 
 def _acceptance_md(summary: dict[str, Any]) -> list[str]:
@@ -200,10 +223,11 @@ def rebuild(out_dir: str | Path, env_updates: dict[str, Any] | None = None) -> d
     per_run = [run_metrics(r) for r in runs if 0 <= r.run < 100]
     sweep = [run_metrics(r) for r in runs if r.run >= 100]
     env = {**old["env"], **(env_updates or {})}
-    if "phone_notes" not in env and env.get("fixtures"):
-        from vllm_hyco.bench.__main__ import _phone_notes
+    if env.get("fixtures"):
+        from vllm_hyco.bench.__main__ import _handoff_values, _phone_notes
 
-        env["phone_notes"] = _phone_notes(Path(env["fixtures"]))
+        env.setdefault("phone_notes", _phone_notes(Path(env["fixtures"])))
+        env.setdefault("handoff_values", _handoff_values(Path(env["fixtures"])))
     return write_report(out, build_results(per_run, env, sweep or old.get("sweep"), old.get("ordinary")))
 
 

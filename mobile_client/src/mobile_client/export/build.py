@@ -97,7 +97,8 @@ def manifest(out: Path, steps: dict[str, tuple[StepArtifacts, dict]], keep_ids: 
                    "cpu_fallback": "disabled"},
         "versions": {**qnn.versions(), "torch": torch.__version__, "python": platform.python_version(),
                      "onnx": __import__("onnx").__version__},
-        "keep_set": {"size": len(keep_ids), "sha256": _keep_hash(keep_ids)},
+        "keep_set": {"size": len(keep_ids), "sha256": _keep_hash(keep_ids, extra.get("vocab_size")),
+                     "hash_rule": "mobile_client.keepset.KeepSet.hash (sent at session start)"},
         "labels": {"float": "simulated(torch fp32)", "fake_quant": "simulated(fake-quant)",
                    "ort_cpu_qdq": "simulated(cpu-qdq)", "htp_emulator": "emulated(x86-HTP)"},
         "steps": {name: {"inputs": art.input_shapes, "ops": art.ops, "compile": art.compile, "ladder": lad,
@@ -110,15 +111,16 @@ def manifest(out: Path, steps: dict[str, tuple[StepArtifacts, dict]], keep_ids: 
     return info
 
 
-def _keep_hash(keep_ids: list[int]) -> str:
-    import hashlib
+def _keep_hash(keep_ids: list[int], vocab_size: int | None) -> str:
+    from mobile_client.keepset import KeepSet
 
-    return hashlib.sha256(np.asarray(keep_ids, dtype="<i4").tobytes()).hexdigest()
+    return KeepSet.from_ids(keep_ids, vocab_size or (max(keep_ids) + 1)).hash
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m mobile_client.export.build", description=__doc__.split("\n")[0])
     ap.add_argument("out", type=Path)
+    ap.add_argument("--fixtures", type=Path, help="a fixtures root (assistant/, verifier/, slm/ inside)")
     ap.add_argument("--mtp-dir", type=Path, help="HF gemma4_assistant folder (default: random toy twin)")
     ap.add_argument("--target-dir", type=Path, help="HF verifier folder (its embed_tokens feed the 8-bit LUT)")
     ap.add_argument("--slm-dir", type=Path, help="HF Gemma-4 text folder for the SLM Drafter")
@@ -127,6 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    if args.fixtures:
+        args.mtp_dir = args.mtp_dir or args.fixtures / "assistant"
+        args.target_dir = args.target_dir or args.fixtures / "verifier"
+        args.slm_dir = args.slm_dir or args.fixtures / "slm"
     torch.manual_seed(args.seed)
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -136,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.mtp_dir:
         cfg, msd = load_hf_dir(args.mtp_dir)
         mspec = MtpSpec.from_hf_config(cfg)
+        msd = {k: v.float() for k, v in msd.items()}
     else:
         mspec = full_mtp_spec() if args.full else toy_mtp_spec(sliding_window=MTP_WINDOW // 2)
         msd = random_mtp_state_dict(mspec, seed=args.seed)
@@ -144,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         keep = keep[:86_089]  # the paper's keep-set size (ids are placeholders without a corpus)
     if args.target_dir:
         _, tsd = load_hf_dir(args.target_dir)
-        embed = next(v for k, v in tsd.items() if k.endswith("embed_tokens.weight"))
+        embed = next(v for k, v in tsd.items() if k.endswith("embed_tokens.weight")).float()
     else:
         embed = torch.randn(mspec.vocab, mspec.backbone, generator=torch.Generator().manual_seed(args.seed))
     steps = {"mtp": build_mtp(out, mspec, msd, keep, embed, compile=compile, emulate=emulate,
@@ -157,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     if proto.exists():
         shutil.copy(proto, out / "protocol.md")
     info = manifest(out, steps, keep, {"weights": "random" if not args.mtp_dir else str(args.mtp_dir),
-                                       "full_size": args.full})
+                                       "full_size": args.full, "vocab_size": mspec.vocab})
     print(json.dumps({k: v["compile"] for k, v in info["steps"].items()}, indent=1))
     return 0
 

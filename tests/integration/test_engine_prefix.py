@@ -65,3 +65,43 @@ def test_chunked_prefill_and_prefix_cached_sessions_share_seed_and_verdicts(llm)
     assert outs[a.sid] == outs[b.sid] == ref[:len(outs[a.sid])]
     hy.close(a.sid)
     hy.close(b.sid)
+
+
+@pytest.fixture(scope="module")
+def small_llm(tmp_path_factory):
+    from vllm import LLM
+
+    path = _build_tiny(tmp_path_factory.mktemp("tiny_small"))
+    engine = LLM(model=path, dtype="float32", max_model_len=256, max_num_seqs=8, enforce_eager=True,
+                 distributed_executor_backend="uni", skip_tokenizer_init=True, block_size=BLOCK, seed=0,
+                 enable_prefix_caching=False, num_gpu_blocks_override=24, speculative_config={"method": "hyco"})
+    yield engine
+    engine.llm_engine.engine_core.shutdown()
+    del engine
+    gc.collect()
+
+
+def test_parked_sessions_yield_their_kv_to_a_waiting_request(small_llm):
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    from vllm_hyco.engine.api import HycoEngine
+    from vllm_hyco.errors import SessionError
+
+    rng = random.Random(5)
+    prompts = [[2] + [rng.randrange(5, VOCAB) for _ in range(89)] for _ in range(3)]
+    hy = HycoEngine(small_llm)
+    sched = small_llm.llm_engine.engine_core.engine_core.scheduler
+    a = hy.open(prompt_token_ids=prompts[0], temperature=0.0, max_tokens=8, ignore_eos=True)
+    b = hy.open(prompt_token_ids=prompts[1], temperature=0.0, max_tokens=8, ignore_eos=True)
+    free_before = sched.kv_cache_manager.block_pool.get_num_free_blocks()
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    outs = hy.run_plain("plain", {"prompt_token_ids": prompts[2]}, params)  # does not fit beside both
+    assert outs[-1].finished and sum(len(o.outputs[0].token_ids) for o in outs) == 4
+    with pytest.raises(SessionError) as info:
+        hy.submit(a.sid, 0, [a.root], [-1])  # the least recently used parked session was evicted
+    assert info.value.code == "session_evicted"
+    v = hy.submit(b.sid, 0, [b.root], [-1])  # the other one kept its KV and still verifies
+    assert len(v.committed) == 1
+    assert free_before < 24
+    hy.close(b.sid)

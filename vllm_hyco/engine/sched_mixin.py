@@ -241,7 +241,8 @@ class HycoSchedulerMixin:
         from vllm.v1.request import RequestStatus
 
         done = []
-        for code, victims in (("session_timeout", reg.idle_expired()), ("session_evicted", reg.over_cap())):
+        for code, victims in (("session_timeout", reg.idle_expired()), ("session_evicted", reg.over_cap()),
+                              ("session_evicted", self._hyco_pressure_victims(reg))):
             for s in victims:
                 if s.state is SessionState.PARKED:
                     s.finish_code = code
@@ -249,6 +250,29 @@ class HycoSchedulerMixin:
                     reg.mark_finished(s, code)
                     done.append(s.sid)
         return done
+
+
+    def _hyco_pressure_victims(self, reg: SessionRegistry) -> list[Session]:
+        """LRU parked sessions to evict so the request at the head of the waiting queue fits in the free
+        blocks (parked sessions must not starve ordinary requests). The need is an upper bound: the head's
+        next chunk in blocks of every KV group (sliding groups need fewer); blocks a parked session shares
+        with others (prefix cache) free nothing, so this may evict one session more than needed."""
+        if not len(self.waiting):
+            return []
+        parked = reg.lru_parked()
+        if not parked:
+            return []
+        head = self.waiting.peek_request()
+        tokens = min(head.num_tokens, head.num_computed_tokens + self.max_num_scheduled_tokens)  # next chunk
+        need = sum(-(-tokens // g.kv_cache_spec.block_size) for g in self.kv_cache_config.kv_cache_groups)
+        free = self.kv_cache_manager.block_pool.get_num_free_blocks()
+        victims = []
+        for s in parked:
+            if free >= need:
+                break
+            victims.append(s)
+            free += s.num_kv_blocks
+        return victims if free >= need else []  # evict only when that lets the head in
 
 
 def _outputs_by_req(outputs) -> dict[str, Any]:

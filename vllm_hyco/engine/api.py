@@ -99,11 +99,13 @@ class HycoEngine:
 
     # -- core access ------------------------------------------------------------------------------
     def _call(self, name: str, *args):
+        from vllm_hyco.engine.core_ext import raise_if_error
+
         client = self.engine.engine_core
         core = getattr(client, "engine_core", None)
         if core is not None:
-            return getattr(core, name)(*args)
-        return client.call_utility(name, *args)
+            return raise_if_error(getattr(core, name)(*args))
+        return raise_if_error(client.call_utility(name, *args))
 
     def _server_eps(self) -> float | None:
         from vllm_hyco.config import HycoConfig

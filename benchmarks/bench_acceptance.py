@@ -7,7 +7,7 @@ top-k 64, top-p 0.95), exact and ε = 0.005: p̃ (``sampling_support``), one see
 decision and the compaction plan. Ratios are measured inside one run (CPU-measured, decisions.md D8).
 
     .venv/bin/python benchmarks/bench_acceptance.py                 # prints a table, writes JSON
-    .venv/bin/python benchmarks/bench_acceptance.py --batches 1 16 --reps 3 --threads 1
+    .venv/bin/python benchmarks/bench_acceptance.py --batches 1 16 --sampling default nucleus --threads 1
 """
 
 from __future__ import annotations
@@ -30,6 +30,11 @@ from vllm_hyco.spec_decode.verify import PackedTrees, verify_batch
 
 HIDDEN, VOCAB, ROWS = 2816, 262_144, 33
 PAPER = SamplingSpec(temperature=1.0, top_k=64, top_p=0.95)
+SPECS = {
+    "paper": PAPER,  # T 1, top-k 64, top-p 0.95 (sparse support)
+    "default": SamplingSpec(),  # vLLM's defaults: no truncation (dense softmax)
+    "nucleus": SamplingSpec(top_p=0.9),  # top-p only: one full-vocabulary sort per row (dense)
+}
 
 
 def hyco_tree(seed: int) -> TokenTree:
@@ -43,7 +48,8 @@ def hyco_tree(seed: int) -> TokenTree:
     return TokenTree.from_parents(tokens, parents, vocab_size=VOCAB, labels=labels)
 
 
-def bench_batch(batch: int, weight: torch.Tensor, reps: int, warmup: int) -> list[dict]:
+def bench_batch(batch: int, weight: torch.Tensor, reps: int, warmup: int, spec_name: str) -> list[dict]:
+    spec = SPECS[spec_name]
     gen = torch.Generator().manual_seed(batch)
     hidden = torch.randn(batch * ROWS, HIDDEN, generator=gen).to(torch.bfloat16)  # [N, H]
     packed = PackedTrees.pack([hyco_tree(1000 * batch + b) for b in range(batch)])
@@ -53,14 +59,16 @@ def bench_batch(batch: int, weight: torch.Tensor, reps: int, warmup: int) -> lis
     for eps in (None, 0.005):
         def run(eps=eps):
             gens = [torch.Generator().manual_seed(b) for b in range(batch)]
-            return verify_batch(packed, logits, PAPER, eps, gens)
+            return verify_batch(packed, logits, spec, eps, gens)
 
         t = time_fn(run, warmup=warmup, reps=reps)
-        rows.append({"batch": batch, "rows": batch * ROWS, "mode": "exact" if eps is None else f"eps={eps}",
+        rows.append({"batch": batch, "rows": batch * ROWS, "sampling": spec_name,
+                     "mode": "exact" if eps is None else f"eps={eps}",
                      "matmul_ms": matmul["median_s"] * 1e3, "verify_ms": t["median_s"] * 1e3,
                      "ratio": t["median_s"] / matmul["median_s"],
                      "mean_accepted": float(run().num_accepted.float().mean())})
-    probs_t = time_fn(lambda: sampling_support(logits, 1.0, 64, 0.95), warmup=0, reps=max(1, reps // 2))
+    probs_t = time_fn(lambda: sampling_support(logits, spec.temperature, spec.top_k, spec.top_p),
+                      warmup=0, reps=max(1, reps // 2))
     for r in rows:
         r["p_tilde_ms"] = probs_t["median_s"] * 1e3
     return rows
@@ -69,6 +77,7 @@ def bench_batch(batch: int, weight: torch.Tensor, reps: int, warmup: int) -> lis
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--sampling", nargs="+", default=["paper"], choices=sorted(SPECS))
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: leave as is)")
@@ -78,14 +87,15 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     weight = (torch.randn(VOCAB, HIDDEN) * 0.02).to(torch.bfloat16)  # [V, H] LM head
     rows = []
-    for batch in args.batches:
-        rows += bench_batch(batch, weight, args.reps, args.warmup)
+    for name in args.sampling:
+        for batch in args.batches:
+            rows += bench_batch(batch, weight, args.reps, args.warmup, name)
     env = env_info()
     print(f"bench_acceptance ({env['label']}, torch {env.get('torch')}, {env.get('torch_threads')} threads)")
-    print_table(rows, ["batch", "rows", "mode", "matmul_ms", "verify_ms", "p_tilde_ms", "ratio",
+    print_table(rows, ["sampling", "batch", "rows", "mode", "matmul_ms", "verify_ms", "p_tilde_ms", "ratio",
                        "mean_accepted"])
     path = write_json("bench_acceptance", {"env": env, "hidden": HIDDEN, "vocab": VOCAB,
-                                           "sampling": PAPER.__dict__, "rows": rows}, args.out)
+                                           "sampling": {k: SPECS[k].__dict__ for k in args.sampling}, "rows": rows}, args.out)
     print(f"wrote {path}")
 
 

@@ -187,3 +187,14 @@ def test_a_rows_p_tilde_does_not_depend_on_the_rows_batched_with_it():
     theirs, _ = _vllm_probs(logits, temperature, top_k, top_p)
     scaled = logits.float() / torch.where(temperature < 1e-5, 1.0, temperature)[:, None]
     _assert_same_p(batched, theirs, scaled, "batch")
+
+
+def test_a_uniform_at_the_top_of_the_cdf_never_picks_a_zero_mass_token():
+    from vllm_hyco.spec_decode.sampling import sample_sparse
+
+    probs = torch.tensor([[0.0, 0.3, 0.7, 0.0, 0.0], [0.5, 0.0, 0.0, 0.0, 0.5]])
+    top = torch.full((2,), 1.0, dtype=torch.float64)  # beyond any torch.rand value: worst case
+    assert sample_sparse(SparseProbs.from_dense(probs), top).tolist() == [2, 4]
+    sparse = sampling_support(torch.log(probs), 1.0, 2, 1.0)
+    assert sparse.ids is not None and sample_sparse(sparse, top).tolist() == [2, 4]
+    assert sample_sparse(SparseProbs.from_dense(probs), torch.zeros(2, dtype=torch.float64)).tolist() == [1, 0]

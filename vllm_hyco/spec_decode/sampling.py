@@ -16,11 +16,12 @@ not specified by vLLM: its torch path uses an unstable ``torch.sort`` (arbitrary
 Triton kernel keeps the lowest token ids. We keep the lowest token ids (as the Triton kernel does); the
 number kept and the probabilities are exactly vLLM's. See docs/acceptance.md.
 
-The computation runs on a *candidate set* per row: the top ``kk`` logits when every sampled row has
-top-k on (the paper's top-k 64 case: one ``topk`` pass, no full-vocabulary sort or scaling), the
-whole vocabulary otherwise. The
-denominators are sequential float32 cumulative sums in ascending order, so extra zero-mass candidates do
-not change a single bit: both candidate sets give identical p̃.
+Implementation: rows without truncation (top-k and top-p off) are a plain softmax. Otherwise the work
+runs on a *candidate set* per row: the top ``kk`` logits when every sampled row has top-k on (the paper's
+top-k 64 case: one ``topk`` pass, no full-vocabulary sort or scaling; the result is sparse), the whole
+vocabulary otherwise (the result is dense, [R, V]). Every denominator is a sequential float32 cumulative
+sum (ascending values after truncation, id order for the plain softmax), so extra zero-mass candidates
+change no bit and a row's p̃ never depends on the rows batched with it.
 
 Sampling (``sample_rows``) is inverse-CDF: each row consumes exactly one float64 uniform from the
 request's generator, ``torch.rand(num_rows, generator=g, dtype=torch.float64)`` in row order, and picks
@@ -269,9 +270,13 @@ def sample_sparse(support: SparseProbs, uniforms: torch.Tensor) -> torch.Tensor:
         p = support.probs[s : s + step]
         cdf = torch.cumsum(p.to(torch.float64), dim=1)  # [r, S]
         target = (uniforms[s : s + step] * cdf[:, -1]).unsqueeze(1)  # [r, 1]
-        found = torch.searchsorted(cdf, target, right=True).squeeze(1)
-        last = (p > 0).cumsum(dim=1).argmax(dim=1)  # last nonzero (u * total can round to total)
-        pos[s : s + step] = torch.minimum(found, last)
+        found = torch.searchsorted(cdf, target, right=True).clamp(max=width - 1)  # [r, 1]
+        # u * total can round up to total: then step back to the row's last nonzero entry
+        stray = (p.gather(1, found) == 0).squeeze(1)
+        found = found.squeeze(1)
+        if bool(stray.any()):
+            found[stray] = (p[stray] > 0).cumsum(dim=1).argmax(dim=1)
+        pos[s : s + step] = found
     return support.token_at(pos)
 
 

@@ -195,6 +195,7 @@ def test_a_uniform_at_the_top_of_the_cdf_never_picks_a_zero_mass_token():
     probs = torch.tensor([[0.0, 0.3, 0.7, 0.0, 0.0], [0.5, 0.0, 0.0, 0.0, 0.5]])
     top = torch.full((2,), 1.0, dtype=torch.float64)  # beyond any torch.rand value: worst case
     assert sample_sparse(SparseProbs.from_dense(probs), top).tolist() == [2, 4]
-    sparse = sampling_support(torch.log(probs), 1.0, 2, 1.0)
+    wide = torch.cat([torch.log(probs), torch.full((2, 35), float("-inf"))], dim=1)  # sparse path
+    sparse = sampling_support(wide, 1.0, 2, 1.0)
     assert sparse.ids is not None and sample_sparse(sparse, top).tolist() == [2, 4]
     assert sample_sparse(SparseProbs.from_dense(probs), torch.zeros(2, dtype=torch.float64)).tolist() == [1, 0]

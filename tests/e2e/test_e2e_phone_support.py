@@ -13,6 +13,7 @@ whatever the phone proposes.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import json
 import os
@@ -33,7 +34,7 @@ API_KEY = "hyco-e2e-key"
 MODEL = "tiny"
 STARTUP_TIMEOUT_S = 400
 IDLE_TIMEOUT_S = 20.0
-MAX_SESSIONS = 24
+MAX_SESSIONS = 40
 HYCO = {"method": "hyco", "max_sessions": MAX_SESSIONS, "session_idle_timeout_s": IDLE_TIMEOUT_S}
 _SERVER: dict = {}
 
@@ -251,3 +252,48 @@ def tree_frame(round_: int, root: int, extra: list[int] = (), parents: list[int]
     tokens = [root, *extra]
     parents = parents if parents is not None else [-1, *range(len(extra))]
     return TreeFrame.from_lists(round_, tokens, parents, labels)
+
+
+class KillingProxy:
+    """A TCP proxy on 127.0.0.1 that cuts connections after a random 0.05-0.3 s (mid-round: the tiny
+    server's rounds take tens of milliseconds): the first ``kills`` connections, then each further one with
+    probability ``p_kill``."""
+
+    def __init__(self, upstream: str, kills: int, seed: int = 0, p_kill: float = 0.0):
+        host, port = upstream.removeprefix("http://").split(":")
+        self.up, self.kills, self.rng, self.cut = (host, int(port)), kills, random.Random(seed), 0
+        self.p_kill = p_kill
+
+    async def __aenter__(self):
+        self.server = await asyncio.start_server(self._conn, "127.0.0.1", 0)
+        self.base = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def __aexit__(self, *exc):
+        self.server.close()
+
+    async def _conn(self, reader, writer):
+        ur, uw = await asyncio.open_connection(*self.up)
+
+        async def pipe(r, w):
+            try:
+                while data := await r.read(65536):
+                    w.write(data)
+                    await w.drain()
+            except (ConnectionError, asyncio.CancelledError):
+                pass
+            finally:
+                w.close()
+
+        tasks = [asyncio.create_task(pipe(reader, uw)), asyncio.create_task(pipe(ur, writer))]
+        if self.cut < self.kills or self.rng.random() < self.p_kill:
+            self.cut += 1
+            try:
+                await asyncio.sleep(self.rng.uniform(0.05, 0.3))
+            except asyncio.CancelledError:
+                pass
+            for t in tasks:
+                t.cancel()
+            writer.transport.abort()
+            uw.transport.abort()
+        await asyncio.gather(*tasks, return_exceptions=True)

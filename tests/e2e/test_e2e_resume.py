@@ -6,12 +6,10 @@ connection is killed mid-round reconnects and finishes with no token lost; repla
 from __future__ import annotations
 
 import asyncio
-import random
-
 import aiohttp
 import pytest
-from test_e2e_phone_support import (API_KEY, MODEL, RawPhone, make_client, make_phone, phone_server,
-                                    resume_frame, start_frame, tree_frame)
+from test_e2e_phone_support import (API_KEY, MODEL, KillingProxy, RawPhone, make_client, make_phone,
+                                    phone_server, resume_frame, start_frame, tree_frame)
 
 from vllm_hyco.handoff.chunks import HandoffAssembler
 from vllm_hyco.handoff.server_frames import ErrorFrame, FinalFrame, HandoffChunkFrame, VerdictFrame
@@ -41,49 +39,6 @@ def plain(server):
     c = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
                                extra_body={"ignore_eos": True, "return_token_ids": True}).choices[0]
     return c.text, list(c.model_extra["token_ids"])
-
-
-class KillingProxy:
-    """A TCP proxy on 127.0.0.1 that cuts every connection after a random 0.05-0.3 s (mid-round: the
-    tiny server's rounds take tens of milliseconds), ``kills`` times in all, then forwards untouched."""
-
-    def __init__(self, upstream: str, kills: int, seed: int = 0):
-        host, port = upstream.removeprefix("http://").split(":")
-        self.up, self.kills, self.rng, self.cut = (host, int(port)), kills, random.Random(seed), 0
-
-    async def __aenter__(self):
-        self.server = await asyncio.start_server(self._conn, "127.0.0.1", 0)
-        self.base = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
-        return self
-
-    async def __aexit__(self, *exc):
-        self.server.close()
-
-    async def _conn(self, reader, writer):
-        ur, uw = await asyncio.open_connection(*self.up)
-
-        async def pipe(r, w):
-            try:
-                while data := await r.read(65536):
-                    w.write(data)
-                    await w.drain()
-            except (ConnectionError, asyncio.CancelledError):
-                pass
-            finally:
-                w.close()
-
-        tasks = [asyncio.create_task(pipe(reader, uw)), asyncio.create_task(pipe(ur, writer))]
-        if self.cut < self.kills:
-            self.cut += 1
-            try:
-                await asyncio.sleep(self.rng.uniform(0.05, 0.3))
-            except asyncio.CancelledError:
-                pass
-            for t in tasks:
-                t.cancel()
-            writer.transport.abort()
-            uw.transport.abort()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def test_killed_connections_lose_no_token(server, tok, plain):

@@ -59,7 +59,7 @@ class PhoneConnection:
             except _Gone:
                 pass
         finally:
-            self._detach()
+            await self._leave()
 
     # -- socket -----------------------------------------------------------------------------------------
     async def _receive(self) -> bytes | None:
@@ -112,11 +112,20 @@ class PhoneConnection:
         if self.session is not None:
             self.session.bytes_up += n
 
-    def _detach(self) -> None:
+    def _detach(self) -> HeldSession | None:
         s, self.session = self.session, None
         if s is not None and s.owner is self:
             s.owner = None
             s.touch()
+            return s
+        return None
+
+    async def _leave(self) -> None:
+        """The socket is gone. A session none of whose verdicts reached the phone cannot be resumed (the
+        phone never got its id, docs/protocol.md section 3): free it now instead of at the idle timeout."""
+        s = self._detach()
+        if s is not None and not s.delivered and not s.finished:
+            await self.service.drop(s)
 
     # -- frames -----------------------------------------------------------------------------------------
     async def _handle(self, data: bytes) -> None:
@@ -136,11 +145,12 @@ class PhoneConnection:
                             "elsewhere); send start first", code="no_session", fatal=False, round=frame.round)
         for out in await self.service.tree(s, frame):
             await self._send(out)
+        s.delivered = True
         if s.finished:
             self._detach()
 
     async def _start(self, frame: StartFrame, nbytes: int) -> None:
-        self._detach()  # one session per connection: a new start leaves the old one resumable
+        await self._leave()  # one session per connection: a new start leaves the old one resumable
         if frame.hyco.resume is None:
             self.session = await self.service.open(frame, owner=self)
             self.session.bytes_up += nbytes
@@ -150,5 +160,6 @@ class PhoneConnection:
         s.bytes_up += nbytes
         for out in frames:
             await self._send(out)
+        s.delivered = s.delivered or bool(frames)
         if s.finished:
             self._detach()

@@ -91,6 +91,15 @@ class HycoService:
         self.metrics.parked.set(self.table.active())
         return len(gone)
 
+    async def drop(self, s: HeldSession) -> None:
+        """Forget a session nobody can resume (its phone left before verdict 0)."""
+        if s.lock.locked():  # a round is in flight: its verdict makes it resumable
+            return
+        self.metrics.sessions.labels(outcome="expired").inc()
+        await self.release(s)
+        self.table.remove(s)
+        self.metrics.parked.set(self.table.active())
+
     async def release(self, s: HeldSession) -> None:
         if not s.closed:
             s.closed = True
@@ -231,6 +240,7 @@ class HycoService:
             m.bonus.inc()
         if finished:
             s.finished = True
+            s.ring.rows = None  # no seed replays after the end
             down = s.bytes_down + sum(map(len, frames))  # the connection counts them when it sends them
             final = FinalFrame(s.sid, len(s.engine.prompt_ids), s.completion_tokens, s.rounds,
                                s.completion_tokens / max(s.rounds, 1), s.bytes_up, down)

@@ -42,6 +42,7 @@ class HeldSession:
     last_frames: list[bytes] = field(default_factory=list)  # verdict + handoff_chunk frames, encoded
     final_frame: bytes | None = None
     finished: bool = False
+    delivered: bool = False  # a verdict reached the socket (the phone can know the session id)
     closed: bool = False  # engine side released
     owner: Any = None  # the connection driving it, None while the phone is away
     last_active: float = field(default_factory=time.monotonic)

@@ -1,0 +1,123 @@
+"""Soak of the session route (issue 6): 16 reference phones run sessions back to back through a proxy
+that cuts connections at random (they resume), and a few abandon their session mid-way (it expires
+after the idle timeout). Every finished session equals plain greedy decoding. Once the phones are gone:
+no session held by the endpoint or the engine, no parked session in ``/metrics``, no more KV blocks in
+use than before, and the server's memory did not grow past the tolerance after the warm-up.
+60-second CI version; the ~10-minute version is marked slow.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+
+import aiohttp
+import pytest
+from test_e2e_phone_support import (API_KEY, IDLE_TIMEOUT_S, MODEL, KillingProxy, http_get, make_client,
+                                    make_phone, metric_values, phone_server, server_rss_bytes)
+from tolerances import TOLERANCES
+
+import torch
+
+PROMPTS = ["Behold, I come quickly:", "And Jesus answered and said unto them,", "The fear of the LORD is",
+           "Now the serpent was more subtil"]
+LONGEST = 40
+PHONES = 16
+MAX_ABANDONED_IN_WINDOW = 4  # abandoned sessions alive at once (each holds KV until the idle timeout)
+
+
+@pytest.fixture(scope="module")
+def server(fixtures_dir):
+    return phone_server(fixtures_dir)
+
+
+def _stats(server: str) -> dict:
+    return json.loads(http_get(f"{server}/v1/hyco/stats", headers={"Authorization": f"Bearer {API_KEY}"})[1])
+
+
+def _soak(server: str, tok, duration_s: float) -> dict:
+    import openai
+
+    oai = openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, timeout=300, max_retries=0)
+    refs = {}
+    for p in PROMPTS:
+        c = oai.completions.create(model=MODEL, prompt=p, max_tokens=LONGEST, temperature=0,
+                                   extra_body={"ignore_eos": True, "return_token_ids": True}).choices[0]
+        refs[p] = list(c.model_extra["token_ids"])
+    baseline = _stats(server)
+    counts = {"sessions": 0, "abandoned": 0, "resumes": 0, "rss_warm": 0}
+    abandoned_at: list[float] = []
+
+    async def phone(i: int, proxy, http, end: float):
+        rng = random.Random(100 + i)
+        while time.monotonic() < end:
+            prompt, m = rng.choice(PROMPTS), rng.randint(8, LONGEST)
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": m, "temperature": 0.0, "ignore_eos": True}
+            s = make_phone(tok.encode(prompt), prompt, m, refs[prompt], len(tok), seed=rng.randrange(1 << 30),
+                           p_plant=rng.random(), request=body)
+            client = make_client(proxy.base, http=http, max_retries=30)
+            now = time.monotonic()
+            recent = [t for t in abandoned_at if now - t < IDLE_TIMEOUT_S + 5]
+            if rng.random() < 0.1 and len(recent) < MAX_ABANDONED_IN_WINDOW:
+                abandoned_at.append(now)
+                task = asyncio.create_task(client.run(s))
+                await asyncio.sleep(rng.uniform(0.2, 1.0))
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                counts["abandoned"] += 1
+                continue
+            await client.run(s)
+            assert s.tokens == refs[prompt][:m], (prompt, m)
+            counts["sessions"] += 1
+            counts["resumes"] += s.resumes
+
+    async def run():
+        async with KillingProxy(server, kills=0, seed=7, p_kill=0.2) as proxy:
+            async with aiohttp.ClientSession() as http:
+                start = time.monotonic()
+                end = start + duration_s
+                warm = asyncio.create_task(asyncio.sleep(duration_s / 4))
+                tasks = [asyncio.create_task(phone(i, proxy, http, end)) for i in range(PHONES)]
+                await warm
+                counts["rss_warm"] = server_rss_bytes()
+                await asyncio.gather(*tasks)
+
+    asyncio.run(run())
+    deadline = time.monotonic() + IDLE_TIMEOUT_S * 3 + 30
+    while time.monotonic() < deadline:  # abandoned sessions expire after the idle timeout
+        after = _stats(server)
+        if after["sessions"] == 0 and after["engine"]["live"] == 0:
+            break
+        time.sleep(2.0)
+    counts.update(baseline=baseline, after=after, rss_end=server_rss_bytes())
+    print(f"soak {duration_s:g}s: {counts}")
+    return counts
+
+
+def _check(server: str, c: dict) -> None:
+    assert c["sessions"] >= PHONES and c["resumes"] > 0
+    after, base = c["after"], c["baseline"]
+    assert after["sessions"] == 0 and after["engine"]["live"] == 0 and after["engine"]["parked"] == 0
+    assert after["engine"]["kv_blocks_used"] <= base["engine"]["kv_blocks_used"]
+    assert metric_values(server, "vllm_hyco_parked_sessions") == {"": 0.0}
+    if c["rss_warm"]:  # only when this process started the server
+        growth_mib = (c["rss_end"] - c["rss_warm"]) / (1 << 20)
+        assert growth_mib <= TOLERANCES[("soak_server_rss_growth_mib", torch.float32)][0], growth_mib
+
+
+@pytest.fixture(scope="module")
+def tok(fixtures_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(fixtures_dir / "verifier"))
+
+
+def test_soak_60s(server, tok):
+    _check(server, _soak(server, tok, 60.0))
+
+
+@pytest.mark.slow
+def test_soak_10min(server, tok):
+    _check(server, _soak(server, tok, 600.0))

@@ -15,7 +15,12 @@ import torch
 from mobile_client.drafters.base import ChainDrafter, DraftContext, HybridDrafter, RowDrafter
 from mobile_client.drafters.mtp import EmbedLut, MtpDrafter, MtpHead, torch_step
 from mobile_client.drafters.slm import SlmDrafter
-from mobile_client.drafters.spec import random_mtp_state_dict, random_slm_state_dict, toy_mtp_spec, toy_slm_spec
+from mobile_client.drafters.spec import (
+    random_mtp_state_dict,
+    random_slm_state_dict,
+    toy_mtp_spec,
+    toy_slm_spec,
+)
 from mobile_client.tree import DraftTree, frontier_plan
 
 validate_tree = pytest.importorskip("vllm_hyco.spec_decode.tree").validate_tree
@@ -28,8 +33,13 @@ def _drafters():
     keep = list(range(0, 512, 2)) + [1, 3]
     keep.sort()
     embed = torch.randn(mspec.vocab, mspec.backbone, generator=torch.Generator().manual_seed(0))
-    mtp = MtpDrafter(mspec, keep, EmbedLut.from_embedding(embed, keep),
-                     torch_step(MtpHead.from_hf_state_dict(mspec, random_mtp_state_dict(mspec), keep)), window=W)
+    mtp = MtpDrafter(
+        mspec,
+        keep,
+        EmbedLut.from_embedding(embed, keep),
+        torch_step(MtpHead.from_hf_state_dict(mspec, random_mtp_state_dict(mspec), keep)),
+        window=W,
+    )
     sd = random_slm_state_dict(sspec, seed=2)
     return mspec, sspec, keep, embed, mtp, sd
 
@@ -47,8 +57,13 @@ def test_drafters_fit_the_contracts_and_build_valid_trees():
 
     rng = np.random.default_rng(0)
     t = len(prompt)
-    rows = {k: (rng.standard_normal((t, a.kv_heads, a.head_dim)).astype(np.float32),
-                rng.standard_normal((t, a.kv_heads, a.head_dim)).astype(np.float32)) for k, a in mspec.attn.items()}
+    rows = {
+        k: (
+            rng.standard_normal((t, a.kv_heads, a.head_dim)).astype(np.float32),
+            rng.standard_normal((t, a.kv_heads, a.head_dim)).astype(np.float32),
+        )
+        for k, a in mspec.attn.items()
+    }
     mtp.apply_handoff(t, 0, rows)
     x_hat = np.concatenate([mtp.lut[3], rng.standard_normal(mspec.backbone)]).astype(np.float32)
     slm.accept([0])  # round 1 verdict: nothing accepted, the root is committed; bonus 21 is the new root

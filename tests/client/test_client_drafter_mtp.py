@@ -33,8 +33,9 @@ def toy():
     from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM
 
     cfg = mtp_hf_config(spec)
-    hf = Gemma4AssistantForCausalLM(Gemma4AssistantConfig(**{k: v for k, v in cfg.items()
-                                                               if k not in ("model_type", "architectures")}))
+    hf = Gemma4AssistantForCausalLM(
+        Gemma4AssistantConfig(**{k: v for k, v in cfg.items() if k not in ("model_type", "architectures")})
+    )
     missing, unexpected = hf.load_state_dict(sd, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     hf.tie_weights()
@@ -46,9 +47,13 @@ def toy():
 
 def _kv(spec, n, seed):
     g = torch.Generator().manual_seed(seed)
-    return {kind: (torch.randn(n, a.kv_heads, a.head_dim, generator=g), torch.randn(n, a.kv_heads, a.head_dim,
-                                                                                     generator=g))
-            for kind, a in spec.attn.items()}
+    return {
+        kind: (
+            torch.randn(n, a.kv_heads, a.head_dim, generator=g),
+            torch.randn(n, a.kv_heads, a.head_dim, generator=g),
+        )
+        for kind, a in spec.attn.items()
+    }
 
 
 def _hf_step(hf, spec, z, kv, t, window):
@@ -60,15 +65,18 @@ def _hf_step(hf, spec, z, kv, t, window):
         lo = max(0, t - w)
         shared[kind] = (k[lo:t].permute(1, 0, 2)[None], v[lo:t].permute(1, 0, 2)[None])
     with torch.no_grad():
-        out = hf(inputs_embeds=z.reshape(1, 1, -1), position_ids=torch.tensor([[t - 1]]), shared_kv_states=shared)
+        out = hf(
+            inputs_embeds=z.reshape(1, 1, -1), position_ids=torch.tensor([[t - 1]]), shared_kv_states=shared
+        )
     logits = torch.tanh(out.logits[0, 0] / spec.softcap) * spec.softcap
     return logits, out.last_hidden_state[0, 0]
 
 
 def _drafter(spec, sd, target_embed, keep, bits=None):
     head = MtpHead.from_hf_state_dict(spec, sd, keep)
-    return MtpDrafter(spec, keep, EmbedLut.from_embedding(target_embed, keep, bits=bits), torch_step(head),
-                      window=W)
+    return MtpDrafter(
+        spec, keep, EmbedLut.from_embedding(target_embed, keep, bits=bits), torch_step(head), window=W
+    )
 
 
 @pytest.mark.parametrize("t", [1, 5, 16, 17, 32, 45])
@@ -81,8 +89,12 @@ def test_mtp_step_matches_transformers(toy, t):
     z = torch.randn(2 * spec.backbone, generator=torch.Generator().manual_seed(100 + t))
     logits, h = drafter.step(drafter.feeds(z.numpy()))
     ref_logits, ref_h = _hf_step(hf, spec, z, kv, t, W)
-    torch.testing.assert_close(torch.from_numpy(logits[0]), ref_logits, **tol("mtp_step", torch.float32),
-                               msg=lambda m: f"t={t} W={W}: {m}")
+    torch.testing.assert_close(
+        torch.from_numpy(logits[0]),
+        ref_logits,
+        **tol("mtp_step", torch.float32),
+        msg=lambda m: f"t={t} W={W}: {m}",
+    )
     torch.testing.assert_close(torch.from_numpy(h[0]), ref_h, **tol("mtp_step", torch.float32))
 
 
@@ -157,11 +169,15 @@ def test_mtp_int8_rows_and_lut(toy):
     q = _drafter(spec, sd, emb, keep, bits=8)
     f.apply_handoff(t, 0, {k: (a.numpy(), b.numpy()) for k, (a, b) in kv.items()})
     q.apply_handoff(t, 0, rows8)
-    x_hat = np.concatenate([q.lut[42], np.random.default_rng(1).standard_normal(spec.backbone)]).astype(np.float32)
+    x_hat = np.concatenate([q.lut[42], np.random.default_rng(1).standard_normal(spec.backbone)]).astype(
+        np.float32
+    )
     assert q.lut.table.dtype == np.int8 and q.lut.nbytes == spec.vocab * spec.backbone + 4 * spec.vocab
     lf, lq = f.step(f.feeds(x_hat))[0], q.step(q.feeds(x_hat))[0]
     assert int(np.argmax(lf)) == int(np.argmax(lq))
-    torch.testing.assert_close(torch.from_numpy(lq), torch.from_numpy(lf), **tol("mtp_step_int8_kv", torch.float32))
+    torch.testing.assert_close(
+        torch.from_numpy(lq), torch.from_numpy(lf), **tol("mtp_step_int8_kv", torch.float32)
+    )
     # later steps also read the 8-bit LUT; on random weights they may drift, so only the prefix is pinned
     assert f.draft(x_hat).chain[:2] == q.draft(x_hat).chain[:2]
 
@@ -183,8 +199,9 @@ def test_mtp_on_fixtures_matches_transformers_assistant(fixtures_dir):
     embed = verifier.get_input_embeddings().weight.detach().float()
     tokens = torch.randint(0, vocab, (window + 40,), generator=torch.Generator().manual_seed(0)).tolist()
     h, kv = verifier_states(verifier, tokens)
-    drafter = MtpDrafter(spec, keep, EmbedLut.from_embedding(embed, keep, bits=None), torch_step(head),
-                         window=window)
+    drafter = MtpDrafter(
+        spec, keep, EmbedLut.from_embedding(embed, keep, bits=None), torch_step(head), window=window
+    )
     for t in (3, window // 2, window + 40 - 1):
         lo = max(0, t - window)
         drafter.t0 = -1

@@ -31,7 +31,9 @@ def toy():
     spec = toy_slm_spec(sliding_window=W // 2)  # the sliding ring (W/2 columns) wraps after 32 positions
     sd = random_slm_state_dict(spec, seed=4)
     cfg = slm_hf_config(spec)
-    hf = Gemma4ForCausalLM(Gemma4TextConfig(**{k: v for k, v in cfg.items() if k not in ("model_type", "architectures")}))
+    hf = Gemma4ForCausalLM(
+        Gemma4TextConfig(**{k: v for k, v in cfg.items() if k not in ("model_type", "architectures")})
+    )
     missing, unexpected = hf.load_state_dict(sd, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     hf.tie_weights()
@@ -54,15 +56,21 @@ def _chain_plan(tokens):
 def test_slm_chain_matches_transformers(toy, n_prefill):
     spec, sd, hf = toy
     keep = list(range(0, spec.vocab, 3))
-    tokens = torch.randint(0, spec.vocab, (n_prefill + 32,), generator=torch.Generator().manual_seed(n_prefill)).tolist()
+    tokens = torch.randint(
+        0, spec.vocab, (n_prefill + 32,), generator=torch.Generator().manual_seed(n_prefill)
+    ).tolist()
     d = SlmDrafter(spec, sd, keep, window=W)
     d.prefill(tokens[:n_prefill])
     assert d.committed == n_prefill
     out = d.forward_rows(_chain_plan(tokens[n_prefill:]))
     ref = _hf_logits(hf, spec, tokens, keep)[n_prefill:]
     ours = torch.from_numpy(out.logprobs)
-    torch.testing.assert_close(ours, torch.log_softmax(ref.double(), -1), **tol("slm_logits", torch.float32),
-                               msg=lambda m: f"n_prefill={n_prefill}: {m}")
+    torch.testing.assert_close(
+        ours,
+        torch.log_softmax(ref.double(), -1),
+        **tol("slm_logits", torch.float32),
+        msg=lambda m: f"n_prefill={n_prefill}: {m}",
+    )
     np.testing.assert_array_equal(out.ids, keep)
 
 
@@ -81,8 +89,11 @@ def test_slm_catch_up_rows_and_accept_move_kv(toy):
     out = d.forward_rows(frontier_plan(tree, catch_up=tokens[13:15]))
     assert d.committed == 15  # catch-up rows are committed by the forward
     ref = _hf_logits(hf, spec, tokens[:17], keep)[13:17]
-    torch.testing.assert_close(torch.from_numpy(out.logprobs), torch.log_softmax(ref.double(), -1),
-                               **tol("slm_logits", torch.float32))
+    torch.testing.assert_close(
+        torch.from_numpy(out.logprobs),
+        torch.log_softmax(ref.double(), -1),
+        **tol("slm_logits", torch.float32),
+    )
 
 
 def test_slm_tree_rows_see_only_ancestors(toy):
@@ -119,5 +130,8 @@ def test_slm_on_fixtures_matches_transformers(fixtures_dir):
     d.prefill(tokens[:150])
     out = d.forward_rows(_chain_plan(tokens[150:]))
     ref = _hf_logits(hf, spec, tokens, keep)[150:]
-    torch.testing.assert_close(torch.from_numpy(out.logprobs), torch.log_softmax(ref.double(), -1),
-                               **tol("slm_logits", torch.float32))
+    torch.testing.assert_close(
+        torch.from_numpy(out.logprobs),
+        torch.log_softmax(ref.double(), -1),
+        **tol("slm_logits", torch.float32),
+    )

@@ -24,11 +24,21 @@ from mobile_client.export.onnx_export import export_step, mtp_dummy_feeds, op_ty
 
 def _toy_ops(tmp_path) -> dict[str, list[str]]:
     mspec = toy_mtp_spec(sliding_window=512)
-    m = export_step(MtpHead(mspec, 100).eval(), mtp_dummy_feeds(mspec, 1024), MTP_INPUTS, MTP_OUTPUTS,
-                    tmp_path / "mtp.onnx")
+    m = export_step(
+        MtpHead(mspec, 100).eval(),
+        mtp_dummy_feeds(mspec, 1024),
+        MTP_INPUTS,
+        MTP_OUTPUTS,
+        tmp_path / "mtp.onnx",
+    )
     sspec = toy_slm_spec(sliding_window=512)
-    s = export_step(SlmStep(sspec, 100).eval(), slm_dummy_feeds(sspec), slm_input_names(sspec),
-                    slm_output_names(sspec), tmp_path / "slm.onnx")
+    s = export_step(
+        SlmStep(sspec, 100).eval(),
+        slm_dummy_feeds(sspec),
+        slm_input_names(sspec),
+        slm_output_names(sspec),
+        tmp_path / "slm.onnx",
+    )
     return {"mtp": sorted(op_types(m)), "slm": sorted(op_types(s))}
 
 

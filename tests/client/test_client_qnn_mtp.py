@@ -33,7 +33,9 @@ def built(tmp_path_factory):
     spec = toy_mtp_spec(sliding_window=MTP_WINDOW // 2)
     keep = sorted(set(range(0, spec.vocab, 2)) | {1, 3})
     embed = torch.randn(spec.vocab, spec.backbone, generator=torch.Generator().manual_seed(3))
-    art, ladder = build_mtp(out, spec, random_mtp_state_dict(spec, seed=2), keep, embed, n_calib=8, n_golden=2)
+    art, ladder = build_mtp(
+        out, spec, random_mtp_state_dict(spec, seed=2), keep, embed, n_calib=8, n_golden=2
+    )
     return out, spec, keep, embed, art, ladder
 
 
@@ -57,15 +59,21 @@ def test_qnn_mtp_qdq_weights_are_our_encodings(built):
         name = node.input[0].removesuffix("_quantized") if node.op_type == "DequantizeLinear" else ""
         if name in art.encodings["weights"]:
             enc = art.encodings["weights"][name]
-            np.testing.assert_array_equal(numpy_helper.to_array(raw[node.input[1]]),
-                                          np.asarray(enc["scale"], np.float32))
+            np.testing.assert_array_equal(
+                numpy_helper.to_array(raw[node.input[1]]), np.asarray(enc["scale"], np.float32)
+            )
             assert raw[node.input[0]].data_type == onnx.TensorProto.INT4
             int4 += 1
     assert int4 == len(art.encodings["weights"]) == 13  # 5 per layer x 2 + pre, post, lm_head
 
 
-@pytest.mark.parametrize("pair,row", [(("fake_quant", "ort_cpu_qdq"), "qnn_sim_vs_cpu_qdq"),
-                                      (("ort_cpu_qdq", "htp_emulator"), "qnn_cpu_qdq_vs_htp_emulator")])
+@pytest.mark.parametrize(
+    "pair,row",
+    [
+        (("fake_quant", "ort_cpu_qdq"), "qnn_sim_vs_cpu_qdq"),
+        (("ort_cpu_qdq", "htp_emulator"), "qnn_cpu_qdq_vs_htp_emulator"),
+    ],
+)
 def test_qnn_mtp_ladder(built, pair, row):
     """SIMULATED -> SIMULATED(cpu-qdq) -> EMULATED(x86-HTP) on the golden feeds."""
     *_, ladder = built
@@ -84,12 +92,18 @@ def test_qnn_mtp_drafter_chain_cpu_qdq_equals_emulator(built):
     def backend(session):
         def step(feeds):
             return tuple(qnn.run(session, feeds))
+
         return step
 
     rng = np.random.default_rng(5)
     t = 700
-    rows = {k: (rng.standard_normal((t, a.kv_heads, a.head_dim)).astype(np.float32),
-                rng.standard_normal((t, a.kv_heads, a.head_dim)).astype(np.float32)) for k, a in spec.attn.items()}
+    rows = {
+        k: (
+            rng.standard_normal((t, a.kv_heads, a.head_dim)).astype(np.float32),
+            rng.standard_normal((t, a.kv_heads, a.head_dim)).astype(np.float32),
+        )
+        for k, a in spec.attn.items()
+    }
     x_hat = np.concatenate([lut[5], rng.standard_normal(spec.backbone)]).astype(np.float32)
     drafts = []
     for session in (qnn.cpu_session(art.qdq_onnx), qnn.htp_session(art.ctx_onnx)):

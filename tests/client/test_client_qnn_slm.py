@@ -29,8 +29,9 @@ def built(tmp_path_factory):
     out = tmp_path_factory.mktemp("slm_build")
     spec = toy_slm_spec(sliding_window=SLM_WINDOW // 2)
     keep = list(range(0, spec.vocab, 2))
-    art, ladder = build_slm_step(out, spec, random_slm_state_dict(spec, seed=3), keep, n_calib=3, n_golden=1,
-                                 max_prefill=64)
+    art, ladder = build_slm_step(
+        out, spec, random_slm_state_dict(spec, seed=3), keep, n_calib=3, n_golden=1, max_prefill=64
+    )
     return out, spec, art, ladder
 
 
@@ -42,8 +43,13 @@ def test_qnn_slm_compiles_fully_onto_htp_v81(built):
     assert art.input_shapes["k_0"][1] == 512 and art.input_shapes["k_2"][1] == 1024  # sliding / full rings
 
 
-@pytest.mark.parametrize("pair,row", [(("fake_quant", "ort_cpu_qdq"), "qnn_sim_vs_cpu_qdq"),
-                                      (("ort_cpu_qdq", "htp_emulator"), "qnn_cpu_qdq_vs_htp_emulator")])
+@pytest.mark.parametrize(
+    "pair,row",
+    [
+        (("fake_quant", "ort_cpu_qdq"), "qnn_sim_vs_cpu_qdq"),
+        (("ort_cpu_qdq", "htp_emulator"), "qnn_cpu_qdq_vs_htp_emulator"),
+    ],
+)
 def test_qnn_slm_ladder(built, pair, row):
     *_, ladder = built
     bound, worst = tol(row, torch.float32)["atol"], tol(row + "_worst_row", torch.float32)["atol"]

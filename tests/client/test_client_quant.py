@@ -12,8 +12,14 @@ import torch
 from mobile_client.drafters.mtp import EmbedLut, MtpHead
 from mobile_client.drafters.spec import random_mtp_state_dict, toy_mtp_spec
 from mobile_client.export.calib import mtp_feeds
-from mobile_client.quant.fakequant import (ActQuant, QLinear, calibrate, fake_quant_weight, mse_clip_scales,
-                                           quantize_linears)
+from mobile_client.quant.fakequant import (
+    ActQuant,
+    QLinear,
+    calibrate,
+    fake_quant_weight,
+    mse_clip_scales,
+    quantize_linears,
+)
 from mobile_client.quant.qat import agreement, lr_at, qat
 
 
@@ -58,8 +64,9 @@ def _toy(seed=0):
     spec = toy_mtp_spec()
     keep = list(range(0, spec.vocab, 2))
     head = MtpHead.from_hf_state_dict(spec, random_mtp_state_dict(spec, seed=seed), keep)
-    lut = EmbedLut.from_embedding(torch.randn(spec.vocab, spec.backbone, generator=torch.Generator().manual_seed(1)),
-                                  keep)
+    lut = EmbedLut.from_embedding(
+        torch.randn(spec.vocab, spec.backbone, generator=torch.Generator().manual_seed(1)), keep
+    )
     return spec, keep, head, lut
 
 

@@ -61,7 +61,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def masked_softmax(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """softmax over the last dim where ``mask`` (0/1 floats, broadcastable) is 1; masked scores -> MASK_FILL."""
+    """softmax over the last dim where ``mask`` (0/1 floats, broadcastable) is 1; masked scores: MASK_FILL."""
     scores = scores * mask + (mask - 1.0) * (-MASK_FILL)
     return torch.softmax(scores, dim=-1)
 
@@ -96,8 +96,9 @@ class Sandwich(nn.Module):
         self.post_feedforward_layernorm = RMSNorm(hidden, eps)
 
 
-def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                      quant: tuple[ActQuant, ActQuant]) -> torch.Tensor:
+def grouped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, quant: tuple[ActQuant, ActQuant]
+) -> torch.Tensor:
     """Scaled-by-1 GQA attention (Gemma-4 normalizes q and k instead of scaling).
 
     Shape: q [kvh, g * rows, d] (query head h = kv head h // g), k and v [kvh, cols, d], mask

@@ -34,8 +34,19 @@ from mobile_client.drafters.spec import FULL, SLIDING, MtpSpec
 from mobile_client.quant.fakequant import ActQuant
 
 #: graph input and output names of the MTP step (ONNX, QNN context and the torch backend agree on them)
-MTP_INPUTS = ("z", "k_sliding", "v_sliding", "k_full", "v_full", "mask_sliding", "mask_full",
-              "cos_sliding", "sin_sliding", "cos_full", "sin_full")
+MTP_INPUTS = (
+    "z",
+    "k_sliding",
+    "v_sliding",
+    "k_full",
+    "v_full",
+    "mask_sliding",
+    "mask_full",
+    "cos_sliding",
+    "sin_sliding",
+    "cos_full",
+    "sin_full",
+)
 MTP_OUTPUTS = ("logits", "h")
 
 
@@ -64,8 +75,12 @@ class MtpLayer(nn.Module):
         self.kind = kind
         self.self_attn = QOnlyAttention(spec, kind)
         self.mlp = GatedMLP(spec.hidden, spec.intermediate)
-        for n in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                  "post_feedforward_layernorm"):
+        for n in (
+            "input_layernorm",
+            "post_attention_layernorm",
+            "pre_feedforward_layernorm",
+            "post_feedforward_layernorm",
+        ):
             setattr(self, n, RMSNorm(spec.hidden, spec.eps))
         self.register_buffer("layer_scalar", torch.ones(1))
         self.q_res = ActQuant()
@@ -105,10 +120,24 @@ class MtpHead(nn.Module):
         load_into(head, sub)
         return head.eval()
 
-    def forward(self, z, k_sliding, v_sliding, k_full, v_full, mask_sliding, mask_full,
-                cos_sliding, sin_sliding, cos_full, sin_full):
-        rings = {SLIDING: (k_sliding, v_sliding, mask_sliding, cos_sliding, sin_sliding),
-                 FULL: (k_full, v_full, mask_full, cos_full, sin_full)}
+    def forward(
+        self,
+        z,
+        k_sliding,
+        v_sliding,
+        k_full,
+        v_full,
+        mask_sliding,
+        mask_full,
+        cos_sliding,
+        sin_sliding,
+        cos_full,
+        sin_full,
+    ):
+        rings = {
+            SLIDING: (k_sliding, v_sliding, mask_sliding, cos_sliding, sin_sliding),
+            FULL: (k_full, v_full, mask_full, cos_full, sin_full),
+        }
         x = self.pre_projection(self.q_in(z))  # [1, hidden]
         for layer in self.layers:
             x = layer(x, *rings[layer.kind])
@@ -187,13 +216,25 @@ class MtpDrafter:
     int8 rows first).
     """
 
-    def __init__(self, spec: MtpSpec, keep_ids: Sequence[int], lut: EmbedLut, step: StepFn,
-                 window: int = 1024, k: int = 4, d: int = 2):
+    def __init__(
+        self,
+        spec: MtpSpec,
+        keep_ids: Sequence[int],
+        lut: EmbedLut,
+        step: StepFn,
+        window: int = 1024,
+        k: int = 4,
+        d: int = 2,
+    ):
         self.spec, self.keep_ids, self.lut, self.step = spec, np.asarray(keep_ids), lut, step
         self.window, self.k, self.d = window, k, d
-        self.rings = {kind: (np.zeros((a.kv_heads, window, a.head_dim), np.float32),
-                             np.zeros((a.kv_heads, window, a.head_dim), np.float32))
-                      for kind, a in spec.attn.items()}
+        self.rings = {
+            kind: (
+                np.zeros((a.kv_heads, window, a.head_dim), np.float32),
+                np.zeros((a.kv_heads, window, a.head_dim), np.float32),
+            )
+            for kind, a in spec.attn.items()
+        }
         self.pos = np.full(window, -1, np.int64)  # absolute position held by each column
         self.ell, self.t0 = 0, -1
 

@@ -39,8 +39,19 @@ ROWS = 32
 
 def slm_input_names(spec: SlmSpec) -> list[str]:
     kv = [f"{kv}_{j}" for j in range(spec.first_shared) for kv in ("k", "v")]
-    return ["x", "ple", "cos_sliding", "sin_sliding", "cos_full", "sin_full", "ring_mask_sliding",
-            "ring_mask_full", "self_mask_sliding", "self_mask_full", *kv]
+    return [
+        "x",
+        "ple",
+        "cos_sliding",
+        "sin_sliding",
+        "cos_full",
+        "sin_full",
+        "ring_mask_sliding",
+        "ring_mask_full",
+        "self_mask_sliding",
+        "self_mask_full",
+        *kv,
+    ]
 
 
 def slm_output_names(spec: SlmSpec) -> list[str]:
@@ -90,8 +101,12 @@ class SlmLayer(nn.Module):
         self.index, self.kind, self.source = layer, spec.layer_types[layer], spec.kv_source(layer)
         self.self_attn = SlmAttention(spec, layer)
         self.mlp = GatedMLP(spec.hidden, spec.intermediate_of(layer))
-        for n in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                  "post_feedforward_layernorm"):
+        for n in (
+            "input_layernorm",
+            "post_attention_layernorm",
+            "pre_feedforward_layernorm",
+            "post_feedforward_layernorm",
+        ):
             setattr(self, n, RMSNorm(spec.hidden, spec.eps))
         self.register_buffer("layer_scalar", torch.ones(1))
         self.ple_dim = spec.ple_dim
@@ -130,12 +145,16 @@ class SlmStep(nn.Module):
         self.norm = RMSNorm(spec.hidden, spec.eps)
         self.lm_head = nn.Linear(spec.hidden, keep_size, bias=False)
         if spec.ple_dim:
-            self.per_layer_model_projection = nn.Linear(spec.hidden, spec.num_layers * spec.ple_dim, bias=False)
+            self.per_layer_model_projection = nn.Linear(
+                spec.hidden, spec.num_layers * spec.ple_dim, bias=False
+            )
             self.per_layer_projection_norm = RMSNorm(spec.ple_dim, spec.eps)
         self.q_in, self.q_logits = ActQuant(), ActQuant()
 
     @classmethod
-    def from_hf_state_dict(cls, spec: SlmSpec, sd: dict[str, torch.Tensor], keep_ids: Sequence[int]) -> "SlmStep":
+    def from_hf_state_dict(
+        cls, spec: SlmSpec, sd: dict[str, torch.Tensor], keep_ids: Sequence[int]
+    ) -> "SlmStep":
         step = cls(spec, len(keep_ids))
         sub = {k: sd["model." + k] for k in step.state_dict() if "model." + k in sd}
         lm = sd.get("lm_head.weight", sd["model.embed_tokens.weight"])
@@ -143,18 +162,35 @@ class SlmStep(nn.Module):
         load_into(step, sub)
         return step.eval()
 
-    def forward(self, x, ple, cos_sliding, sin_sliding, cos_full, sin_full, ring_mask_sliding, ring_mask_full,
-                self_mask_sliding, self_mask_full, *rings):
+    def forward(
+        self,
+        x,
+        ple,
+        cos_sliding,
+        sin_sliding,
+        cos_full,
+        sin_full,
+        ring_mask_sliding,
+        ring_mask_full,
+        self_mask_sliding,
+        self_mask_full,
+        *rings,
+    ):
         spec, rows = self.spec, x.shape[0]
         x = self.q_in(x)
-        trig = {SLIDING: (cos_sliding[:, None], sin_sliding[:, None]), FULL: (cos_full[:, None], sin_full[:, None])}
-        masks = {SLIDING: torch.cat([ring_mask_sliding, self_mask_sliding], 1),
-                 FULL: torch.cat([ring_mask_full, self_mask_full], 1)}
+        trig = {
+            SLIDING: (cos_sliding[:, None], sin_sliding[:, None]),
+            FULL: (cos_full[:, None], sin_full[:, None]),
+        }
+        masks = {
+            SLIDING: torch.cat([ring_mask_sliding, self_mask_sliding], 1),
+            FULL: torch.cat([ring_mask_full, self_mask_full], 1),
+        }
         kv = {j: (rings[2 * j], rings[2 * j + 1]) for j in range(spec.first_shared)}
         if spec.ple_dim:
-            proj = self.per_layer_model_projection(x) * (spec.hidden ** -0.5)
+            proj = self.per_layer_model_projection(x) * (spec.hidden**-0.5)
             proj = self.per_layer_projection_norm(proj.reshape(rows, spec.num_layers, spec.ple_dim))
-            ple = (proj + ple) * (2.0 ** -0.5)  # [R, L, P]
+            ple = (proj + ple) * (2.0**-0.5)  # [R, L, P]
         for i, layer in enumerate(self.layers):
             x = layer(x, ple[:, i] if spec.ple_dim else None, *trig[layer.kind], kv, masks)
         logits = self.q_logits(softcap(self.lm_head(self.norm(x)), spec.softcap))  # [R, Vk]
@@ -176,12 +212,22 @@ class SlmDrafter:
     ``slm_output_names``; default: the float torch ``SlmStep``.
     """
 
-    def __init__(self, spec: SlmSpec, sd: dict[str, torch.Tensor], keep_ids: Sequence[int], window: int = 1024,
-                 rows: int = ROWS, step=None):
+    def __init__(
+        self,
+        spec: SlmSpec,
+        sd: dict[str, torch.Tensor],
+        keep_ids: Sequence[int],
+        window: int = 1024,
+        rows: int = ROWS,
+        step=None,
+    ):
         self.spec, self.keep_ids, self.window, self.rows = spec, np.asarray(keep_ids, np.int64), window, rows
         self.embed = (sd["model.embed_tokens.weight"].float() * math.sqrt(spec.hidden)).numpy()  # [V, hidden]
-        self.ple_table = (sd["model.embed_tokens_per_layer.weight"].float() * math.sqrt(spec.ple_dim)).numpy() \
-            if spec.ple_dim else None  # [V, L * P]
+        self.ple_table = (
+            (sd["model.embed_tokens_per_layer.weight"].float() * math.sqrt(spec.ple_dim)).numpy()
+            if spec.ple_dim
+            else None
+        )  # [V, L * P]
         self.step = step or torch_slm_step(SlmStep.from_hf_state_dict(spec, sd, keep_ids))
         self.ring_cols = {FULL: window, SLIDING: window // 2}
         self.rings: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # KV-producing layer -> (K, V) [kvh, Wk, d]
@@ -194,7 +240,9 @@ class SlmDrafter:
         self.pending: dict[int, tuple[int, list[np.ndarray]]] = {}  # tree row -> (position, new K/V)
 
     # -- the static step -------------------------------------------------------------------------------
-    def _feeds(self, tokens: Sequence[int], positions: np.ndarray, attend: np.ndarray) -> dict[str, np.ndarray]:
+    def _feeds(
+        self, tokens: Sequence[int], positions: np.ndarray, attend: np.ndarray
+    ) -> dict[str, np.ndarray]:
         """Feeds for ``len(tokens) <= rows`` rows (padded), ``attend`` [n, n] over these rows."""
         spec, n, R = self.spec, len(tokens), self.rows
         assert n <= R, f"{n} rows > the static graph's {R}"
@@ -203,8 +251,11 @@ class SlmDrafter:
         pos = np.zeros(R, np.int64)
         pos[:n] = positions
         feeds = {"x": self.embed[ids].astype(np.float32)}
-        feeds["ple"] = (self.ple_table[ids].reshape(R, spec.num_layers, spec.ple_dim).astype(np.float32)
-                        if spec.ple_dim else np.zeros((R, spec.num_layers, 0), np.float32))
+        feeds["ple"] = (
+            self.ple_table[ids].reshape(R, spec.num_layers, spec.ple_dim).astype(np.float32)
+            if spec.ple_dim
+            else np.zeros((R, spec.num_layers, 0), np.float32)
+        )
         self_attend = np.eye(R, dtype=bool)  # padded rows attend to themselves only
         self_attend[:n, :n] = attend
         for kind, name in ((SLIDING, "sliding"), (FULL, "full")):
@@ -240,16 +291,18 @@ class SlmDrafter:
     # -- the drafter contract ----------------------------------------------------------------------------
     def prefill(self, tokens: Sequence[int]) -> None:
         """Commit ``tokens`` (the prompt's last W before its last token, D2) in causal chunks of ``rows``."""
-        tokens = list(tokens)[-self.window:]
+        tokens = list(tokens)[-self.window :]
         for lo in range(0, len(tokens), self.rows):
-            chunk = tokens[lo: lo + self.rows]
+            chunk = tokens[lo : lo + self.rows]
             start = self.committed
-            _, new = self._run(chunk, start + np.arange(len(chunk)), np.tril(np.ones((len(chunk),) * 2, bool)))
+            _, new = self._run(
+                chunk, start + np.arange(len(chunk)), np.tril(np.ones((len(chunk),) * 2, bool))
+            )
             for i in range(len(chunk)):
                 self._commit_row(new, i, start + i)
 
     def forward_rows(self, plan):
-        """One forward over ``plan`` (a ``mobile_client.tree.FrontierPlan``) -> RowLogprobs over the keep set."""
+        """One forward over ``plan`` (a ``mobile_client.tree.FrontierPlan``): log q over the keep set."""
         from mobile_client.drafters.base import RowLogprobs
 
         c = len(plan.catch_up)
@@ -259,13 +312,17 @@ class SlmDrafter:
         cols = list(range(c)) + [c + r for r in plan.rows]
         outside = np.delete(full_mask, cols, axis=1)
         if outside.any():
-            raise NotImplementedError("rows attending to an earlier pass's rows (HyCo-2P) need pending KV "
-                                      "columns; the static one-pass graph does not take them")
+            raise NotImplementedError(
+                "rows attending to an earlier pass's rows (HyCo-2P) need pending KV "
+                "columns; the static one-pass graph does not take them"
+            )
         logits, new = self._run(plan.forward_tokens(), positions, full_mask[:, cols])
         for i in range(c):
             self._commit_row(new, i, positions[i])
-        self.pending = {r: (int(positions[c + i]), [a[:, c + i: c + i + 1] for a in new])
-                        for i, r in enumerate(plan.rows)}
+        self.pending = {
+            r: (int(positions[c + i]), [a[:, c + i : c + i + 1] for a in new])
+            for i, r in enumerate(plan.rows)
+        }
         lp = torch.log_softmax(torch.from_numpy(logits).double(), dim=-1).numpy()
         return RowLogprobs(lp, self.keep_ids)
 

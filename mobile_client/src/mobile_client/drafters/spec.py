@@ -46,8 +46,11 @@ class RopeSpec:
 
 
 def _rope_from_hf(params: dict) -> RopeSpec:
-    return RopeSpec(float(params["rope_theta"]), params.get("rope_type", "default"),
-                    float(params.get("partial_rotary_factor", 1.0)))
+    return RopeSpec(
+        float(params["rope_theta"]),
+        params.get("rope_type", "default"),
+        float(params.get("partial_rotary_factor", 1.0)),
+    )
 
 
 @dataclass(frozen=True)
@@ -82,12 +85,18 @@ class MtpSpec:
         """From a ``gemma4_assistant`` config.json dict (its ``text_config`` holds the layer shapes)."""
         text = cfg.get("text_config", cfg)
         return cls(
-            hidden=text["hidden_size"], backbone=cfg.get("backbone_hidden_size", text["hidden_size"]),
-            intermediate=text["intermediate_size"], num_heads=text["num_attention_heads"],
-            layer_types=tuple(text["layer_types"]), attn=_attn_from_hf(text),
+            hidden=text["hidden_size"],
+            backbone=cfg.get("backbone_hidden_size", text["hidden_size"]),
+            intermediate=text["intermediate_size"],
+            num_heads=text["num_attention_heads"],
+            layer_types=tuple(text["layer_types"]),
+            attn=_attn_from_hf(text),
             rope={k: _rope_from_hf(v) for k, v in text["rope_parameters"].items()},
-            vocab=text["vocab_size"], sliding_window=text["sliding_window"],
-            eps=text.get("rms_norm_eps", 1e-6), softcap=text.get("final_logit_softcapping"))
+            vocab=text["vocab_size"],
+            sliding_window=text["sliding_window"],
+            eps=text.get("rms_norm_eps", 1e-6),
+            softcap=text.get("final_logit_softcapping"),
+        )
 
 
 def _attn_from_hf(text: dict) -> dict[str, AttnShape]:
@@ -99,7 +108,9 @@ def _attn_from_hf(text: dict) -> dict[str, AttnShape]:
     if plc:
         types = text["layer_types"]
         full = [o for i, o in plc.items() if types[int(i)] == FULL] or [{}]
-        shapes[FULL] = AttnShape(full[0].get("head_dim", text["head_dim"]), full[0].get("num_key_value_heads", kv))
+        shapes[FULL] = AttnShape(
+            full[0].get("head_dim", text["head_dim"]), full[0].get("num_key_value_heads", kv)
+        )
         return shapes
     gkv = text.get("num_global_key_value_heads") if text.get("attention_k_eq_v", False) else None
     shapes[FULL] = AttnShape(text.get("global_head_dim", 512), gkv or kv)
@@ -148,15 +159,21 @@ class SlmSpec:
     def from_hf_config(cls, cfg: dict) -> "SlmSpec":
         text = cfg.get("text_config", cfg)
         return cls(
-            hidden=text["hidden_size"], intermediate=text["intermediate_size"],
-            num_heads=text["num_attention_heads"], layer_types=tuple(text["layer_types"]),
-            attn=_attn_from_hf(text), rope={k: _rope_from_hf(v) for k, v in text["rope_parameters"].items()},
-            vocab=text["vocab_size"], sliding_window=text["sliding_window"],
+            hidden=text["hidden_size"],
+            intermediate=text["intermediate_size"],
+            num_heads=text["num_attention_heads"],
+            layer_types=tuple(text["layer_types"]),
+            attn=_attn_from_hf(text),
+            rope={k: _rope_from_hf(v) for k, v in text["rope_parameters"].items()},
+            vocab=text["vocab_size"],
+            sliding_window=text["sliding_window"],
             ple_dim=text.get("hidden_size_per_layer_input", 0) or 0,
             num_kv_shared=text.get("num_kv_shared_layers", 0) or 0,
             double_wide_mlp=bool(text.get("use_double_wide_mlp", False)),
-            k_eq_v=bool(text.get("attention_k_eq_v", False)), eps=text.get("rms_norm_eps", 1e-6),
-            softcap=text.get("final_logit_softcapping"))
+            k_eq_v=bool(text.get("attention_k_eq_v", False)),
+            eps=text.get("rms_norm_eps", 1e-6),
+            softcap=text.get("final_logit_softcapping"),
+        )
 
 
 _GEMMA4_ROPE = {SLIDING: RopeSpec(10_000.0), FULL: RopeSpec(1_000_000.0, "proportional", 0.25)}
@@ -164,9 +181,17 @@ _GEMMA4_ROPE = {SLIDING: RopeSpec(10_000.0), FULL: RopeSpec(1_000_000.0, "propor
 
 def toy_mtp_spec(**overrides) -> MtpSpec:
     """CI twin of the 26B-A4B assistant: same layer pattern and graph, tiny widths."""
-    base = MtpSpec(hidden=64, backbone=96, intermediate=128, num_heads=4, layer_types=(SLIDING, FULL),
-                   attn={SLIDING: AttnShape(32, 2), FULL: AttnShape(64, 1)}, rope=dict(_GEMMA4_ROPE),
-                   vocab=512, sliding_window=16)
+    base = MtpSpec(
+        hidden=64,
+        backbone=96,
+        intermediate=128,
+        num_heads=4,
+        layer_types=(SLIDING, FULL),
+        attn={SLIDING: AttnShape(32, 2), FULL: AttnShape(64, 1)},
+        rope=dict(_GEMMA4_ROPE),
+        vocab=512,
+        sliding_window=16,
+    )
     return replace(base, **overrides)
 
 
@@ -174,18 +199,34 @@ def full_mtp_spec() -> MtpSpec:
     """26B-A4B-assistant-shaped head. From the paper: backbone 2,816; 6,144 K/V values per position
     (sliding 8 KV heads x 256 x 2 + global 2 KV heads x 512 x 2); window 1,024. Inferred (no config
     offline): assistant hidden 1,024, 4 layers [S, S, S, F], 8 query heads, MLP 4,096, vocab 262,144."""
-    return MtpSpec(hidden=1024, backbone=2816, intermediate=4096, num_heads=8,
-                   layer_types=(SLIDING, SLIDING, SLIDING, FULL),
-                   attn={SLIDING: AttnShape(256, 8), FULL: AttnShape(512, 2)}, rope=dict(_GEMMA4_ROPE),
-                   vocab=262_144, sliding_window=1024)
+    return MtpSpec(
+        hidden=1024,
+        backbone=2816,
+        intermediate=4096,
+        num_heads=8,
+        layer_types=(SLIDING, SLIDING, SLIDING, FULL),
+        attn={SLIDING: AttnShape(256, 8), FULL: AttnShape(512, 2)},
+        rope=dict(_GEMMA4_ROPE),
+        vocab=262_144,
+        sliding_window=1024,
+    )
 
 
 def toy_slm_spec(**overrides) -> SlmSpec:
-    """CI twin of Gemma-4 E2B: PLE, 2 KV-shared trailing layers, double-wide MLP there, 4:1 pattern cut short."""
-    base = SlmSpec(hidden=64, intermediate=96, num_heads=4,
-                   layer_types=(SLIDING, SLIDING, FULL, SLIDING, FULL),
-                   attn={SLIDING: AttnShape(16, 1), FULL: AttnShape(32, 1)}, rope=dict(_GEMMA4_ROPE),
-                   vocab=512, sliding_window=16, ple_dim=8, num_kv_shared=2, double_wide_mlp=True)
+    """CI twin of Gemma-4 E2B: PLE, 2 KV-shared trailing layers with double-wide MLPs, a short 4:1 pattern."""
+    base = SlmSpec(
+        hidden=64,
+        intermediate=96,
+        num_heads=4,
+        layer_types=(SLIDING, SLIDING, FULL, SLIDING, FULL),
+        attn={SLIDING: AttnShape(16, 1), FULL: AttnShape(32, 1)},
+        rope=dict(_GEMMA4_ROPE),
+        vocab=512,
+        sliding_window=16,
+        ple_dim=8,
+        num_kv_shared=2,
+        double_wide_mlp=True,
+    )
     return replace(base, **overrides)
 
 
@@ -196,33 +237,63 @@ def e2b_slm_spec(num_layers: int = 35) -> SlmSpec:
     types = tuple(FULL if (i + 1) % 5 == 0 else SLIDING for i in range(35))[:num_layers]
     types = types[:-1] + (FULL,)
     shared = 20 if num_layers == 35 else max(0, num_layers - 5)
-    return SlmSpec(hidden=1536, intermediate=6144, num_heads=8, layer_types=types,
-                   attn={SLIDING: AttnShape(256, 1), FULL: AttnShape(512, 1)}, rope=dict(_GEMMA4_ROPE),
-                   vocab=262_144, sliding_window=512, ple_dim=256, num_kv_shared=shared, double_wide_mlp=True)
+    return SlmSpec(
+        hidden=1536,
+        intermediate=6144,
+        num_heads=8,
+        layer_types=types,
+        attn={SLIDING: AttnShape(256, 1), FULL: AttnShape(512, 1)},
+        rope=dict(_GEMMA4_ROPE),
+        vocab=262_144,
+        sliding_window=512,
+        ple_dim=256,
+        num_kv_shared=shared,
+        double_wide_mlp=True,
+    )
 
 
 def mtp_hf_config(spec: MtpSpec) -> dict:
     """The ``gemma4_assistant`` config.json dict for ``spec`` (loads in transformers and vLLM)."""
     s, f = spec.attn[SLIDING], spec.attn[FULL]
-    text = dict(model_type="gemma4_text", vocab_size=spec.vocab, hidden_size=spec.hidden,
-                intermediate_size=spec.intermediate, num_hidden_layers=len(spec.layer_types),
-                num_attention_heads=spec.num_heads, num_key_value_heads=s.kv_heads, head_dim=s.head_dim,
-                global_head_dim=f.head_dim, num_global_key_value_heads=f.kv_heads, attention_k_eq_v=True,
-                layer_types=list(spec.layer_types), sliding_window=spec.sliding_window,
-                hidden_size_per_layer_input=0, vocab_size_per_layer_input=0,
-                final_logit_softcapping=spec.softcap, num_kv_shared_layers=len(spec.layer_types),
-                rms_norm_eps=spec.eps, max_position_embeddings=8192)
-    return dict(model_type="gemma4_assistant", architectures=["Gemma4AssistantForCausalLM"],
-                backbone_hidden_size=spec.backbone, text_config=text, tie_word_embeddings=True)
+    text = dict(
+        model_type="gemma4_text",
+        vocab_size=spec.vocab,
+        hidden_size=spec.hidden,
+        intermediate_size=spec.intermediate,
+        num_hidden_layers=len(spec.layer_types),
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=s.kv_heads,
+        head_dim=s.head_dim,
+        global_head_dim=f.head_dim,
+        num_global_key_value_heads=f.kv_heads,
+        attention_k_eq_v=True,
+        layer_types=list(spec.layer_types),
+        sliding_window=spec.sliding_window,
+        hidden_size_per_layer_input=0,
+        vocab_size_per_layer_input=0,
+        final_logit_softcapping=spec.softcap,
+        num_kv_shared_layers=len(spec.layer_types),
+        rms_norm_eps=spec.eps,
+        max_position_embeddings=8192,
+    )
+    return dict(
+        model_type="gemma4_assistant",
+        architectures=["Gemma4AssistantForCausalLM"],
+        backbone_hidden_size=spec.backbone,
+        text_config=text,
+        tie_word_embeddings=True,
+    )
 
 
 def random_mtp_state_dict(spec: MtpSpec, seed: int = 0) -> dict[str, torch.Tensor]:
     """HF-layout assistant weights (``Gemma4AssistantForCausalLM`` keys), random but well scaled."""
     g = torch.Generator().manual_seed(seed)
-    sd: dict[str, torch.Tensor] = {"model.embed_tokens.weight": _rand(g, spec.vocab, spec.hidden, scale=1.0),
-                                   "model.norm.weight": _norm_w(g, spec.hidden),
-                                   "pre_projection.weight": _rand(g, spec.hidden, 2 * spec.backbone),
-                                   "post_projection.weight": _rand(g, spec.backbone, spec.hidden)}
+    sd: dict[str, torch.Tensor] = {
+        "model.embed_tokens.weight": _rand(g, spec.vocab, spec.hidden, scale=1.0),
+        "model.norm.weight": _norm_w(g, spec.hidden),
+        "pre_projection.weight": _rand(g, spec.hidden, 2 * spec.backbone),
+        "post_projection.weight": _rand(g, spec.backbone, spec.hidden),
+    }
     for i, kind in enumerate(spec.layer_types):
         p, d = f"model.layers.{i}.", spec.head_dim(kind)
         sd.update(_decoder_layer(g, p, spec.hidden, spec.num_heads, d, spec.intermediate))
@@ -230,15 +301,21 @@ def random_mtp_state_dict(spec: MtpSpec, seed: int = 0) -> dict[str, torch.Tenso
 
 
 def _decoder_layer(g, p: str, hidden: int, heads: int, d: int, inter: int) -> dict[str, torch.Tensor]:
-    sd = {p + "self_attn.q_proj.weight": _rand(g, heads * d, hidden),
-          p + "self_attn.q_norm.weight": _norm_w(g, d),
-          p + "self_attn.o_proj.weight": _rand(g, hidden, heads * d),
-          p + "mlp.gate_proj.weight": _rand(g, inter, hidden),
-          p + "mlp.up_proj.weight": _rand(g, inter, hidden),
-          p + "mlp.down_proj.weight": _rand(g, hidden, inter),
-          p + "layer_scalar": torch.ones(1)}
-    for n in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-              "post_feedforward_layernorm"):
+    sd = {
+        p + "self_attn.q_proj.weight": _rand(g, heads * d, hidden),
+        p + "self_attn.q_norm.weight": _norm_w(g, d),
+        p + "self_attn.o_proj.weight": _rand(g, hidden, heads * d),
+        p + "mlp.gate_proj.weight": _rand(g, inter, hidden),
+        p + "mlp.up_proj.weight": _rand(g, inter, hidden),
+        p + "mlp.down_proj.weight": _rand(g, hidden, inter),
+        p + "layer_scalar": torch.ones(1),
+    }
+    for n in (
+        "input_layernorm",
+        "post_attention_layernorm",
+        "pre_feedforward_layernorm",
+        "post_feedforward_layernorm",
+    ):
         sd[p + n + ".weight"] = _norm_w(g, hidden)
     return sd
 
@@ -247,8 +324,10 @@ def random_slm_state_dict(spec: SlmSpec, seed: int = 0) -> dict[str, torch.Tenso
     """HF-layout ``Gemma4ForCausalLM`` weights (``model.`` prefix, tied lm_head), random."""
     g = torch.Generator().manual_seed(seed)
     L, P = spec.num_layers, spec.ple_dim
-    sd = {"model.embed_tokens.weight": _rand(g, spec.vocab, spec.hidden, scale=1.0),
-          "model.norm.weight": _norm_w(g, spec.hidden)}
+    sd = {
+        "model.embed_tokens.weight": _rand(g, spec.vocab, spec.hidden, scale=1.0),
+        "model.norm.weight": _norm_w(g, spec.hidden),
+    }
     if P:
         sd["model.embed_tokens_per_layer.weight"] = _rand(g, spec.vocab, L * P, scale=1.0)
         sd["model.per_layer_model_projection.weight"] = _rand(g, L * P, spec.hidden)
@@ -271,16 +350,30 @@ def random_slm_state_dict(spec: SlmSpec, seed: int = 0) -> dict[str, torch.Tenso
 def slm_hf_config(spec: SlmSpec) -> dict:
     """A ``gemma4_text`` config.json dict for ``spec`` (Gemma4ForCausalLM)."""
     s, f = spec.attn[SLIDING], spec.attn[FULL]
-    return dict(model_type="gemma4_text", architectures=["Gemma4ForCausalLM"], vocab_size=spec.vocab,
-                hidden_size=spec.hidden, intermediate_size=spec.intermediate,
-                num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
-                num_key_value_heads=s.kv_heads, head_dim=s.head_dim, global_head_dim=f.head_dim,
-                num_global_key_value_heads=f.kv_heads, attention_k_eq_v=spec.k_eq_v,
-                layer_types=list(spec.layer_types), sliding_window=spec.sliding_window,
-                hidden_size_per_layer_input=spec.ple_dim, vocab_size_per_layer_input=spec.vocab,
-                num_kv_shared_layers=spec.num_kv_shared, use_double_wide_mlp=spec.double_wide_mlp,
-                final_logit_softcapping=spec.softcap, rms_norm_eps=spec.eps, max_position_embeddings=8192,
-                tie_word_embeddings=True)
+    return dict(
+        model_type="gemma4_text",
+        architectures=["Gemma4ForCausalLM"],
+        vocab_size=spec.vocab,
+        hidden_size=spec.hidden,
+        intermediate_size=spec.intermediate,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=s.kv_heads,
+        head_dim=s.head_dim,
+        global_head_dim=f.head_dim,
+        num_global_key_value_heads=f.kv_heads,
+        attention_k_eq_v=spec.k_eq_v,
+        layer_types=list(spec.layer_types),
+        sliding_window=spec.sliding_window,
+        hidden_size_per_layer_input=spec.ple_dim,
+        vocab_size_per_layer_input=spec.vocab,
+        num_kv_shared_layers=spec.num_kv_shared,
+        use_double_wide_mlp=spec.double_wide_mlp,
+        final_logit_softcapping=spec.softcap,
+        rms_norm_eps=spec.eps,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+    )
 
 
 def _rand(g: torch.Generator, rows: int, cols: int, scale: float | None = None) -> torch.Tensor:

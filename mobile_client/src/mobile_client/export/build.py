@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from mobile_client.drafters.mtp import MTP_INPUTS, MTP_OUTPUTS, EmbedLut, MtpHead
-from mobile_client.drafters.spec import (MtpSpec, SlmSpec, full_mtp_spec, random_mtp_state_dict, toy_mtp_spec)
+from mobile_client.drafters.spec import MtpSpec, SlmSpec, full_mtp_spec, random_mtp_state_dict, toy_mtp_spec
 from mobile_client.export import qnn
 from mobile_client.export.calib import mtp_feeds
 from mobile_client.export.pipeline import StepArtifacts, build_step, fake_quant_copy, run_ladder, sha256
@@ -45,9 +45,18 @@ def load_hf_dir(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     return cfg, sd
 
 
-def build_mtp(out: Path, spec: MtpSpec, sd: dict, keep_ids: list[int], target_embed: torch.Tensor,
-              compile: bool = True, emulate: bool = True, n_calib: int = 12, n_golden: int = 2,
-              head: torch.nn.Module | None = None) -> tuple[StepArtifacts, dict]:
+def build_mtp(
+    out: Path,
+    spec: MtpSpec,
+    sd: dict,
+    keep_ids: list[int],
+    target_embed: torch.Tensor,
+    compile: bool = True,
+    emulate: bool = True,
+    n_calib: int = 12,
+    n_golden: int = 2,
+    head: torch.nn.Module | None = None,
+) -> tuple[StepArtifacts, dict]:
     """MTP step: float head -> W4/A16 copy (or the given QAT ``head``) -> ONNX/QDQ/context + ladder."""
     float_head = MtpHead.from_hf_state_dict(spec, sd, keep_ids)
     lut = EmbedLut.from_embedding(target_embed, keep_ids)
@@ -55,8 +64,9 @@ def build_mtp(out: Path, spec: MtpSpec, sd: dict, keep_ids: list[int], target_em
     qhead = fake_quant_copy(head if head is not None else float_head, feeds[:n_calib], MTP_INPUTS)
     art = build_step("mtp", qhead, out, MTP_INPUTS, MTP_OUTPUTS, feeds[:n_calib], compile=compile)
     np.savez(out / "mtp_embed_lut.npz", table=lut.table, scale=lut.scale)
-    ladder = _golden(out / "mtp_golden.npz", float_head, qhead, art, feeds[n_calib:], MTP_INPUTS,
-                     emulate and compile)
+    ladder = _golden(
+        out / "mtp_golden.npz", float_head, qhead, art, feeds[n_calib:], MTP_INPUTS, emulate and compile
+    )
     return art, ladder
 
 
@@ -78,8 +88,9 @@ def _golden(path: Path, float_m, quant_m, art: StepArtifacts, feeds, names, emul
     return {"feeds": len(feeds), "per_feed": stats}
 
 
-def build_slm(out: Path, spec: SlmSpec, sd: dict, keep_ids: list[int], compile: bool = True,
-              emulate: bool = True) -> tuple[StepArtifacts, dict] | None:
+def build_slm(
+    out: Path, spec: SlmSpec, sd: dict, keep_ids: list[int], compile: bool = True, emulate: bool = True
+) -> tuple[StepArtifacts, dict] | None:
     """SLM 32-row step (see ``mobile_client.drafters.slm``); None when that module is unavailable."""
     try:
         from mobile_client.export.slm_build import build_slm_step
@@ -88,22 +99,46 @@ def build_slm(out: Path, spec: SlmSpec, sd: dict, keep_ids: list[int], compile: 
     return build_slm_step(out, spec, sd, keep_ids, compile=compile, emulate=emulate)
 
 
-def manifest(out: Path, steps: dict[str, tuple[StepArtifacts, dict]], keep_ids: list[int], extra: dict) -> dict:
+def manifest(
+    out: Path, steps: dict[str, tuple[StepArtifacts, dict]], keep_ids: list[int], extra: dict
+) -> dict:
     files = sorted(p for p in out.iterdir() if p.is_file() and p.name != "manifest.json")
     info = {
         "format": "hyco-phone-build/1",
         "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "target": {"soc": "SM8850", "soc_model": qnn.SOC_MODEL, "htp_arch": qnn.HTP_ARCH,
-                   "cpu_fallback": "disabled"},
-        "versions": {**qnn.versions(), "torch": torch.__version__, "python": platform.python_version(),
-                     "onnx": __import__("onnx").__version__},
-        "keep_set": {"size": len(keep_ids), "sha256": _keep_hash(keep_ids, extra.get("vocab_size")),
-                     "hash_rule": "mobile_client.keepset.KeepSet.hash (sent at session start)"},
-        "labels": {"float": "simulated(torch fp32)", "fake_quant": "simulated(fake-quant)",
-                   "ort_cpu_qdq": "simulated(cpu-qdq)", "htp_emulator": "emulated(x86-HTP)"},
-        "steps": {name: {"inputs": art.input_shapes, "ops": art.ops, "compile": art.compile, "ladder": lad,
-                         "encodings_sha256": sha256(art.float_onnx.with_suffix(".encodings.json"))}
-                  for name, (art, lad) in steps.items()},
+        "target": {
+            "soc": "SM8850",
+            "soc_model": qnn.SOC_MODEL,
+            "htp_arch": qnn.HTP_ARCH,
+            "cpu_fallback": "disabled",
+        },
+        "versions": {
+            **qnn.versions(),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "onnx": __import__("onnx").__version__,
+        },
+        "keep_set": {
+            "size": len(keep_ids),
+            "sha256": _keep_hash(keep_ids, extra.get("vocab_size")),
+            "hash_rule": "mobile_client.keepset.KeepSet.hash (sent at session start)",
+        },
+        "labels": {
+            "float": "simulated(torch fp32)",
+            "fake_quant": "simulated(fake-quant)",
+            "ort_cpu_qdq": "simulated(cpu-qdq)",
+            "htp_emulator": "emulated(x86-HTP)",
+        },
+        "steps": {
+            name: {
+                "inputs": art.input_shapes,
+                "ops": art.ops,
+                "compile": art.compile,
+                "ladder": lad,
+                "encodings_sha256": sha256(art.float_onnx.with_suffix(".encodings.json")),
+            }
+            for name, (art, lad) in steps.items()
+        },
         "files": {p.name: {"bytes": p.stat().st_size, "sha256": sha256(p)} for p in files},
         **extra,
     }
@@ -118,11 +153,15 @@ def _keep_hash(keep_ids: list[int], vocab_size: int | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m mobile_client.export.build", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m mobile_client.export.build", description=__doc__.split("\n")[0]
+    )
     ap.add_argument("out", type=Path)
     ap.add_argument("--fixtures", type=Path, help="a fixtures root (assistant/, verifier/, slm/ inside)")
     ap.add_argument("--mtp-dir", type=Path, help="HF gemma4_assistant folder (default: random toy twin)")
-    ap.add_argument("--target-dir", type=Path, help="HF verifier folder (its embed_tokens feed the 8-bit LUT)")
+    ap.add_argument(
+        "--target-dir", type=Path, help="HF verifier folder (its embed_tokens feed the 8-bit LUT)"
+    )
     ap.add_argument("--slm-dir", type=Path, help="HF Gemma-4 text folder for the SLM Drafter")
     ap.add_argument("--keep-ids", type=Path, help=".npy/.json list of kept token ids (default: every id)")
     ap.add_argument("--full", action="store_true", help="full-size random graphs, compile only (slow)")
@@ -154,8 +193,19 @@ def main(argv: list[str] | None = None) -> int:
         embed = next(v for k, v in tsd.items() if k.endswith("embed_tokens.weight")).float()
     else:
         embed = torch.randn(mspec.vocab, mspec.backbone, generator=torch.Generator().manual_seed(args.seed))
-    steps = {"mtp": build_mtp(out, mspec, msd, keep, embed, compile=compile, emulate=emulate,
-                              n_calib=4 if args.full else 12, n_golden=0 if args.full else 2)}
+    steps = {
+        "mtp": build_mtp(
+            out,
+            mspec,
+            msd,
+            keep,
+            embed,
+            compile=compile,
+            emulate=emulate,
+            n_calib=4 if args.full else 12,
+            n_golden=0 if args.full else 2,
+        )
+    }
     slm = _maybe_slm(args, out, keep, compile, emulate)
     if slm is not None:
         steps["slm"] = slm
@@ -163,8 +213,16 @@ def main(argv: list[str] | None = None) -> int:
     proto = ROOT / "docs" / "protocol.md"
     if proto.exists():
         shutil.copy(proto, out / "protocol.md")
-    info = manifest(out, steps, keep, {"weights": "random" if not args.mtp_dir else str(args.mtp_dir),
-                                       "full_size": args.full, "vocab_size": mspec.vocab})
+    info = manifest(
+        out,
+        steps,
+        keep,
+        {
+            "weights": "random" if not args.mtp_dir else str(args.mtp_dir),
+            "full_size": args.full,
+            "vocab_size": mspec.vocab,
+        },
+    )
     print(json.dumps({k: v["compile"] for k, v in info["steps"].items()}, indent=1))
     return 0
 

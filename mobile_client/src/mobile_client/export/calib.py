@@ -13,17 +13,22 @@ from mobile_client.drafters.mtp import EmbedLut, MtpDrafter, MtpHead, torch_step
 from mobile_client.drafters.spec import MtpSpec
 
 
-def mtp_feeds(spec: MtpSpec, head: MtpHead, lut: EmbedLut, keep_ids, window: int, n: int,
-              seed: int = 0) -> list[dict[str, np.ndarray]]:
+def mtp_feeds(
+    spec: MtpSpec, head: MtpHead, lut: EmbedLut, keep_ids, window: int, n: int, seed: int = 0
+) -> list[dict[str, np.ndarray]]:
     """``n`` step inputs from a drafter fed random hand-offs of random lengths (1 .. 1.5 W positions)."""
     rng = np.random.default_rng(seed)
     drafter = MtpDrafter(spec, keep_ids, lut, torch_step(head), window=window)
     out = []
     for i in range(n):
         t = int(rng.integers(1, int(1.5 * window) + 1))
-        rows = {kind: (rng.standard_normal((t, a.kv_heads, a.head_dim)).astype(np.float32),
-                       rng.standard_normal((t, a.kv_heads, a.head_dim)).astype(np.float32))
-                for kind, a in spec.attn.items()}
+        rows = {
+            kind: (
+                rng.standard_normal((t, a.kv_heads, a.head_dim)).astype(np.float32),
+                rng.standard_normal((t, a.kv_heads, a.head_dim)).astype(np.float32),
+            )
+            for kind, a in spec.attn.items()
+        }
         drafter.apply_handoff(t, 0, rows)
         z = np.concatenate([lut[int(rng.integers(len(keep_ids)))], rng.standard_normal(spec.backbone)])
         out.append(drafter.feeds(z.astype(np.float32)))

@@ -34,11 +34,15 @@ KEEP = 86_089
 RECORD = Path(__file__).with_name("fullsize_ops.json")
 
 
-def slm_dummy_feeds(spec: SlmSpec, window: int = 1024, rows: int = 32, seed: int = 0) -> dict[str, np.ndarray]:
+def slm_dummy_feeds(
+    spec: SlmSpec, window: int = 1024, rows: int = 32, seed: int = 0
+) -> dict[str, np.ndarray]:
     """Random feeds with the SLM step's static shapes (all ring columns live, causal self mask)."""
     rng = np.random.default_rng(seed)
-    f = {"x": rng.standard_normal((rows, spec.hidden)).astype(np.float32),
-         "ple": rng.standard_normal((rows, spec.num_layers, spec.ple_dim)).astype(np.float32)}
+    f = {
+        "x": rng.standard_normal((rows, spec.hidden)).astype(np.float32),
+        "ple": rng.standard_normal((rows, spec.num_layers, spec.ple_dim)).astype(np.float32),
+    }
     pos = torch.arange(window, window + rows)
     for kind, name in ((SLIDING, "sliding"), (FULL, "full")):
         cos, sin = spec.rope[kind].cos_sin(pos, spec.attn[kind].head_dim)
@@ -62,8 +66,11 @@ def _check(name: str, module, feeds: list[dict], names, outs, out: Path, compile
     t0 = time.perf_counter()
     quantize_linears(module, clip_search=False)
     model = export_step(module, feeds[0], names, outs, out / f"{name}.onnx")
-    rep = {"ops": sorted(op_types(model)), "params": sum(p.numel() for p in module.parameters()),
-           "export_s": round(time.perf_counter() - t0, 1)}
+    rep = {
+        "ops": sorted(op_types(model)),
+        "params": sum(p.numel() for p in module.parameters()),
+        "export_s": round(time.perf_counter() - t0, 1),
+    }
     if compile:
         enc_w = weight_encodings(model, module)
         del model
@@ -88,7 +95,9 @@ def run(out: Path, slm_layers: int = 7, compile: bool = True, which=("mtp", "slm
         spec = e2b_slm_spec(num_layers=slm_layers)
         step = SlmStep(spec, KEEP).eval()
         feeds = [slm_dummy_feeds(spec, seed=s) for s in range(2)]
-        report["slm"] = _check("slm_full", step, feeds, slm_input_names(spec), slm_output_names(spec), out, compile)
+        report["slm"] = _check(
+            "slm_full", step, feeds, slm_input_names(spec), slm_output_names(spec), out, compile
+        )
         report["slm"]["layers"] = slm_layers
     return report
 

@@ -62,16 +62,25 @@ def export_mode(module: nn.Module):
             m.weight.data, m.enabled = w, en
 
 
-def export_step(module: nn.Module, feeds: dict[str, np.ndarray], input_names, output_names,
-                path: str | Path) -> onnx.ModelProto:
+def export_step(
+    module: nn.Module, feeds: dict[str, np.ndarray], input_names, output_names, path: str | Path
+) -> onnx.ModelProto:
     """Trace ``module`` on ``feeds`` (ordered as ``input_names``) into a static ONNX graph at ``path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     args = tuple(torch.from_numpy(feeds[n]) for n in input_names)
     with export_mode(module), torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
-        torch.onnx.export(module, args, str(path), input_names=list(input_names),
-                          output_names=list(output_names), opset_version=OPSET, dynamo=False,
-                          do_constant_folding=True, external_data=_needs_external(module))
+        torch.onnx.export(
+            module,
+            args,
+            str(path),
+            input_names=list(input_names),
+            output_names=list(output_names),
+            opset_version=OPSET,
+            dynamo=False,
+            do_constant_folding=True,
+            external_data=_needs_external(module),
+        )
     return onnx.load(str(path), load_external_data=False)
 
 

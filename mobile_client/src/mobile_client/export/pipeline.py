@@ -51,8 +51,9 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def fake_quant_copy(module: nn.Module, calib_feeds: list[dict[str, np.ndarray]], input_names,
-                    bits: int = 4) -> nn.Module:
+def fake_quant_copy(
+    module: nn.Module, calib_feeds: list[dict[str, np.ndarray]], input_names, bits: int = 4
+) -> nn.Module:
     """W4 (MSE clip search) + A16 calibrated copy of ``module`` (the simulator's rung), unless it is
     already quantized (a QAT result), in which case only its activation ranges are (re)calibrated."""
     q = copy.deepcopy(module).eval()
@@ -65,21 +66,36 @@ def fake_quant_copy(module: nn.Module, calib_feeds: list[dict[str, np.ndarray]],
     return q
 
 
-def build_step(name: str, module: nn.Module, out_dir: Path, input_names, output_names,
-               calib_feeds: list[dict[str, np.ndarray]], compile: bool = True) -> StepArtifacts:
+def build_step(
+    name: str,
+    module: nn.Module,
+    out_dir: Path,
+    input_names,
+    output_names,
+    calib_feeds: list[dict[str, np.ndarray]],
+    compile: bool = True,
+) -> StepArtifacts:
     """Export ``module`` (already fake-quantized: QLinear weights) and compile it for HTP v81."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    f_path, q_path, c_path = (out_dir / f"{name}.onnx", out_dir / f"{name}.qdq.onnx", out_dir / f"{name}_ctx.onnx")
+    f_path, q_path, c_path = (
+        out_dir / f"{name}.onnx",
+        out_dir / f"{name}.qdq.onnx",
+        out_dir / f"{name}_ctx.onnx",
+    )
     model = export_step(module, calib_feeds[0], input_names, output_names, f_path)
-    enc = {"weights": weight_encodings(model, module),
-           "activations": activation_ranges(f_path, calib_feeds),
-           "activation_bits": 16, "activation_rule": "percentile 99.99 x 1.25, zero included"}
+    enc = {
+        "weights": weight_encodings(model, module),
+        "activations": activation_ranges(f_path, calib_feeds),
+        "activation_bits": 16,
+        "activation_rule": "percentile 99.99 x 1.25, zero included",
+    }
     f_path.with_suffix(".encodings.json").write_text(json.dumps(enc, indent=1, sort_keys=True))
     quantize_qdq(f_path, q_path, enc["weights"], enc["activations"], calib_feeds)
     report = qnn.compile_context(q_path, c_path) if compile else None
     shapes = {n: list(calib_feeds[0][n].shape) for n in input_names}
-    return StepArtifacts(name, f_path, q_path, c_path if compile else None, enc, report,
-                         sorted(op_types(model)), shapes)
+    return StepArtifacts(
+        name, f_path, q_path, c_path if compile else None, enc, report, sorted(op_types(model)), shapes
+    )
 
 
 @dataclass
@@ -94,15 +110,29 @@ class Ladder:
         y = self.outputs[b].reshape(-1, self.outputs[b].shape[-1])
         scale = max(float(np.abs(x).max()), 1e-9)
         per_row = np.abs(x - y).max(axis=1) / scale
-        topk = [len(set(np.argsort(-xr, kind="stable")[:k]) & set(np.argsort(-yr, kind="stable")[:k])) / k
-                for xr, yr in zip(x, y)]
-        return {"max_abs": float(np.abs(x - y).max()), "rel_to_max": float(per_row.max()),
-                "median_row_rel": float(np.median(per_row)), "worst_row": int(per_row.argmax()),
-                "top1_agree": float(np.mean(x.argmax(-1) == y.argmax(-1))), f"top{k}_overlap": float(np.mean(topk))}
+        topk = [
+            len(set(np.argsort(-xr, kind="stable")[:k]) & set(np.argsort(-yr, kind="stable")[:k])) / k
+            for xr, yr in zip(x, y)
+        ]
+        return {
+            "max_abs": float(np.abs(x - y).max()),
+            "rel_to_max": float(per_row.max()),
+            "median_row_rel": float(np.median(per_row)),
+            "worst_row": int(per_row.argmax()),
+            "top1_agree": float(np.mean(x.argmax(-1) == y.argmax(-1))),
+            f"top{k}_overlap": float(np.mean(topk)),
+        }
 
 
-def run_ladder(float_module: nn.Module, quant_module: nn.Module, art: StepArtifacts, feeds: dict[str, np.ndarray],
-               input_names, htp: bool = True, sessions: dict | None = None) -> Ladder:
+def run_ladder(
+    float_module: nn.Module,
+    quant_module: nn.Module,
+    art: StepArtifacts,
+    feeds: dict[str, np.ndarray],
+    input_names,
+    htp: bool = True,
+    sessions: dict | None = None,
+) -> Ladder:
     """The first output (logits) of every rung on ``feeds``."""
     args = [torch.from_numpy(feeds[n]) for n in input_names]
     with torch.no_grad():
@@ -116,4 +146,3 @@ def run_ladder(float_module: nn.Module, quant_module: nn.Module, art: StepArtifa
             sessions["htp"] = qnn.htp_session(art.ctx_onnx)
         out["htp_emulator"] = qnn.run(sessions["htp"], feeds)[0]
     return Ladder(out)
-

@@ -45,17 +45,25 @@ def weight_encodings(model: onnx.ModelProto, module: nn.Module) -> dict[str, dic
         for layout, axis in ((grid.T, 1), (grid, 0)):
             init = by_value.get(_key(layout))
             if init is not None:
-                out[init] = {"axis": axis, "scale": m.w_scale.numpy().astype(np.float32).tolist(),
-                             "bits": m.bits, "linear": name}
+                out[init] = {
+                    "axis": axis,
+                    "scale": m.w_scale.numpy().astype(np.float32).tolist(),
+                    "bits": m.bits,
+                    "linear": name,
+                }
                 break
         else:
             raise KeyError(f"no initializer holds the quantized weight of {name}")
     return out
 
 
-def activation_ranges(model_path: str | Path, feeds: Iterable[dict[str, np.ndarray]],
-                      percentile: float = PERCENTILE, margin: float = MARGIN) -> dict[str, list[float]]:
-    """[lo, hi] * margin (zero included) of every float tensor (graph inputs and node outputs) over ``feeds``."""
+def activation_ranges(
+    model_path: str | Path,
+    feeds: Iterable[dict[str, np.ndarray]],
+    percentile: float = PERCENTILE,
+    margin: float = MARGIN,
+) -> dict[str, list[float]]:
+    """[lo, hi] * margin (zero included) of every float tensor (graph inputs, node outputs) over ``feeds``."""
     model = onnx.shape_inference.infer_shapes(onnx.load(str(model_path)))
     known = {o.name for o in model.graph.output}
     for vi in model.graph.value_info:
@@ -90,8 +98,13 @@ class _Reader:
         pass
 
 
-def quantize_qdq(float_path: str | Path, out_path: str | Path, weights: dict[str, dict],
-                 activations: dict[str, list[float]], calib_feeds: list[dict[str, np.ndarray]]) -> onnx.ModelProto:
+def quantize_qdq(
+    float_path: str | Path,
+    out_path: str | Path,
+    weights: dict[str, dict],
+    activations: dict[str, list[float]],
+    calib_feeds: list[dict[str, np.ndarray]],
+) -> onnx.ModelProto:
     """Write the QDQ model (uint16 activations, int4 per-channel Linear weights) for QNN's HTP."""
     from onnxruntime.quantization import QuantType, quantize
     from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
@@ -100,14 +113,22 @@ def quantize_qdq(float_path: str | Path, out_path: str | Path, weights: dict[str
     overrides: dict[str, list[dict]] = {}
     for name, enc in weights.items():
         qt = QuantType.QInt4 if enc["bits"] == 4 else QuantType.QInt8
-        overrides[name] = [{"axis": enc["axis"], "quant_type": qt, "scale": np.float32(s),
-                            "zero_point": np.int8(0)} for s in enc["scale"]]
+        overrides[name] = [
+            {"axis": enc["axis"], "quant_type": qt, "scale": np.float32(s), "zero_point": np.int8(0)}
+            for s in enc["scale"]
+        ]
     for init in model.graph.initializer:
         if init.name not in overrides and init.data_type == onnx.TensorProto.FLOAT:
             overrides[init.name] = [{"quant_type": QuantType.QUInt16}]
     for name, (lo, hi) in activations.items():
         overrides.setdefault(name, [{"rmin": np.float32(lo), "rmax": np.float32(hi)}])
-    cfg = get_qnn_qdq_config(model, _Reader(calib_feeds[:1]), activation_type=QuantType.QUInt16,
-                             weight_type=QuantType.QInt4, weight_symmetric=True, init_overrides=overrides)
+    cfg = get_qnn_qdq_config(
+        model,
+        _Reader(calib_feeds[:1]),
+        activation_type=QuantType.QUInt16,
+        weight_type=QuantType.QInt4,
+        weight_symmetric=True,
+        init_overrides=overrides,
+    )
     quantize(model, str(out_path), cfg)
     return onnx.load(str(out_path))

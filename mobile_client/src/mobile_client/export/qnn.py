@@ -28,8 +28,9 @@ def _ort_qnn():
         import onnxruntime as ort
         import onnxruntime_qnn as qnn_ep
     except ImportError as e:
-        raise HardwareUnsupportedError("onnxruntime-qnn is not installed (pip install onnxruntime==1.24.4 "
-                                       "onnxruntime-qnn==2.3.0)") from e
+        raise HardwareUnsupportedError(
+            "onnxruntime-qnn is not installed (pip install onnxruntime==1.24.4 onnxruntime-qnn==2.3.0)"
+        ) from e
     if not _REGISTERED:
         try:
             ort.register_execution_provider_library("QNNExecutionProvider", qnn_ep.get_library_path())
@@ -62,8 +63,9 @@ def _session_options(ort, qnn_ep, ctx_path: Path | None):
     if ctx_path is not None:
         so.add_session_config_entry("ep.context_enable", "1")
         so.add_session_config_entry("ep.context_file_path", str(ctx_path))
-    so.add_provider_for_devices(devs, {"backend_path": qnn_ep.get_qnn_htp_path(), "soc_model": SOC_MODEL,
-                                       "htp_arch": HTP_ARCH})
+    so.add_provider_for_devices(
+        devs, {"backend_path": qnn_ep.get_qnn_htp_path(), "soc_model": SOC_MODEL, "htp_arch": HTP_ARCH}
+    )
     return so
 
 
@@ -76,8 +78,13 @@ def compile_context(qdq_path: str | Path, ctx_path: str | Path) -> dict:
     ort.InferenceSession(str(qdq_path), sess_options=_session_options(ort, qnn_ep, ctx_path))
     seconds = time.perf_counter() - t0
     bins = sorted(ctx_path.parent.glob(ctx_path.stem + "*.bin"))
-    return {"seconds": round(seconds, 3), "ctx": ctx_path.name, "bin": bins[0].name if bins else None,
-            "bin_bytes": bins[0].stat().st_size if bins else 0, "sdk": context_sdk_version(ctx_path)}
+    return {
+        "seconds": round(seconds, 3),
+        "ctx": ctx_path.name,
+        "bin": bins[0].name if bins else None,
+        "bin_bytes": bins[0].stat().st_size if bins else 0,
+        "sdk": context_sdk_version(ctx_path),
+    }
 
 
 def context_sdk_version(ctx_path: str | Path) -> str | None:

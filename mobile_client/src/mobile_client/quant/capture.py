@@ -28,13 +28,22 @@ def verifier_states(verifier, tokens: Sequence[int]) -> tuple[np.ndarray, dict]:
     """
     model = getattr(verifier, "model", verifier)
     out = model(input_ids=torch.tensor([list(tokens)]), return_shared_kv_states=True, use_cache=False)
-    kv = {kind: tuple(t[0].transpose(0, 1).float().numpy() for t in out.shared_kv_states[kind])
-          for kind in (SLIDING, FULL)}
+    kv = {
+        kind: tuple(t[0].transpose(0, 1).float().numpy() for t in out.shared_kv_states[kind])
+        for kind in (SLIDING, FULL)
+    }
     return out.last_hidden_state[0].float().numpy(), kv
 
 
-def capture_feeds(spec: MtpSpec, verifier, sequences: Sequence[Sequence[int]], keep_ids: Sequence[int],
-                  window: int, every: int = 1, lut_bits: int | None = 8) -> list[dict[str, np.ndarray]]:
+def capture_feeds(
+    spec: MtpSpec,
+    verifier,
+    sequences: Sequence[Sequence[int]],
+    keep_ids: Sequence[int],
+    window: int,
+    every: int = 1,
+    lut_bits: int | None = 8,
+) -> list[dict[str, np.ndarray]]:
     """Step feeds (MTP_INPUTS) for every ``every``-th root position of each sequence."""
     embed = verifier.get_input_embeddings().weight.detach().float()  # [V, H]
     lut = EmbedLut.from_embedding(embed, keep_ids, bits=lut_bits)
@@ -65,4 +74,3 @@ def head_from_dir(path, keep_ids: Sequence[int]) -> tuple[MtpSpec, MtpHead]:
     for f in sorted(path.glob("*.safetensors")):
         sd.update({k: v.float() for k, v in load_file(str(f)).items()})
     return spec, MtpHead.from_hf_state_dict(spec, sd, keep_ids)
-

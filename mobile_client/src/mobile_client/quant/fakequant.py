@@ -67,8 +67,11 @@ class QLinear(nn.Linear):
         if linear.bias is not None:
             self.bias = nn.Parameter(linear.bias.detach().clone())
         self.bits = bits
-        scales = mse_clip_scales(self.weight.data, bits) if clip_search else \
-            self.weight.data.abs().amax(1).clamp_min(1e-12) / (2 ** (bits - 1) - 1)
+        scales = (
+            mse_clip_scales(self.weight.data, bits)
+            if clip_search
+            else self.weight.data.abs().amax(1).clamp_min(1e-12) / (2 ** (bits - 1) - 1)
+        )
         self.register_buffer("w_scale", scales)
         self.enabled = True
 
@@ -125,8 +128,9 @@ class ActQuant(nn.Module):
         return scale, float(round(-lo / scale))
 
 
-def quantize_linears(model: nn.Module, bits: int = 4, clip_search: bool = True,
-                     skip: tuple[str, ...] = ()) -> nn.Module:
+def quantize_linears(
+    model: nn.Module, bits: int = 4, clip_search: bool = True, skip: tuple[str, ...] = ()
+) -> nn.Module:
     """Replace every nn.Linear of ``model`` (in place) by a QLinear; names in ``skip`` stay float."""
     for name, child in list(model.named_children()):
         if isinstance(child, nn.Linear) and not isinstance(child, QLinear):

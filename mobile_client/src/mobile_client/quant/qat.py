@@ -65,9 +65,18 @@ def agreement(float_head: nn.Module, quant_head: nn.Module, feeds: list[dict[str
     return float((a.argmax(-1) == b.argmax(-1)).float().mean())
 
 
-def qat(float_head: nn.Module, train: list[dict[str, np.ndarray]], evaluate: list[dict[str, np.ndarray]],
-        *, steps: int = 100, lr: float = 1e-5, warmup: int = 50, accum: int = 2, batch: int = 8,
-        seed: int = 0) -> tuple[nn.Module, QatReport]:
+def qat(
+    float_head: nn.Module,
+    train: list[dict[str, np.ndarray]],
+    evaluate: list[dict[str, np.ndarray]],
+    *,
+    steps: int = 100,
+    lr: float = 1e-5,
+    warmup: int = 50,
+    accum: int = 2,
+    batch: int = 8,
+    seed: int = 0,
+) -> tuple[nn.Module, QatReport]:
     """Return the W4 QAT head (QLinear layers) and the before/after report.
 
     Runs with one torch thread (tiny steps; extra threads only contend on a shared CPU), restored after.
@@ -75,13 +84,24 @@ def qat(float_head: nn.Module, train: list[dict[str, np.ndarray]], evaluate: lis
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _qat(float_head, train, evaluate, steps=steps, lr=lr, warmup=warmup, accum=accum, batch=batch,
-                    seed=seed)
+        return _qat(
+            float_head,
+            train,
+            evaluate,
+            steps=steps,
+            lr=lr,
+            warmup=warmup,
+            accum=accum,
+            batch=batch,
+            seed=seed,
+        )
     finally:
         torch.set_num_threads(threads)
 
 
-def _qat(float_head, train, evaluate, *, steps, lr, warmup, accum, batch, seed) -> tuple[nn.Module, QatReport]:
+def _qat(
+    float_head, train, evaluate, *, steps, lr, warmup, accum, batch, seed
+) -> tuple[nn.Module, QatReport]:
     teacher = float_head.eval()
     student = quantize_linears(copy.deepcopy(float_head).train())  # MSE clip search happens here
     params = [m.weight for m in student.modules() if isinstance(m, QLinear)]
@@ -132,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     verifier = AutoModelForCausalLM.from_pretrained(args.verifier, torch_dtype=torch.float32).eval()
     vocab = verifier.config.get_text_config().vocab_size
-    keep = (np.load(args.keep_ids).tolist() if args.keep_ids else list(range(vocab)))
+    keep = np.load(args.keep_ids).tolist() if args.keep_ids else list(range(vocab))
     spec, head = head_from_dir(args.assistant, keep)
     seqs = _sequences(args.texts, args.verifier, vocab)
     half = len(seqs) // 2

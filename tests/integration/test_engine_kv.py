@@ -236,3 +236,52 @@ def test_bad_input_gets_typed_errors_and_the_session_keeps_working(llm, hy):
     s2 = hy.open(prompt_token_ids=prompt, temperature=0.0, max_tokens=20, ignore_eos=True)
     assert hy.submit(s2.sid, 0, [s2.root, ref[0]], [-1, 0]).committed == ref[:2]
     hy.close(s2.sid)
+
+
+def test_moe_router_hook_and_poisoned_expert_leave_a_tree_round_finite(llm, hy):
+    """Tree rows go through vLLM's routed MoE like any tokens: a router hook sees every row's top-k, and an
+    expert with NaN weights whose router logit is forced to -inf never reaches a tree round's logits."""
+    runner = _runner(llm)
+    model = runner.model
+    router = dict(model.named_modules())["model.layers.0.router"]
+    params = {n: p for n, p in model.named_parameters() if n.startswith("model.layers.0.experts.")}
+    saved = {n: p.detach().clone() for n, p in params.items()}
+    picked: list[torch.Tensor] = []
+    force = {"on": False}
+
+    def hook(_mod, _inp, logits):  # [T, E] raw router logits
+        if force["on"]:
+            logits = logits.clone()
+            logits[:, 0] = float("-inf")
+        picked.append(logits.topk(2, dim=-1).indices)
+        return logits
+
+    handle = router.register_forward_hook(hook)
+    rng = random.Random(8)
+    prompt = [2] + [rng.randrange(5, VOCAB) for _ in range(30)]
+    s = hy.open(prompt_token_ids=prompt, temperature=0.0, max_tokens=100, ignore_eos=True)
+    try:
+        with torch.no_grad():
+            for p in params.values():
+                if p.dim() >= 1 and p.shape[0] == 4:  # [num_experts, ...] expert-major weights
+                    p[0] = float("nan")
+        root = s.root
+        for rnd, forced in enumerate((True, False)):  # the control last: it writes NaN K/V into the cache
+            force["on"] = forced
+            picked.clear()
+            toks, pars = [root] + rng.sample(range(5, VOCAB), 32), [-1] + [0] * 32
+            v = hy.submit(s.sid, rnd, toks, pars)
+            rows = picked[-1]  # the round's forward: [33, 2] experts per tree row
+            assert rows.shape == (33, 2)
+            finite = bool(torch.isfinite(v.stats["logits"]).all())
+            if forced:
+                assert not (rows == 0).any() and finite and torch.isfinite(v.handoff["h"]).all()
+            else:  # control: without the forced logit some rows pick the poisoned expert and turn NaN
+                assert (rows == 0).any() and not finite
+            root = v.bonus
+    finally:
+        handle.remove()
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(saved[n])
+        hy.close(s.sid)

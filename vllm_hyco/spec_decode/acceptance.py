@@ -130,7 +130,7 @@ class Decision:
 
 
 def _segment_max(values: torch.Tensor, seg: torch.Tensor, num_seg: int, fill) -> torch.Tensor:
-    out = torch.full((num_seg,), fill, dtype=values.dtype)
+    out = torch.full((num_seg,), fill, dtype=values.dtype, device=values.device)
     return out.scatter_reduce(0, seg, values, reduce="amax", include_self=True)
 
 
@@ -154,7 +154,7 @@ def decide(
     is_root = depth == 0
     hit = (tokens == samples[parent]) & ~is_root & valid  # [N]
     ok = hit.clone()
-    log_edge = torch.zeros(tokens.shape, dtype=torch.float64)
+    log_edge = torch.zeros(tokens.shape, dtype=torch.float64, device=tokens.device)
     if p_edge is not None:
         lossy = torch.isfinite(eps_row)
         p64 = p_edge.to(torch.float64)
@@ -181,13 +181,13 @@ def _lexicographic_best(accepted, depth, hits, logp, req, num_req) -> torch.Tens
     """[B] global row maximizing (depth, hits, log p̃ sum, -row) among each request's accepted rows."""
     cand = accepted
     for key, fill in ((depth, -1), (hits, -1), (logp, float("-inf"))):
-        masked = torch.where(cand, key, torch.full((), fill, dtype=key.dtype))
+        masked = torch.where(cand, key, fill)
         best = _segment_max(masked, req, num_req, fill)
         cand = cand & (masked == best[req])
-    rows = torch.arange(req.numel())
-    big = torch.full((), req.numel(), dtype=torch.int64)
-    first = torch.full((num_req,), req.numel(), dtype=torch.int64)
-    first = first.scatter_reduce(0, req, torch.where(cand, rows, big), reduce="amin", include_self=True)
+    rows = torch.arange(req.numel(), device=req.device)
+    first = torch.full((num_req,), req.numel(), dtype=torch.int64, device=req.device)
+    first = first.scatter_reduce(0, req, torch.where(cand, rows, req.numel()), reduce="amin",
+                                 include_self=True)
     assert bool((first < req.numel()).all()), "a request has no accepted row (is its root valid?)"
     return first
 
@@ -195,9 +195,9 @@ def _lexicographic_best(accepted, depth, hits, logp, req, num_req) -> torch.Tens
 def _trace_paths(endpoint, parent, depth, max_depth: int) -> torch.Tensor:
     """[B, max_depth] global rows from depth 1 to the endpoint, -1 beyond."""
     num_req = endpoint.numel()
-    path = torch.full((num_req, max(max_depth, 1)), -1, dtype=torch.int64)
+    path = torch.full((num_req, max(max_depth, 1)), -1, dtype=torch.int64, device=endpoint.device)
     cur = endpoint.clone()
-    batch = torch.arange(num_req)
+    batch = torch.arange(num_req, device=endpoint.device)
     for _ in range(max_depth):
         d = depth[cur]
         on = d >= 1

@@ -69,7 +69,7 @@ class SparseProbs:
         if self.ids is None:
             return self.probs
         num_rows = self.probs.shape[0]
-        out = torch.zeros(num_rows, self.vocab_size + 1, dtype=torch.float32)
+        out = torch.zeros(num_rows, self.vocab_size + 1, dtype=torch.float32, device=self.probs.device)
         # Padding entries (ids >= V, probability 0) all land in the spare last column.
         out.scatter_(1, self.ids.clamp(max=self.vocab_size), self.probs)
         return out[:, : self.vocab_size].contiguous()
@@ -78,7 +78,7 @@ class SparseProbs:
         """[M] float32: p̃(tokens[m] | rows[m])."""
         if self.ids is None:
             return self.probs[rows, tokens]
-        out = torch.empty(rows.shape, dtype=torch.float32)
+        out = torch.empty(rows.shape, dtype=torch.float32, device=self.probs.device)
         step = _rows_per_chunk(self.ids.shape[1])
         for s in range(0, rows.numel(), step):
             r, t = rows[s : s + step], tokens[s : s + step].unsqueeze(1)
@@ -103,8 +103,8 @@ def _rows_per_chunk(width: int) -> int:
     return max(1, (1 << 22) // max(width, 1))
 
 
-def _per_row(value, num_rows: int, dtype: torch.dtype) -> torch.Tensor:
-    t = torch.as_tensor(value, dtype=dtype)
+def _per_row(value, num_rows: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    t = torch.as_tensor(value, dtype=dtype, device=device)
     if t.dim() == 0:
         t = t.expand(num_rows)
     assert t.shape == (num_rows,), f"per-row parameter has shape {tuple(t.shape)}, want ({num_rows},)"
@@ -131,7 +131,7 @@ def _candidates(logits, temperature, k_on, k, random_rows):
                 return vals, ids, False
             width *= 2
     x = logits.to(torch.float32) / scale  # [R, V]
-    return x, torch.arange(vocab).expand(num_rows, vocab), True
+    return x, torch.arange(vocab, device=logits.device).expand(num_rows, vocab), True
 
 
 def _ascending(vals: torch.Tensor, ids: torch.Tensor, dense: bool):
@@ -148,11 +148,10 @@ def _ascending(vals: torch.Tensor, ids: torch.Tensor, dense: bool):
 def _truncate(asc: torch.Tensor, k: torch.Tensor, k_on: torch.Tensor, p: torch.Tensor):
     """Top-k then top-p on ascending logits [R, S]; returns the kept mask and the renormalized p̃."""
     width = asc.shape[1]
-    neg_inf = torch.tensor(float("-inf"))
     # Top-k: keep logits >= the k-th largest (all ties at the k-th value survive).
     kth_pos = (width - k.clamp(1, width)).unsqueeze(1)  # [R, 1]
     kth = asc.gather(1, kth_pos)
-    asc = torch.where(k_on.unsqueeze(1) & (asc < kth), neg_inf, asc)
+    asc = torch.where(k_on.unsqueeze(1) & (asc < kth), float("-inf"), asc)
     # Top-p on the softmax of the top-k survivors, in ascending order.
     e = torch.exp(asc - asc[:, -1:])  # [R, S], masked entries exp(-inf) = 0
     total = torch.cumsum(e, dim=1)[:, -1:]
@@ -161,13 +160,14 @@ def _truncate(asc: torch.Tensor, k: torch.Tensor, k_on: torch.Tensor, p: torch.T
     drop[:, -1] = False
     drop &= (p < 1).unsqueeze(1)
     kept = torch.isfinite(asc) & ~drop
-    e = torch.where(kept, e, torch.zeros(()))
+    e = torch.where(kept, e, 0.0)
     return e / torch.cumsum(e, dim=1)[:, -1:]
 
 
 def _support_chunk(logits, temperature, top_k, top_p) -> SparseProbs:
     """p̃ of one chunk of rows: sparse (ids ascending, padding ids >= V) or dense over the vocabulary."""
     num_rows, vocab = logits.shape
+    dev = logits.device
     greedy = temperature < SAMPLING_EPS
     random_rows = ~greedy
     k_on = (top_k > 0) & (top_k < vocab)
@@ -182,9 +182,9 @@ def _support_chunk(logits, temperature, top_k, top_p) -> SparseProbs:
         if not dense:  # only when every sampled row has top-k on, so no row is plain
             return _sparse_chunk(ids, probs, rows, arg, vocab)
         # ids is a permutation of the vocabulary on every row
-        out = torch.zeros(num_rows, vocab, dtype=torch.float32).scatter_(1, ids, probs)
+        out = torch.zeros(num_rows, vocab, dtype=torch.float32, device=dev).scatter_(1, ids, probs)
     else:
-        out = torch.zeros(num_rows, vocab, dtype=torch.float32)
+        out = torch.zeros(num_rows, vocab, dtype=torch.float32, device=dev)
     if bool(plain.any()):
         out[plain] = _softmax_rows(logits[plain], scale[plain])
     out[rows] = 0.0
@@ -202,11 +202,11 @@ def _softmax_rows(logits: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def _sparse_chunk(ids, probs, rows, arg, vocab: int) -> SparseProbs:
     """Greedy rows to one-hot, zero-mass entries to padding, columns in id order."""
-    first = torch.arange(ids.shape[1]) == 0
+    first = torch.arange(ids.shape[1], device=ids.device) == 0
     ids[rows] = torch.where(first, arg.unsqueeze(1), ids[rows])
     probs[rows] = first.to(torch.float32)
     # Zero-mass entries become padding (ids past the vocabulary), then sort by id.
-    ids = torch.where(probs > 0, ids, vocab + torch.arange(ids.shape[1]))
+    ids = torch.where(probs > 0, ids, vocab + torch.arange(ids.shape[1], device=ids.device))
     order = ids.argsort(dim=1)
     return SparseProbs(ids=ids.gather(1, order), probs=probs.gather(1, order), vocab_size=vocab)
 
@@ -217,9 +217,10 @@ def sampling_support(logits, temperature=1.0, top_k=-1, top_p=1.0) -> SparseProb
     Shape: logits [R, V] (any float dtype); temperature/top_k/top_p scalars or [R] -> SparseProbs [R, S].
     """
     num_rows, vocab = logits.shape
-    temperature = _per_row(temperature, num_rows, torch.float32)
-    top_k = _per_row(top_k, num_rows, torch.int64)
-    top_p = _per_row(top_p, num_rows, torch.float32)
+    dev = logits.device
+    temperature = _per_row(temperature, num_rows, torch.float32, dev)
+    top_k = _per_row(top_k, num_rows, torch.int64, dev)
+    top_p = _per_row(top_p, num_rows, torch.float32, dev)
     parts = []
     for s in range(0, max(num_rows, 1), _CHUNK_ROWS):
         sl = slice(s, s + _CHUNK_ROWS)
@@ -238,7 +239,7 @@ def _pad_support(ids: torch.Tensor, width: int, vocab: int) -> torch.Tensor:
     extra = width - ids.shape[1]
     if extra == 0:
         return ids
-    pad = vocab + ids.shape[1] + torch.arange(extra).expand(ids.shape[0], extra)
+    pad = vocab + ids.shape[1] + torch.arange(extra, device=ids.device).expand(ids.shape[0], extra)
     return torch.cat([ids, pad], dim=1)
 
 
@@ -255,7 +256,8 @@ def sampling_probs(logits, temperature=1.0, top_k=-1, top_p=1.0) -> torch.Tensor
 
 def draw_uniforms(num_rows: int, generator: torch.Generator | None) -> torch.Tensor:
     """[num_rows] float64: the only randomness a tree consumes (one uniform per real row, row order)."""
-    return torch.rand(num_rows, generator=generator, dtype=torch.float64)
+    device = generator.device if generator is not None else None
+    return torch.rand(num_rows, generator=generator, dtype=torch.float64, device=device)
 
 
 def sample_sparse(support: SparseProbs, uniforms: torch.Tensor) -> torch.Tensor:
@@ -264,7 +266,7 @@ def sample_sparse(support: SparseProbs, uniforms: torch.Tensor) -> torch.Tensor:
     Sparse and dense rows holding the same p̃ give the same token: zero-mass entries add exactly 0.
     """
     num_rows, width = support.probs.shape
-    pos = torch.empty(num_rows, dtype=torch.int64)
+    pos = torch.empty(num_rows, dtype=torch.int64, device=support.probs.device)
     step = _rows_per_chunk(width)
     for s in range(0, num_rows, step):
         p = support.probs[s : s + step]
@@ -285,5 +287,5 @@ def sample_rows(probs: torch.Tensor, generator: torch.Generator | None) -> torch
 
     Reproducible given the generator's seed and the tree: row r uses the r-th uniform.
     """
-    uniforms = draw_uniforms(probs.shape[0], generator)
+    uniforms = draw_uniforms(probs.shape[0], generator).to(probs.device)
     return sample_sparse(SparseProbs.from_dense(probs), uniforms)

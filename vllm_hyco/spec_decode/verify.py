@@ -17,7 +17,7 @@ The one per-request loop is that draw; everything else is vectorized (loops run 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -64,6 +64,13 @@ class PackedTrees:
     @property
     def num_requests(self) -> int:
         return int(self.num_real.numel())
+
+    def to(self, device: torch.device | str) -> PackedTrees:
+        """The same rows on ``device`` (the engine packs on the CPU, verifies next to its logits)."""
+        if self.tokens.device == torch.device(device):
+            return self
+        moved = {f.name: getattr(self, f.name).to(device) for f in fields(self)}
+        return PackedTrees(**moved)
 
     @classmethod
     def pack(cls, trees: Sequence[TokenTree], rows_per_tree: int | None = None) -> PackedTrees:
@@ -158,8 +165,9 @@ class BatchVerdict:
         )
 
 
-def _as_packed(trees) -> PackedTrees:
-    return trees if isinstance(trees, PackedTrees) else PackedTrees.pack(list(trees))
+def _as_packed(trees, device: torch.device) -> PackedTrees:
+    packed = trees if isinstance(trees, PackedTrees) else PackedTrees.pack(list(trees))
+    return packed.to(device)
 
 
 def _eps_rows(packed: PackedTrees, epsilon) -> tuple[torch.Tensor, bool]:
@@ -167,7 +175,8 @@ def _eps_rows(packed: PackedTrees, epsilon) -> tuple[torch.Tensor, bool]:
         epsilon = [epsilon] * packed.num_requests
     eps = [normalize_epsilon(e) for e in epsilon]
     assert len(eps) == packed.num_requests, "one epsilon per request"
-    per_req = torch.tensor([float("inf") if e is None else e for e in eps], dtype=torch.float64)
+    per_req = torch.tensor([float("inf") if e is None else e for e in eps], dtype=torch.float64,
+                           device=packed.req.device)
     return per_req[packed.req], any(e is not None for e in eps)
 
 
@@ -181,7 +190,7 @@ def verify_batch_from_probs(
 
     Shape: probs [N, V] dense or SparseProbs over the N packed rows; samples [N] int64.
     """
-    packed = _as_packed(trees)
+    packed = _as_packed(trees, probs.probs.device if isinstance(probs, SparseProbs) else probs.device)
     support = probs if isinstance(probs, SparseProbs) else SparseProbs.from_dense(probs)
     eps_row, any_lossy = _eps_rows(packed, epsilon)
     samples = samples.to(torch.int64)
@@ -204,18 +213,20 @@ def verify_batch(
 
     Shape: logits [N, V] over the packed rows (padding rows included; their values are ignored).
     """
-    packed = _as_packed(trees)
+    packed = _as_packed(trees, logits.device)
     if isinstance(sampling, SamplingSpec):
         sampling = [sampling] * packed.num_requests
     assert logits.shape[0] == packed.tokens.numel(), "one logits row per packed row"
-    temp = torch.tensor([s.temperature for s in sampling], dtype=torch.float32)[packed.req]
-    top_k = torch.tensor([s.top_k for s in sampling], dtype=torch.int64)[packed.req]
-    top_p = torch.tensor([s.top_p for s in sampling], dtype=torch.float32)[packed.req]
+    dev = packed.req.device
+    temp = torch.tensor([s.temperature for s in sampling], dtype=torch.float32, device=dev)[packed.req]
+    top_k = torch.tensor([s.top_k for s in sampling], dtype=torch.int64, device=dev)[packed.req]
+    top_p = torch.tensor([s.top_p for s in sampling], dtype=torch.float32, device=dev)[packed.req]
     support = sampling_support(logits, temp, top_k, top_p)
-    uniforms = torch.zeros(packed.tokens.numel(), dtype=torch.float64)
+    uniforms = torch.zeros(packed.tokens.numel(), dtype=torch.float64, device=dev)
+    assert len(generators) == packed.num_requests, "one generator (or None) per request"
+    starts, counts = packed.row_offsets.tolist(), packed.num_real.tolist()
     for b, gen in enumerate(generators):  # the only per-request loop: drawing the uniforms
-        start = int(packed.row_offsets[b])
-        uniforms[start : start + int(packed.num_real[b])] = draw_uniforms(int(packed.num_real[b]), gen)
+        uniforms[starts[b] : starts[b] + counts[b]] = draw_uniforms(counts[b], gen)
     samples = sample_sparse(support, uniforms)
     return verify_batch_from_probs(packed, support, samples, epsilon)
 
@@ -235,11 +246,11 @@ def _verdict(packed: PackedTrees, dec, samples: torch.Tensor) -> BatchVerdict:
     roots = packed.row_offsets[:num_req].unsqueeze(1)  # [B, 1]
     all_src = torch.cat([roots, path], dim=1)  # [B, D + 1]
     keep = all_src >= 0
-    offsets = torch.arange(all_src.shape[1]).expand_as(all_src)
+    offsets = torch.arange(all_src.shape[1], device=path.device).expand_as(all_src)
     plan = CompactionPlan(
         src_rows=all_src[keep],
         dst_offsets=offsets[keep],
-        req=torch.arange(num_req).unsqueeze(1).expand_as(all_src)[keep],
+        req=torch.arange(num_req, device=path.device).unsqueeze(1).expand_as(all_src)[keep],
     )
     return BatchVerdict(
         path_rows=local,

@@ -236,6 +236,7 @@ def test_verdict_counts_sources_depths_and_compaction():
     assert d["per_source"]["slm"] == 2 and d["eps_only_per_source"]["chain"] == 1
     assert d["mean_accepted_length"] == 2.0 and d["drafted"] == 6
     assert isinstance(RoundStats() + stats, RoundStats)
+    assert verdict.total_stats().to_dict() == (stats + RoundStats()).to_dict() | {"drafted": 0}
     assert NodeSource.SLM == 3
 
 

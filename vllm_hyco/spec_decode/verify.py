@@ -165,6 +165,14 @@ class BatchVerdict:
         )
 
 
+    def total_stats(self) -> RoundStats:
+        """RoundStats summed over every request of this step (one round each)."""
+        total = RoundStats()
+        for b in range(self.bonus.numel()):
+            total = total + self.round_stats(b)
+        return total
+
+
 def _as_packed(trees, device: torch.device) -> PackedTrees:
     packed = trees if isinstance(trees, PackedTrees) else PackedTrees.pack(list(trees))
     return packed.to(device)

@@ -70,3 +70,15 @@ def test_idle_timeout_and_lru_cap():
     clock.now = 100.0
     assert [s.sid for s in reg.idle_expired()] == ["a", "c"]
     assert b not in reg.over_cap() and len(reg) == 3
+
+
+def test_finished_sessions_are_forgotten_after_a_grace_period():
+    clock = Clock()
+    reg = SessionRegistry(idle_timeout_s=10.0, clock=clock)
+    s = _parked(reg, "a")
+    reg.mark_finished(s, "session_timeout")
+    clock.now = 59.0
+    assert reg.sweep_finished() == [] and _code(lambda: reg.check_submit("a", 0)) == "session_timeout"
+    clock.now = 61.0
+    assert reg.sweep_finished() == ["a"] and reg.by_req("r-a") is None
+    assert _code(lambda: reg.check_submit("a", 0)) == "unknown_session"

@@ -249,6 +249,7 @@ class HycoSchedulerMixin:
                     self.finish_requests(s.req_id, RequestStatus.FINISHED_ABORTED)
                     reg.mark_finished(s, code)
                     done.append(s.sid)
+        reg.sweep_finished()
         return done
 
 

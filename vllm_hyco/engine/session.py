@@ -70,6 +70,7 @@ class Session:
     verdicts: dict[int, Any] = field(default_factory=dict)  # round -> verdict (engine side, taken once)
     finish_code: str | None = None  # why the engine finished it (timeout, evicted, ...)
     num_kv_blocks: int = 0  # blocks pinned while parked (filled by the scheduler)
+    finished_at: float | None = None
 
 
 class SessionRegistry:
@@ -153,7 +154,19 @@ class SessionRegistry:
         if s.state is not SessionState.FINISHED:
             s.state = SessionState.FINISHED
             s.finish_code = code
+            s.finished_at = self._clock()
         s.tree = None
+
+    def sweep_finished(self) -> list[str]:
+        """Forget finished sessions a grace period (the idle timeout, at least 60 s) after they finished;
+        late calls until then still get the session's own code (``session_timeout``, ...) instead of
+        ``unknown_session``."""
+        now, grace = self._clock(), max(self.idle_timeout_s, 60.0)
+        gone = [s for s in self._by_sid.values() if s.state is SessionState.FINISHED
+                and s.finished_at is not None and now - s.finished_at > grace]
+        for s in gone:
+            self.forget(s)
+        return [s.sid for s in gone]
 
     def take_verdict(self, sid: str, round_: int) -> Any:
         s = self.get(sid)

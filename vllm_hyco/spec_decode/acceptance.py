@@ -74,13 +74,14 @@ def _select_exact(tokens: list[int], parents: list[int], samples: list[int]) -> 
 def select_path(
     tokens: Sequence[int] | torch.Tensor,
     parents: Sequence[int] | torch.Tensor,
-    probs: torch.Tensor,
+    probs: torch.Tensor | None,
     samples: Sequence[int] | torch.Tensor,
     epsilon: float | None,
 ) -> tuple[list[int], int]:
     """The accepted path of one tree (rows from the root's child to v*, root excluded) and the bonus.
 
-    Shape: tokens, parents, samples [n] ints (row 0 the root); probs [n, V] p̃ per row.
+    Shape: tokens, parents, samples [n] ints (row 0 the root); probs [n, V] p̃ per row (never read in
+    exact mode, so it may be None there).
 
     >>> probs = torch.tensor([[0.0, 0.9, 0.1], [0.5, 0.5, 0.0], [1.0, 0.0, 0.0]])
     >>> select_path([0, 1, 2], [-1, 0, 0], probs, [1, 0, 0], None)   # 1 is sampled at the root

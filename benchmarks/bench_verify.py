@@ -28,7 +28,7 @@ os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_CPU_KVCACHE
                   VLLM_ENABLE_V1_MULTIPROCESSING="0")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import env_info, write_json  # noqa: E402
+from harness import env_info, write_json
 
 SHAPES = {"tree33": 33, "chain5": 5, "decode1": 1}
 
@@ -126,10 +126,10 @@ def main(argv=None) -> int:
     }
     for key in ("ratio_tree33_vs_decode1", "ratio_chain5_vs_decode1", "ratio_tree33_vs_chain5"):
         print(f"{key:28s} {result[key]:.2f}")
-    for k in SHAPES:
+    for k, n in SHAPES.items():
         print(f"{k:8s} wall {med[k]['wall_s'] * 1e3:8.1f} ms  hooks {med[k]['host_s'] * 1e3:6.2f} ms  "
               f"experts/layer {med[k]['experts']:.2f} of {hf.num_experts} (128/top-8 expectation "
-              f"{expected_experts(128, 8, SHAPES[k]):.1f})")
+              f"{expected_experts(128, 8, n):.1f})")
     print("wrote", write_json("bench_verify", result))
     return 0
 

@@ -14,7 +14,6 @@ import random
 
 import pytest
 import torch
-
 from test_engine_sessions import BLOCK, VOCAB, _build_tiny, _tree
 from tolerances import tol
 
@@ -110,7 +109,7 @@ def test_kv_after_rounds_equals_fresh_prefill(llm, hy):
         for name in want:
             for a, b in zip(got[name], want[name]):
                 torch.testing.assert_close(a, b, **tol("kv_engine_vs_prefill", torch.float32),
-                                           msg=lambda m: f"{name} session {h.sid} len {n}: {m}")
+                                           msg=lambda m, name=name, sid=h.sid, n=n: f"{name} session {sid} len {n}: {m}")
         # the next round sees the same logits as a fresh prefill of the committed text
         toks, pars, _ = _tree(roots[h.sid], ref[len(outs[h.sid]):], "deep", rng)
         va, vb = hy.submit_many([(h.sid, 5, toks, pars), (fresh.sid, 0, toks, pars)])
@@ -166,7 +165,7 @@ def test_seeded_sampling_follows_the_core_on_engine_logits(llm, hy):
 
     rng = random.Random(3)
     prompt = [2] + [rng.randrange(5, VOCAB) for _ in range(20)]
-    params = dict(temperature=0.8, top_k=20, top_p=0.9, seed=1234)
+    params = {"temperature": 0.8, "top_k": 20, "top_p": 0.9, "seed": 1234}
     s = hy.open(prompt_token_ids=prompt, max_tokens=200, ignore_eos=True, **params)
     gen = torch.Generator().manual_seed(params["seed"])
     text, root, accepted = list(prompt), s.root, 0
@@ -209,7 +208,7 @@ def test_bad_input_gets_typed_errors_and_the_session_keeps_working(llm, hy):
         ([root + 1, 5], [-1, 0], "bad_root"),
     ]
     for toks, pars, code in bad_trees:
-        assert code_of(TreeValidationError, lambda: hy.submit(s.sid, 0, toks, pars)) == code
+        assert code_of(TreeValidationError, lambda toks=toks, pars=pars: hy.submit(s.sid, 0, toks, pars)) == code
     v = hy.submit(s.sid, 0, [root, ref[0], ref[1]], [-1, 0, 1])
     assert v.committed == ref[:3]
     assert code_of(SessionError, lambda: hy.submit(s.sid, 0, [v.bonus], [-1])) == "duplicate_round"

@@ -12,7 +12,6 @@ import random
 
 import pytest
 import torch
-
 from test_engine_sessions import BLOCK, VOCAB, _build_tiny, _tree
 from tolerances import tol
 

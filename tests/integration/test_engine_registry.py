@@ -57,11 +57,11 @@ def test_round_rules():
 def test_idle_timeout_and_lru_cap():
     clock = Clock()
     reg = SessionRegistry(idle_timeout_s=10.0, max_parked_blocks=5, clock=clock)
-    a = _parked(reg, "a", blocks=3)
+    _parked(reg, "a", blocks=3)
     clock.now = 4.0
     b = _parked(reg, "b", blocks=2)
     clock.now = 6.0
-    c = _parked(reg, "c", blocks=2)
+    _parked(reg, "c", blocks=2)
     assert [s.sid for s in reg.lru_parked()] == ["a", "b", "c"]
     assert [s.sid for s in reg.over_cap()] == ["a"]  # 7 blocks pinned, cap 5: evict the LRU one
     clock.now = 12.0

@@ -16,8 +16,6 @@ import random
 import pytest
 import torch
 
-from tolerances import tol
-
 os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1",
                   VLLM_ENABLE_V1_MULTIPROCESSING="0")
 

@@ -21,7 +21,6 @@ after sampling; everything runs in the worker process.
 from __future__ import annotations
 
 import torch
-
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
 from vllm_hyco.engine.kv_view import cpu_kv_view, slots_for_positions
@@ -42,8 +41,8 @@ def active_trees() -> list[TreeRows] | None:
 
 def install() -> None:
     """Register the override over the static CPU_ATTN member (idempotent; call before model load)."""
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
     from vllm.v1.attention import selector
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     path = f"{__name__}.HycoCPUAttentionBackend"
     if AttentionBackendEnum.CPU_ATTN.get_path() != path:

@@ -111,7 +111,7 @@ class BlockMajorKVView:
         v[blk, off] = value.to(v.dtype)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _verify_cpu_layout(isa: str, dtype: torch.dtype, block_size: int, num_kv_heads: int, head_size: int) -> None:
     """Round-trip random rows through vLLM's writer and our reader on a scratch 2-block cache."""
     view = CpuAttnKVView(isa)

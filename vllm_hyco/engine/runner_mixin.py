@@ -22,9 +22,8 @@ The scheduler passes trees as ``scheduler_output.hyco_trees = {req_id: (round, t
 
 from __future__ import annotations
 
-from typing import Any
-
 import time
+from typing import Any
 
 import torch
 
@@ -139,7 +138,12 @@ class HycoRunnerMixin:
     def _hyco_decide(self, tr: TreeRows, logits: torch.Tensor) -> dict[str, Any]:
         """The core's decision on this request's p̃ (temperature, top-k, top-p, seed) and the session ε."""
         from vllm_hyco.spec_decode.acceptance import select_path
-        from vllm_hyco.spec_decode.sampling import SAMPLING_EPS, draw_uniforms, sample_sparse, sampling_support
+        from vllm_hyco.spec_decode.sampling import (
+            SAMPLING_EPS,
+            draw_uniforms,
+            sample_sparse,
+            sampling_support,
+        )
 
         params = self.requests[tr.req_id].sampling_params
         temperature = float(params.temperature) if params is not None else 0.0

@@ -78,7 +78,7 @@ class TreeRows:
 
     @classmethod
     def build(cls, *, req_id: str, batch_idx: int, q_start: int, num_rows: int, context_len: int,
-              round: int, tokens: list[int], parents: list[int], eps: float | None) -> "TreeRows":
+              round: int, tokens: list[int], parents: list[int], eps: float | None) -> TreeRows:
         from vllm_hyco.kernels.tree_attention import ancestor_masks_from_parents
 
         tokens, parents = list(tokens[:num_rows]), list(parents[:num_rows])

@@ -37,8 +37,8 @@ def _engine(fixtures, spec: bool):
     report.cpu_engine_env()
     from vllm import LLM
 
-    kw = dict(model=str(fixtures / "verifier"), dtype="float32", max_model_len=512, max_num_seqs=8,
-              enforce_eager=True, distributed_executor_backend="uni", disable_log_stats=False, seed=0)
+    kw = {"model": str(fixtures / "verifier"), "dtype": "float32", "max_model_len": 512, "max_num_seqs": 8,
+          "enforce_eager": True, "distributed_executor_backend": "uni", "disable_log_stats": False, "seed": 0}
     if spec:
         kw["speculative_config"] = {"method": "mtp", "model": str(fixtures / "assistant"),
                                     "num_speculative_tokens": K}

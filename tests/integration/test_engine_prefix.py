@@ -66,6 +66,32 @@ def test_chunked_prefill_and_prefix_cached_sessions_share_seed_and_verdicts(llm)
     hy.close(b.sid)
 
 
+def test_trees_cut_short_by_the_token_budget_still_verify(llm):
+    """Two 33-row trees in one step of a 64-token budget: the second gets 31 rows, still a valid tree."""
+    from vllm import SamplingParams
+
+    from vllm_hyco.engine.api import HycoEngine
+
+    rng = random.Random(33)
+    prompts = [[2] + [rng.randrange(5, VOCAB) for _ in range(20)] for _ in range(2)]
+    refs = [list(o.outputs[0].token_ids) for o in llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+        use_tqdm=False)]
+    hy = HycoEngine(llm)
+    handles = [hy.open(prompt_token_ids=p, temperature=0.0, max_tokens=30, ignore_eos=True) for p in prompts]
+    batch = []
+    for h, ref in zip(handles, refs):
+        toks, pars, depth = _tree(h.root, ref, "chain", rng)  # the planted chain sits in rows 1..4
+        assert len(toks) == 33 and depth == 4
+        batch.append((h.sid, 0, toks, pars))
+    verdicts = hy.submit_many(batch)
+    assert sorted(v.stats["num_rows"] for v in verdicts) == [31, 33]
+    for v, ref in zip(verdicts, refs):
+        assert v.committed == ref[:5]
+    for h in handles:
+        hy.close(h.sid)
+
+
 @pytest.fixture(scope="module")
 def small_llm(tmp_path_factory):
     from vllm import LLM

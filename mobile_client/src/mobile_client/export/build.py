@@ -56,11 +56,15 @@ def build_mtp(
     n_calib: int = 12,
     n_golden: int = 2,
     head: torch.nn.Module | None = None,
+    feeds: list[dict] | None = None,
 ) -> tuple[StepArtifacts, dict]:
-    """MTP step: float head -> W4/A16 copy (or the given QAT ``head``) -> ONNX/QDQ/context + ladder."""
+    """MTP step: float head -> W4/A16 copy (or the given QAT ``head``) -> ONNX/QDQ/context + ladder.
+
+    ``feeds`` (calibration then golden, e.g. verifier captures) default to synthetic hand-offs."""
     float_head = MtpHead.from_hf_state_dict(spec, sd, keep_ids)
     lut = EmbedLut.from_embedding(target_embed, keep_ids)
-    feeds = mtp_feeds(spec, float_head, lut, keep_ids, MTP_WINDOW, n_calib + n_golden, seed=1)
+    if feeds is None:
+        feeds = mtp_feeds(spec, float_head, lut, keep_ids, MTP_WINDOW, n_calib + n_golden, seed=1)
     qhead = fake_quant_copy(head if head is not None else float_head, feeds[:n_calib], MTP_INPUTS)
     art = build_step("mtp", qhead, out, MTP_INPUTS, MTP_OUTPUTS, feeds[:n_calib], compile=compile)
     np.savez(out / "mtp_embed_lut.npz", table=lut.table, scale=lut.scale)
@@ -193,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         embed = next(v for k, v in tsd.items() if k.endswith("embed_tokens.weight")).float()
     else:
         embed = torch.randn(mspec.vocab, mspec.backbone, generator=torch.Generator().manual_seed(args.seed))
+    feeds = _captured_feeds(args.target_dir, mspec, keep, 14) if args.target_dir and not args.full else None
     steps = {
         "mtp": build_mtp(
             out,
@@ -204,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
             emulate=emulate,
             n_calib=4 if args.full else 12,
             n_golden=0 if args.full else 2,
+            feeds=feeds,
         )
     }
     slm = _maybe_slm(args, out, keep, compile, emulate)
@@ -240,6 +246,19 @@ def _maybe_slm(args, out: Path, keep: list[int], compile: bool, emulate: bool):
         ssd = random_slm_state_dict(sspec, seed=args.seed + 1)
     skeep = [k for k in keep if k < sspec.vocab]
     return build_slm(out, sspec, ssd, skeep, compile=compile, emulate=emulate)
+
+
+def _captured_feeds(target_dir: Path, spec: MtpSpec, keep: list[int], n: int) -> list[dict]:
+    """MTP step inputs captured from the verifier (transformers, fp32) on random token sequences."""
+    from transformers import AutoModelForCausalLM
+
+    from mobile_client.quant.capture import capture_feeds
+
+    verifier = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, spec.vocab, (MTP_WINDOW + 200,), generator=g).tolist() for _ in range(2)]
+    feeds = capture_feeds(spec, verifier, seqs, keep, MTP_WINDOW, every=(MTP_WINDOW + 200) // (n // 2))
+    return feeds[:n]
 
 
 def _load_keep(path: Path | None, vocab: int) -> list[int]:

@@ -16,7 +16,7 @@ from vllm_hyco.bench.configs import CONFIGS, DROPPED, SLM_ONLY_MS_PER_TOKEN, SLM
 from vllm_hyco.bench.metrics import disjoint, summarize, with_ratios
 
 LABELS = {
-    "g": "CPU-measured (engine compute incl. prefill / output tokens; compare only as ratios in one run)",
+    "g": "CPU-measured (engine process CPU seconds in the model calls, prefill included, / output tokens; compare only as ratios in one run)",
     "gpu_model_g": "modelled: physics.md H200 memory-bound verify forward / MAT (no prefill, no server head)",
     "tok_s": "simulated: CPU-measured server + modelled link (proxy) + modelled device time (D8)",
     "draft": "modelled from the paper's device numbers (D8); CPU-measured drafting in the JSON",

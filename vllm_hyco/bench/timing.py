@@ -4,7 +4,9 @@ g, the paper's server cost, is the server's compute time (prefill included) divi
 This module measures the compute where it happens: when ``VLLM_HYCO_BENCH_TIMING=1`` is set, the plugin's
 ``register()`` (every vLLM process) calls :func:`install`, which wraps the worker's ``execute_model``,
 ``sample_tokens`` and ``take_draft_token_ids`` (vLLM's MTP drafts inside these) with a wall-clock timer
-(after a ``torch.cuda.synchronize()`` on a GPU). Every forward of every request is counted: prefill,
+(after a ``torch.cuda.synchronize()`` on a GPU) and with the process's CPU time (``cpu_s``: every thread
+of the engine process, so torch's intra-op threads count; robust to other load on a shared CPU box,
+where wall time is not). Every forward of every request is counted: prefill,
 plain decode, MTP chains, HyCo trees. Scheduling, detokenization and HTTP are not.
 
 Why a wrapper: vLLM's own ``/metrics`` has no busy-time counter for the model. What it replaces: the three
@@ -38,7 +40,7 @@ from typing import Any, Callable
 
 ENV = "VLLM_HYCO_BENCH_TIMING"
 DIR_ENV = "VLLM_HYCO_BENCH_TIMING_DIR"
-FIELDS = ("execute_s", "sample_s", "draft_s")
+FIELDS = ("execute_s", "sample_s", "draft_s", "cpu_s")  # cpu_s: process CPU seconds inside the same calls
 COUNTS = ("steps", "rows")
 ORIGINALS: dict[tuple[type, str], Callable] = {}
 _METHODS = {"execute_model": "execute_s", "sample_tokens": "sample_s", "take_draft_token_ids": "draft_s"}
@@ -55,6 +57,7 @@ class EngineTimer:
         self.totals = {f: 0.0 for f in FIELDS}
         self.counts = {c: 0 for c in COUNTS}
         self.out_dir = Path(out_dir) if out_dir else None
+        self.g_clock = "cpu_s"  # which total g uses: "busy_s" (wall) once a GPU ran a call
 
     def add(self, field: str, seconds: float, rows: int = 0) -> None:
         self.totals[field] += seconds
@@ -66,8 +69,9 @@ class EngineTimer:
 
     def snapshot(self) -> dict[str, Any]:
         snap: dict[str, Any] = {k: round(v, 9) for k, v in self.totals.items()}
-        snap["busy_s"] = round(sum(self.totals.values()), 9)
+        snap["busy_s"] = round(sum(v for k, v in self.totals.items() if k != "cpu_s"), 9)
         snap.update(self.counts)
+        snap["g_clock"] = self.g_clock
         snap["pid"] = os.getpid()
         return snap
 
@@ -86,17 +90,19 @@ def _sync() -> None:
 
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
+        TIMER.g_clock = "busy_s"  # on a GPU the compute is device time: wall around a synchronize
 
 
 def _timed(fn: Callable, field: str) -> Callable:
     @functools.wraps(fn)
     def timed(self, *args, **kwargs):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = fn(self, *args, **kwargs)
         _sync()
         rows = 0
         if field == "execute_s" and args:
             rows = int(getattr(args[0], "total_num_scheduled_tokens", 0) or 0)
+        TIMER.totals["cpu_s"] += time.process_time() - c0
         TIMER.add(field, time.perf_counter() - t0, rows=rows)
         return out
 
@@ -145,6 +151,7 @@ def install() -> bool:
 def read_dir(path: str | Path) -> dict[str, Any]:
     """The sum of every process's last snapshot in ``path`` (zeros when none wrote yet)."""
     total: dict[str, Any] = {**{f: 0.0 for f in FIELDS}, "busy_s": 0.0, **{c: 0 for c in COUNTS}}
+    clock = "cpu_s"
     for f in sorted(Path(path).glob("timing-*.json")):
         try:
             snap = json.loads(f.read_text())
@@ -152,10 +159,15 @@ def read_dir(path: str | Path) -> dict[str, Any]:
             continue  # being replaced right now; os.replace makes this rare
         for k in total:
             total[k] += snap.get(k, 0)
+        clock = "busy_s" if snap.get("g_clock") == "busy_s" else clock
+    total["g_clock"] = clock
     return total
 
 
 def delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     """``after - before`` for every numeric field both have."""
-    return {k: round(after[k] - before[k], 9) for k in after
-            if k in before and k != "pid" and isinstance(after[k], (int, float))}
+    out: dict[str, Any] = {k: round(after[k] - before[k], 9) for k in after
+                           if k in before and k != "pid" and isinstance(after[k], (int, float))}
+    if "g_clock" in after:
+        out["g_clock"] = after["g_clock"]
+    return out

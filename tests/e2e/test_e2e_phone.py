@@ -12,8 +12,10 @@ import threading
 
 import aiohttp
 import pytest
-from test_e2e_phone_support import (API_KEY, MODEL, http_get, make_client, make_phone, metric_values,
-                                    phone_server)
+from test_e2e_phone_support import (API_KEY, MAX_SESSIONS, MODEL, RawPhone, http_get, make_client, make_phone,
+                                    metric_values, phone_server, start_frame, tree_frame)
+
+from vllm_hyco.handoff.server_frames import ErrorFrame, FinalFrame, VerdictFrame
 
 PROMPTS = ["In the beginning God created", "And the LORD said unto Moses,", "Blessed are the",
            "The LORD is my shepherd;", "For God so loved", "Jesus wept. And", "Let there be light:",
@@ -153,3 +155,42 @@ def test_metrics_show_hyco_sessions(server):
     assert metric_values(server, "vllm_hyco_bytes_total")
     assert metric_values(server, "vllm_hyco_parked_sessions") == {"": 0.0}
     assert sum(metric_values(server, "vllm_hyco_sessions_total").values()) > 0
+
+
+def test_session_limit_refuses_and_closes(server, tok):
+    """``max_sessions`` sessions open; one more start gets ``too_many_sessions`` (fatal) and a close; the
+    others are unaffected and finish."""
+    import time
+
+    ids = tok.encode(PROMPTS[0])
+
+    async def run():
+        async with aiohttp.ClientSession() as http:
+            phones = [RawPhone(http, server) for _ in range(MAX_SESSIONS)]
+            for p in phones:
+                await p.__aenter__()
+                await p.send(start_frame(PROMPTS[0], max_tokens=1))
+            deadline = time.monotonic() + 300
+            while json.loads(http_get(f"{server}/v1/hyco/stats",
+                                      headers={"Authorization": f"Bearer {API_KEY}"})[1])["sessions"] < MAX_SESSIONS:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.5)
+            async with RawPhone(http, server) as extra:
+                await extra.send(start_frame(PROMPTS[0], max_tokens=1))
+                err = await extra.recv()
+                assert isinstance(err, ErrorFrame) and err.code == "too_many_sessions" and err.fatal
+                with pytest.raises(ConnectionError):
+                    await extra.recv(timeout=30)
+            for p in phones:
+                await p.send(tree_frame(0, ids[-1], []))
+            for p in phones:
+                v = await p.recv()
+                while isinstance(v, ErrorFrame) and v.code == "server_busy":  # more sessions than batch slots
+                    await asyncio.sleep(0.05)
+                    await p.send(tree_frame(0, ids[-1], []))
+                    v = await p.recv()
+                assert isinstance(v, VerdictFrame) and v.finish_reason == "length"
+                assert isinstance(await p.recv(), FinalFrame)
+                await p.__aexit__()
+
+    asyncio.run(run())

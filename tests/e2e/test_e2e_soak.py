@@ -15,8 +15,8 @@ import time
 
 import aiohttp
 import pytest
-from test_e2e_phone_support import (API_KEY, IDLE_TIMEOUT_S, MODEL, KillingProxy, http_get, make_client,
-                                    make_phone, metric_values, phone_server, server_rss_bytes)
+from test_e2e_phone_support import (API_KEY, IDLE_TIMEOUT_S, MODEL, KillingProxy, RawPhone, http_get,
+                                    make_client, make_phone, metric_values, phone_server, server_rss_bytes)
 from tolerances import TOLERANCES
 
 import torch
@@ -47,7 +47,7 @@ def _soak(server: str, tok, duration_s: float) -> dict:
                                    extra_body={"ignore_eos": True, "return_token_ids": True}).choices[0]
         refs[p] = list(c.model_extra["token_ids"])
     baseline = _stats(server)
-    counts = {"sessions": 0, "abandoned": 0, "resumes": 0, "rss_warm": 0}
+    counts = {"sessions": 0, "abandoned": 0, "resumes": 0, "rss_warm": 0, "idle_closed": 0}
     abandoned_at: list[float] = []
 
     async def phone(i: int, proxy, http, end: float):
@@ -73,16 +73,28 @@ def _soak(server: str, tok, duration_s: float) -> dict:
             counts["sessions"] += 1
             counts["resumes"] += s.resumes
 
+    async def silent(http):
+        """A connection that never sends a frame: closed with ``idle_timeout`` after the idle timeout."""
+        from vllm_hyco.handoff.server_frames import ErrorFrame
+
+        async with RawPhone(http, server) as quiet:
+            t0 = time.monotonic()
+            err = await quiet.recv(timeout=IDLE_TIMEOUT_S * 4)
+            assert isinstance(err, ErrorFrame) and err.code == "idle_timeout" and err.fatal
+            assert time.monotonic() - t0 >= IDLE_TIMEOUT_S * 0.9
+            counts["idle_closed"] = 1
+
     async def run():
         async with KillingProxy(server, kills=0, seed=7, p_kill=0.2) as proxy:
             async with aiohttp.ClientSession() as http:
+                idle = asyncio.create_task(silent(http))
                 start = time.monotonic()
                 end = start + duration_s
                 warm = asyncio.create_task(asyncio.sleep(duration_s / 4))
                 tasks = [asyncio.create_task(phone(i, proxy, http, end)) for i in range(PHONES)]
                 await warm
                 counts["rss_warm"] = server_rss_bytes()
-                await asyncio.gather(*tasks)
+                await asyncio.gather(*tasks, idle)
 
     asyncio.run(run())
     deadline = time.monotonic() + IDLE_TIMEOUT_S * 3 + 30
@@ -97,7 +109,7 @@ def _soak(server: str, tok, duration_s: float) -> dict:
 
 
 def _check(server: str, c: dict) -> None:
-    assert c["sessions"] >= PHONES and c["resumes"] > 0
+    assert c["sessions"] >= PHONES and c["resumes"] > 0 and c["idle_closed"] == 1
     after, base = c["after"], c["baseline"]
     assert after["sessions"] == 0 and after["engine"]["live"] == 0 and after["engine"]["parked"] == 0
     assert after["engine"]["kv_blocks_used"] <= base["engine"]["kv_blocks_used"]

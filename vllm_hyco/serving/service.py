@@ -189,7 +189,12 @@ class HycoService:
             s.touch()
             try:
                 r = await self.bridge.round(s.engine, t.round, list(t.tokens), list(t.parents))
-            except (BridgeError, SessionError) as e:
+            except BridgeError as e:
+                if e.code == "server_busy":
+                    self.metrics.rejected.labels(code="server_busy").inc()
+                    raise WireError(str(e), code="server_busy", fatal=False, round=t.round) from None
+                await self._engine_lost(s, e, t.round)
+            except SessionError as e:
                 await self._engine_lost(s, e, t.round)
             frames = self._verdict_frames(s, t, r)
             s.touch()

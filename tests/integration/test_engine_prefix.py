@@ -92,6 +92,26 @@ def test_trees_cut_short_by_the_token_budget_still_verify(llm):
         hy.close(h.sid)
 
 
+def test_a_fully_cached_prompt_still_opens_a_session(llm):
+    """129 tokens: everything but the root (128 = 2 x 64) is a prefix-cache hit for the second session."""
+    from vllm import SamplingParams
+
+    from vllm_hyco.engine.api import HycoEngine
+
+    rng = random.Random(129)
+    prompt = [2] + [rng.randrange(5, VOCAB) for _ in range(128)]
+    ref = list(llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=8,
+                            ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids)
+    hy = HycoEngine(llm)
+    a = hy.open(prompt_token_ids=prompt, temperature=0.0, max_tokens=8, ignore_eos=True)
+    b = hy.open(prompt_token_ids=prompt, temperature=0.0, max_tokens=8, ignore_eos=True)
+    toks, pars = [a.root] + ref[:4], [-1, 0, 1, 2, 3]
+    va, vb = hy.submit_many([(a.sid, 0, toks, pars), (b.sid, 0, toks, pars)])
+    assert va.committed == vb.committed == ref[:5]
+    hy.close(a.sid)
+    hy.close(b.sid)
+
+
 @pytest.fixture(scope="module")
 def small_llm(tmp_path_factory):
     from vllm import LLM

@@ -105,6 +105,24 @@ class HycoSchedulerMixin:
             n = min(n, max(request.num_tokens - 1 - num_computed_tokens, 0))
         return n
 
+    def _get_local_prefix_cache_hit(self, request):
+        """A session never takes a prefix-cache hit that covers its whole prompt but the root.
+
+        vLLM caps a hit at ``num_tokens - 1`` (it must compute the last token), and a session's prefill is
+        capped at ``num_tokens - 1`` too, so such a hit would leave a zero-token chunk, and vLLM's waiting
+        loop stops at a zero-token request (blocking every request behind it). The lookup is redone with
+        the cap one lower (pure: ``find_longest_cache_hit`` takes no references), so at least one token is
+        prefilled. Replaces nothing for other requests; can go with a per-request hit cap in vLLM.
+        """
+        hit = super()._get_local_prefix_cache_hit(request)
+        num_local = hit[1]
+        if num_local < request.num_tokens - 1 or self.hyco_sessions.by_req(request.request_id) is None:
+            return hit
+        mgr = self.kv_cache_manager
+        computed, num_local, _ = mgr.coordinator.find_longest_cache_hit(request.block_hashes,
+                                                                         request.num_tokens - 2)
+        return (mgr.create_kv_cache_blocks(computed), num_local, 0, *hit[3:])
+
     def update_draft_token_ids(self, draft_token_ids) -> None:
         reg = self.__dict__.get("_hyco_sessions")
         if reg is None or not draft_token_ids.req_ids:

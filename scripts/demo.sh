@@ -4,7 +4,9 @@
 #   2. build (or reuse) the tiny Gemma-4 fixtures     python -m vllm_hyco.fixtures (cached under $HYCO_CACHE)
 #   3. start `vllm-hyco serve DIR/verifier --speculative-config hyco` on 127.0.0.1
 #   4. stream one chat completion with the official openai client (scripts/demo_chat.py)
-#   5. stop the server (by PID)
+#   5. run one whole HyCo session with `hyco-phone` (the phone's MTP head + SLM drafting trees, the server
+#      verifying them over WS /v1/hyco/session): the answer streams, one statistics line per round
+#   6. stop the server (by PID)
 # HYCO_DEMO_PORT (default 8011) picks the port; the server log goes to $HYCO_CACHE/demo-server.log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -35,4 +37,9 @@ done
 
 echo "[demo] server up; streaming a chat completion"
 "$PY" scripts/demo_chat.py --base-url "http://127.0.0.1:$port/v1" --model hyco-tiny
+echo
+echo "[demo] a HyCo phone session: hyco-phone drafts trees, the server verifies them (stats per round on stderr)"
+"$HYCO_VENV/bin/hyco-phone" --server "http://127.0.0.1:$port" --model-dir "$fixtures" --model-name hyco-tiny \
+  --prompt "${HYCO_DEMO_PROMPT:-In the beginning God created}" --max-tokens "${HYCO_DEMO_MAX_TOKENS:-48}" \
+  --temperature 0
 echo "[demo] stopping the server"

@@ -48,6 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--machine", default=None, help="how to describe this machine in the report")
+    p.add_argument("--engine-threads", type=int, default=1,
+                   help="CPU engine: OpenMP threads (passive waits, no binding); 0: vLLM's default binding")
     return p.parse_args(argv)
 
 
@@ -102,7 +104,7 @@ class Bench:
 
     def server(self, spec: str | None, max_num_seqs: int | None = None) -> BenchServer:
         return BenchServer(self.fx / "verifier", spec, max_num_seqs=max_num_seqs or self.args.max_num_seqs,
-                           log_dir=self.out / "logs")
+                           log_dir=self.out / "logs", threads=self.args.engine_threads or None)
 
     def one_pass(self, srv: BenchServer, cfg: C.BenchConfig, run: int, prompts: list[dict], ids, concurrency: int
                  ) -> M.RunRecord:
@@ -203,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
                            "weights": _weights(bench.fx), "link": bench.link.to_dict(), "prompts": len(bench.prompts),
                            "prompt_set": args.prompt_set, "runs": args.runs, "phones": args.phones,
                            "max_tokens": args.max_tokens, "temperature": args.temperature, "top_k": args.top_k,
-                           "top_p": args.top_p, "slm_only": any(c.name == "slm-only" for c in selected),
+                           "top_p": args.top_p, "engine_threads": args.engine_threads, "slm_only": any(c.name == "slm-only" for c in selected),
                            "argv": sys.argv[1:] if argv is None else argv, "phone_notes": _phone_notes(bench.fx),
                            "handoff_values": _handoff_values(bench.fx)}
     results = build_results(per_run, env, sweep, ordinary)

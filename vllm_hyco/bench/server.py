@@ -86,10 +86,10 @@ class BenchServer:
 
     def __init__(self, verifier: Path, spec: str | None, *, max_num_seqs: int = 8, max_model_len: int = 1024,
                  dtype: str = "float32", log_dir: Path | None = None, startup_timeout_s: float = 600.0,
-                 extra_args: list[str] | None = None):
+                 extra_args: list[str] | None = None, threads: int | None = 1):
         self.verifier, self.spec, self.max_num_seqs = Path(verifier), spec, max_num_seqs
         self.max_model_len, self.dtype, self.extra_args = max_model_len, dtype, list(extra_args or [])
-        self.timeout_s = startup_timeout_s
+        self.timeout_s, self.threads = startup_timeout_s, threads
         self.timing_dir = Path(tempfile.mkdtemp(prefix="hyco-bench-timing-"))
         self.log_path = Path(log_dir or self.timing_dir) / f"server-{os.getpid()}-{id(self)}.log"
         self.port = free_port()
@@ -110,6 +110,9 @@ class BenchServer:
     def env(self) -> dict[str, str]:
         env = {**RUNTIME_ENV, **os.environ, timing.ENV: "1", timing.DIR_ENV: str(self.timing_dir)}
         env.pop("VLLM_PLUGINS", None)  # vllm-hyco sets it
+        if self.threads:  # a fixed thread count, no binding, passive OpenMP waits: CPU time = model work
+            env.update(OMP_NUM_THREADS=str(self.threads), VLLM_CPU_OMP_THREADS_BIND="nobind",
+                       OMP_WAIT_POLICY="PASSIVE")
         return env
 
     def start(self) -> "BenchServer":

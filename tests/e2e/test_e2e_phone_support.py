@@ -110,9 +110,9 @@ def phone_server(fixtures_dir: Path) -> str:
 
 def server_rss_bytes() -> int:
     """Resident memory of the server process and its children (the engine core)."""
-    if "proc" not in _SERVER:
+    if "proc" not in _SERVER and not os.environ.get("HYCO_E2E_SERVER_PID"):
         return 0
-    pid = _SERVER["proc"].pid
+    pid = _SERVER["proc"].pid if "proc" in _SERVER else int(os.environ["HYCO_E2E_SERVER_PID"])
     pids = [pid]
     try:
         out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()

@@ -14,7 +14,7 @@ def test_bench_smoke(fixtures_dir, tmp_path):
     cmd = [sys.executable, "-m", "vllm_hyco.bench", "--configs", "cloud-mtp,slm-only", "--prompts", "1",
            "--runs", "1", "--max-tokens", "8", "--link", "lan", "--fixtures", str(fixtures_dir),
            "--out", str(out), "--max-num-seqs", "2"]
-    proc = subprocess.run(cmd, env=dict(os.environ), capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(cmd, env=dict(os.environ), capture_output=True, text=True, timeout=900, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads((out / "results.json").read_text())
     (cloud,) = results["summary"]["cloud-mtp"]["runs"]

@@ -4,15 +4,17 @@ untouched; committed tokens the SLM missed are caught up. And the recording sess
 
 from __future__ import annotations
 
+import typing
+
 import numpy as np
 import pytest
 import torch
-from tolerances import tol
-
 from mobile_client.drafters.base import HybridDrafter, SpecEdgeDrafter
 from mobile_client.drafters.slm import SlmDrafter
 from mobile_client.drafters.spec import random_slm_state_dict, toy_slm_spec
 from mobile_client.tree import DraftTree, FrontierPlan
+from tolerances import tol
+
 from vllm_hyco.bench import configs, phones
 
 SPEC = toy_slm_spec()
@@ -84,7 +86,7 @@ def test_bench_client_models_device_time():
             round, proactive_hit = 0, None
 
         _pending = P()
-        bench_device_ms: dict = {}
+        bench_device_ms: typing.ClassVar[dict] = {}
 
     client = phones.bench_client_class()("http://127.0.0.1:1", config=configs.CONFIGS["hyco"], session=S())
     assert client.sim_draft_ms == configs.SLM_PASS_MS

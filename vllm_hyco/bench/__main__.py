@@ -223,7 +223,7 @@ def _handoff_values(fx: Path) -> dict[str, int] | None:
 
         spec = spec_from_hf_config(json.loads((fx / "verifier" / "config.json").read_text()))
         return {"header": 44, "per_round": spec.values_per_round, "per_position": spec.values_per_position}
-    except Exception:  # a report note, never fatal
+    except Exception:  # noqa: BLE001 - a report note, never fatal
         return None
 
 
@@ -233,7 +233,7 @@ def _phone_notes(fx: Path) -> list[str]:
 
     try:
         return load_phone(fx, C.CONFIGS["hyco"])[4]
-    except Exception as e:  # a report note, never fatal
+    except Exception as e:  # noqa: BLE001 - a report note, never fatal
         return [f"could not load the phone bundle: {e}"]
 
 

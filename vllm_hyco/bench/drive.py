@@ -56,7 +56,7 @@ async def _cloud_one(client, config: str, run: int, prompt: dict, sampling: Samp
                 rec.ttft_ms = (time.perf_counter() - t0) * 1e3
             if chunk.usage is not None:
                 rec.tokens = chunk.usage.completion_tokens
-    except Exception as e:  # recorded, not raised: errors are a metric of the sweep
+    except Exception as e:  # noqa: BLE001 - recorded, not raised: errors are a metric of the sweep
         rec.error = f"{type(e).__name__}: {e}"[:300]
     rec.wall_ms = (time.perf_counter() - t0) * 1e3
     return rec
@@ -113,7 +113,7 @@ async def _phone_one(url: str, cfg: BenchConfig, run: int, prompt: dict, ids: li
         # (the client pads only when it is faster) is taken out of the wall time
         rec.wall_ms_measured = rec.wall_ms
         rec.wall_ms -= phones.cpu_overrun_ms(rec.rounds)
-    except Exception as e:  # recorded, not raised
+    except Exception as e:  # noqa: BLE001 - recorded, not raised
         rec.error = f"{type(e).__name__}: {e}"[:300]
     return rec
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import Self
 
 from vllm_hyco.errors import ConfigError
 
@@ -57,7 +58,7 @@ class LinkModel:
         return {"name": self.name, "rtt_ms": self.rtt_ms, "up_mbps": self.up_mbps, "down_mbps": self.down_mbps}
 
     @classmethod
-    def parse(cls, text: str) -> "LinkModel":
+    def parse(cls, text: str) -> LinkModel:
         """A preset name (``lan``, ``lte``, ``5g``) or ``rtt=MS,up=MBPS,down=MBPS`` (any subset; the rest
         from ``lte``)."""
         key = text.strip().lower()
@@ -88,7 +89,7 @@ PRESETS = {
 class _Pipe:
     """One direction of one connection: reads, stamps delivery times, writes in order."""
 
-    def __init__(self, link: LinkModel, direction: str, proxy: "LinkProxy"):
+    def __init__(self, link: LinkModel, direction: str, proxy: LinkProxy):
         self.link, self.direction, self.proxy = link, direction, proxy
         self.free_at = 0.0  # when the sender's side of the link is idle again (loop time)
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -164,7 +165,7 @@ class LinkProxy:
         else:
             self.bytes_down += n
 
-    async def start(self) -> "LinkProxy":
+    async def start(self) -> Self:
         self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
         self.port = self._server.sockets[0].getsockname()[1]
         return self
@@ -198,7 +199,7 @@ class LinkProxy:
             await self._server.wait_closed()
             self._server = None
 
-    async def __aenter__(self) -> "LinkProxy":
+    async def __aenter__(self) -> Self:
         return await self.start()
 
     async def __aexit__(self, *exc) -> None:

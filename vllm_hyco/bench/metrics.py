@@ -33,10 +33,12 @@ paper's Appendix G does):
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 #: node sources (mobile_client.tree.Source / vllm_hyco.spec_decode.tree.NodeSource values)
 SOURCES = {1: "chain", 2: "runner_up", 3: "slm", 4: "other"}
@@ -88,7 +90,7 @@ class RunRecord:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "RunRecord":
+    def from_dict(cls, d: dict) -> RunRecord:
         reqs = []
         for r in d["requests"]:
             rounds = [RoundRecord(**{**x, "drafted_sources": {int(k): v for k, v in x["drafted_sources"].items()}})
@@ -237,7 +239,7 @@ def summarize(per_run: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for m in per_run:
         out.setdefault(m["config"], {"runs": []})["runs"].append(m)
-    for cfg, entry in out.items():
+    for entry in out.values():
         entry["spread"] = {k: spread([m.get(k) for m in entry["runs"]]) for k in SPREAD_KEYS}
         last = entry["runs"][-1]
         entry["accept_depth"] = last.get("accept_depth", [])
@@ -258,7 +260,7 @@ def physics_forward_ms(rows: float) -> float:
     """
     pts = PHYSICS_H200_MS
     rows = min(max(rows, pts[0][0]), pts[-1][0])
-    for (r0, t0), (r1, t1) in zip(pts, pts[1:]):
+    for (r0, t0), (r1, t1) in itertools.pairwise(pts):
         if rows <= r1:
             return round(t0 + (t1 - t0) * (rows - r0) / (r1 - r0), 4)
     return pts[-1][1]

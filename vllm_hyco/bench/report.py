@@ -67,14 +67,14 @@ def _fmt(s: dict | None, nd: int = 2) -> str:
 def markdown(results: dict[str, Any]) -> str:
     env, summary = results["env"], results["summary"]
     lines = [f"# HyCo benchmark ({env.get('date', '')})", "",
-             f"Machine: {env.get('machine', '?')}. Fixtures: {env.get('fixtures', '?')} "
-             f"({env.get('weights', '?')} weights). Link: {env.get('link', {})}. Prompts: "
-             f"{env.get('prompts')} x {env.get('runs')} runs, max_tokens {env.get('max_tokens')}, "
-             f"temperature {env.get('temperature')}, top-k {env.get('top_k') or 'off'}, top-p "
-             f"{env.get('top_p')}. Phone bundle: {_notes(env)}.",
+             (f"Machine: {env.get('machine', '?')}. Fixtures: {env.get('fixtures', '?')} "
+              f"({env.get('weights', '?')} weights). Link: {env.get('link', {})}. Prompts: "
+              f"{env.get('prompts')} x {env.get('runs')} runs, max_tokens {env.get('max_tokens')}, "
+              f"temperature {env.get('temperature')}, top-k {env.get('top_k') or 'off'}, top-p "
+              f"{env.get('top_p')}. Phone bundle: {_notes(env)}."),
              "",
-             "| configuration | g ms/token (CPU) | g ratio | GPU-modelled g | MAT | tok/s | draft ms/token "
-             "(modelled) | up B/round | down B/round | TTFT p50 / p90 ms | errors |",
+             ("| configuration | g ms/token (CPU) | g ratio | GPU-modelled g | MAT | tok/s | draft ms/token "
+              "(modelled) | up B/round | down B/round | TTFT p50 / p90 ms | errors |"),
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, entry in summary.items():
         if name == "slm-only":
@@ -104,9 +104,9 @@ def _bytes_md(results: dict[str, Any]) -> list[str]:
     if not hv:
         return []
     out = ["## Bytes per round: measured frames vs the paper's count for this model", "",
-           f"Paper's count (Algorithm 4 line 14) for the fixture verifier: {hv['header']} B + {hv['per_round']} B "
-           f"per round + {hv['per_position']} B per committed position (26B-A4B: 44 + 5,632 + 6,144; tree "
-           "2.2 KB up).", "", "| configuration | up B/round | down B/round | paper's count at this MAT | seed B |",
+           (f"Paper's count (Algorithm 4 line 14) for the fixture verifier: {hv['header']} B + "
+            f"{hv['per_round']} B per round + {hv['per_position']} B per committed position (26B-A4B: 44 + "
+            "5,632 + 6,144; tree 2.2 KB up)."), "", "| configuration | up B/round | down B/round | paper's count at this MAT | seed B |",
            "|---|---|---|---|---|"]
     for name, entry in results["summary"].items():
         runs = entry.get("runs") or []

@@ -22,7 +22,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from vllm_hyco.bench import timing
 from vllm_hyco.errors import ConfigError
@@ -115,7 +115,7 @@ class BenchServer:
                        OMP_WAIT_POLICY="PASSIVE")
         return env
 
-    def start(self) -> "BenchServer":
+    def start(self) -> Self:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic()
         with open(self.log_path, "wb") as log:
@@ -161,7 +161,7 @@ class BenchServer:
                 self.proc.kill()
                 self.proc.wait(timeout=30)
 
-    def __enter__(self) -> "BenchServer":
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -35,8 +35,9 @@ import functools
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 ENV = "VLLM_HYCO_BENCH_TIMING"
 DIR_ENV = "VLLM_HYCO_BENCH_TIMING_DIR"
@@ -132,7 +133,6 @@ def install() -> bool:
     """Wrap the worker methods once per process (idempotent). Returns True when timing is on."""
     if not enabled():
         return False
-    global TIMER
     out_dir = os.environ.get(DIR_ENV)
     if out_dir and TIMER.out_dir is None:
         Path(out_dir).mkdir(parents=True, exist_ok=True)

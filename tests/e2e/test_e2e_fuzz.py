@@ -13,11 +13,20 @@ import random
 import aiohttp
 import msgpack
 import pytest
-from test_e2e_phone_support import (API_KEY, MODEL, RawPhone, http_get, make_client, make_phone, phone_server,
-                                    start_frame, tree_frame)
+from test_e2e_phone_support import (
+    API_KEY,
+    MODEL,
+    RawPhone,
+    http_get,
+    make_client,
+    make_phone,
+    phone_server,
+    start_frame,
+    tree_frame,
+)
 
 from vllm_hyco.errors import HycoError
-from vllm_hyco.handoff.client_frames import StartFrame, TreeFrame
+from vllm_hyco.handoff.client_frames import StartFrame
 from vllm_hyco.handoff.frames import decode_client_frame, encode_frame, frame_to_wire
 from vllm_hyco.handoff.limits import ERROR_CODES
 from vllm_hyco.handoff.server_frames import ErrorFrame, VerdictFrame

@@ -12,8 +12,19 @@ import threading
 
 import aiohttp
 import pytest
-from test_e2e_phone_support import (API_KEY, MAX_SESSIONS, MODEL, RawPhone, http_get, make_client, make_phone,
-                                    metric_values, phone_server, start_frame, tree_frame)
+from test_e2e_phone_support import (
+    API_KEY,
+    MAX_SESSIONS,
+    MODEL,
+    RawPhone,
+    http_get,
+    make_client,
+    make_phone,
+    metric_values,
+    phone_server,
+    start_frame,
+    tree_frame,
+)
 
 from vllm_hyco.handoff.server_frames import ErrorFrame, FinalFrame, VerdictFrame
 

@@ -115,7 +115,7 @@ def server_rss_bytes() -> int:
     pid = _SERVER["proc"].pid if "proc" in _SERVER else int(os.environ["HYCO_E2E_SERVER_PID"])
     pids = [pid]
     try:
-        out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+        out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True, check=False).stdout.split()
         pids += [int(p) for p in out]
     except OSError:
         pass
@@ -206,7 +206,7 @@ class RawPhone:
     def __init__(self, http, base: str, key: str | None = API_KEY):
         self.http, self.url, self.key, self.ws = http, base.replace("http", "ws", 1) + "/v1/hyco/session", key, None
 
-    async def __aenter__(self) -> "RawPhone":
+    async def __aenter__(self):
         headers = {"Authorization": f"Bearer {self.key}"} if self.key else {}
         self.ws = await self.http.ws_connect(self.url, headers=headers, max_msg_size=8 << 20)
         return self

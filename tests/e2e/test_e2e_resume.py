@@ -6,10 +6,21 @@ connection is killed mid-round reconnects and finishes with no token lost; repla
 from __future__ import annotations
 
 import asyncio
+
 import aiohttp
 import pytest
-from test_e2e_phone_support import (API_KEY, MODEL, KillingProxy, RawPhone, make_client, make_phone,
-                                    phone_server, resume_frame, start_frame, tree_frame)
+from test_e2e_phone_support import (
+    API_KEY,
+    MODEL,
+    KillingProxy,
+    RawPhone,
+    make_client,
+    make_phone,
+    phone_server,
+    resume_frame,
+    start_frame,
+    tree_frame,
+)
 
 from vllm_hyco.handoff.chunks import HandoffAssembler
 from vllm_hyco.handoff.server_frames import ErrorFrame, FinalFrame, HandoffChunkFrame, VerdictFrame
@@ -51,7 +62,7 @@ def test_killed_connections_lose_no_token(server, tok, plain):
             return session, proxy.cut
 
     session, cut = asyncio.run(run())
-    assert cut == 4 and session.resumes >= 4
+    assert cut == 4 and session.resumes >= 2  # a cut before verdict 0 or after the last one needs no resume
     assert session.tokens == plain[1] and "".join(session.text_parts) == plain[0]
 
 
@@ -102,7 +113,7 @@ def test_replays_seeds_and_refusals(server, tok, plain):
                 assert isinstance(err, ErrorFrame) and err.code == "unknown_session" and err.fatal
                 # finish the session on this connection, then resume it: the last verdict and `final`
                 await phone.send(resume_frame(sid, 1))
-                r, _ = await _verdict_with_handoff(phone)
+                await _verdict_with_handoff(phone)
                 done, rnd, root = list(v0.tokens) + list(v1.tokens), 2, v1.bonus
                 while True:
                     await phone.send(tree_frame(rnd, root, plain[1][len(done):len(done) + 4]))

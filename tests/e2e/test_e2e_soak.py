@@ -17,11 +17,21 @@ import time
 
 import aiohttp
 import pytest
-from test_e2e_phone_support import (API_KEY, IDLE_TIMEOUT_S, MODEL, KillingProxy, RawPhone, http_get,
-                                    make_client, make_phone, metric_values, phone_server, server_rss_bytes)
-from tolerances import TOLERANCES
-
 import torch
+from test_e2e_phone_support import (
+    API_KEY,
+    IDLE_TIMEOUT_S,
+    MODEL,
+    KillingProxy,
+    RawPhone,
+    http_get,
+    make_client,
+    make_phone,
+    metric_values,
+    phone_server,
+    server_rss_bytes,
+)
+from tolerances import TOLERANCES
 
 PROMPTS = ["Behold, I come quickly:", "And Jesus answered and said unto them,", "The fear of the LORD is",
            "Now the serpent was more subtil"]
@@ -87,16 +97,14 @@ def _soak(server: str, tok, duration_s: float) -> dict:
             counts["idle_closed"] = 1
 
     async def run():
-        async with KillingProxy(server, kills=0, seed=7, p_kill=0.2) as proxy:
-            async with aiohttp.ClientSession() as http:
-                idle = asyncio.create_task(silent(http))
-                start = time.monotonic()
-                end = start + duration_s
-                warm = asyncio.create_task(asyncio.sleep(duration_s / 2))  # batch shapes, allocator arenas
-                tasks = [asyncio.create_task(phone(i, proxy, http, end)) for i in range(PHONES)]
-                await warm
-                counts["rss_warm"] = server_rss_bytes()
-                await asyncio.gather(*tasks, idle)
+        async with KillingProxy(server, kills=0, seed=7, p_kill=0.2) as proxy, aiohttp.ClientSession() as http:
+            idle = asyncio.create_task(silent(http))
+            end = time.monotonic() + duration_s
+            warm = asyncio.create_task(asyncio.sleep(duration_s / 2))  # batch shapes, allocator arenas
+            tasks = [asyncio.create_task(phone(i, proxy, http, end)) for i in range(PHONES)]
+            await warm
+            counts["rss_warm"] = server_rss_bytes()
+            await asyncio.gather(*tasks, idle)
 
     asyncio.run(run())
     deadline = time.monotonic() + IDLE_TIMEOUT_S * 3 + 30

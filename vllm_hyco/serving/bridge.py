@@ -18,6 +18,7 @@ Example (inside the server's event loop)::
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ PASSIVE_FIELDS = frozenset({"model", "messages", "prompt", "stream", "stream_opt
                             "max_completion_tokens", "add_generation_prompt", "skip_special_tokens",
                             "chat_template_kwargs"})
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed", "max_tokens", "stop", "ignore_eos", "min_tokens")
+logger = logging.getLogger("vllm.hyco")
 POLL_S = 0.005
 ROUND_TIMEOUT_S = 600.0
 
@@ -198,8 +200,8 @@ class EngineBridge:
         try:
             await self.call("hyco_srv_close", s.sid)
             await self.client.abort(s.req_id)
-        except Exception:  # noqa: BLE001 - closing a session the engine already ended
-            pass
+        except Exception as e:  # noqa: BLE001 - closing a session the engine already ended
+            logger.debug("HyCo close of %s: %s", s.sid, e)
         if s.pump is not None and not s.pump.done():
             s.pump.cancel()
 

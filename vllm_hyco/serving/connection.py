@@ -51,7 +51,7 @@ class PhoneConnection:
                         return
         except _Gone:
             return
-        except Exception as e:  # noqa: BLE001 - a bug must cost this connection only, never the server
+        except Exception as e:
             logger.exception("HyCo connection failed")
             try:
                 await self._error(WireError(f"the server failed: {type(e).__name__}: {e}", code="internal_error"))
@@ -104,8 +104,8 @@ class PhoneConnection:
     async def _close(self, code: int) -> None:
         try:
             await self.ws.close(code=code)
-        except Exception:  # noqa: BLE001 - already closed
-            pass
+        except Exception as e:  # noqa: BLE001 - already closed
+            logger.debug("HyCo close: %s", e)
 
     def _count_up(self, n: int) -> None:
         self.metrics.bytes.labels(direction="up").inc(n)

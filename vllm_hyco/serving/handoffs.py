@@ -69,7 +69,7 @@ class ServerModel:
     flat: bool  # no scales file: flat scales (the phone cannot use the MTP chain)
 
     @classmethod
-    def load(cls, model_dir: str | Path, window: int | None = None) -> "ServerModel":
+    def load(cls, model_dir: str | Path, window: int | None = None) -> ServerModel:
         model_dir = Path(model_dir)
         cfg = json.loads((model_dir / "config.json").read_text())
         hidden, layers = layers_from_hf_config(cfg)

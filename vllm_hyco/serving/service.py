@@ -78,7 +78,7 @@ class HycoService:
             await asyncio.sleep(1.0)
             try:
                 await self.sweep()
-            except Exception:  # noqa: BLE001 - the sweeper must outlive any one failure
+            except Exception:
                 logger.exception("HyCo session sweep failed")
 
     async def sweep(self) -> int:

@@ -208,7 +208,7 @@ class HycoService:
         if e.code in ("session_timeout",):
             raise WireError("the session was idle past the timeout and was closed; start over",
                             code="idle_timeout", round=round_)
-        if e.code in ("session_evicted", "session_finished", "aborted", "closed"):
+        if e.code in ("session_evicted", "session_finished", "aborted", "closed", "unknown_session"):
             raise WireError(f"the server no longer holds this session ({e.code}); start over",
                             code="unknown_session", round=round_)
         logger.warning("HyCo round %d failed in the engine: %s (%s)", round_, e, e.code)

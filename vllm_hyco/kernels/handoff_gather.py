@@ -9,7 +9,9 @@ fp32 (``x`` upcast first), and ``x ~ q * scale`` to dequantize. K and V of a lay
 Worked example: scale 0.5, x = [0.25, -0.25, 0.74, 100.0] -> x / scale = [0.5, -0.5, 1.48, 200]
 -> q = [1, -1, 1, 127].
 
-A layer whose V is its K (Gemma-4 full layers, ``k_eq_v``) sends K only: its V entry is ``None``.
+A layer whose V cache is ``None`` or the very tensor of its K cache sends K only: its V entry is ``None``.
+Gemma-4's ``k_eq_v`` full layers store a distinct V (V = v_norm(k_raw), K = rope(k_norm(k_raw))), so they
+send both.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ class HandoffRowsInt8:
 
     # per layer: [num_pos, num_kv_heads, head_dim] int8
     k: list[torch.Tensor]
-    # per layer: [num_pos, num_kv_heads, head_dim] int8, or None for a k_eq_v layer
+    # per layer: [num_pos, num_kv_heads, head_dim] int8, or None where V is the K tensor itself
     v: list[torch.Tensor | None]
     # [..., hidden] int8 (the verifier's hidden state h)
     h: torch.Tensor
@@ -122,7 +124,7 @@ def handoff_gather_quantize(
 ) -> HandoffRowsInt8:
     """Gather + quantize the hand-off: per layer l, the rows at ``slots[l]`` (that layer's KV-group slots).
 
-    A layer with ``v_caches[l]`` None or the same tensor as ``k_caches[l]`` (k_eq_v) gets ``v[l] = None``.
+    A layer with ``v_caches[l]`` None or the same tensor as ``k_caches[l]`` gets ``v[l] = None``.
     """
     if not len(k_caches) == len(v_caches) == len(slots) == len(k_scales) == len(v_scales):
         raise KernelInputError("k_caches, v_caches, slots, k_scales and v_scales need one entry per layer")

@@ -4,7 +4,8 @@ Layout (vLLM 0.32's Triton attention backend, ``v1/attention/backends/triton_att
 cache viewed as ``kv_cache.transpose(1, 2).split(head_size, -1)`` gives ``k_cache`` and ``v_cache`` of
 logical shape ``[num_blocks, block_size, num_kv_heads, head_dim]`` with any strides (last dim contiguous).
 Cache index ``i`` of request ``r`` lives at block ``block_table[r, i // block_size]``, offset
-``i % block_size``. Gemma-4 full layers share K and V (``k_eq_v``): pass the same tensor twice.
+``i % block_size``. A model whose V is its K may pass the same tensor twice; Gemma-4's ``k_eq_v`` full
+layers are not one (K = rope(k_norm(k_raw)), V = v_norm(k_raw)): pass both caches.
 
 Per request ``r`` with ``n = query_start_loc[r + 1] - query_start_loc[r]`` rows and ``seq_lens[r]`` keys:
 the committed prefix is ``[0, t)`` with ``t = seq_lens[r] - n``, and the step's own K/V are already in the

@@ -11,6 +11,8 @@ Only process-wide switches live here; everything about *how* HyCo runs is a Hyco
 | ``VLLM_HYCO_SKIP_VERSION_CHECK`` | 0 | load the plugin on a vLLM other than 0.32.x (unsupported; for porting) |
 | ``VLLM_HYCO_DISABLE`` | 0 | the plugin's ``register()`` does nothing (vLLM behaves as if it were absent) |
 | ``HYCO_CACHE`` | ``<repo>/.cache`` | where tests and the demo build fixtures once and reuse them |
+| ``VLLM_HYCO_BENCH_TIMING`` | 0 | benchmarks only: time the engine's model calls for g (``vllm_hyco.bench.timing``) |
+| ``VLLM_HYCO_BENCH_TIMING_DIR`` | unset | where each engine process writes ``timing-<pid>.json`` |
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     "VLLM_HYCO_SKIP_VERSION_CHECK": _flag("VLLM_HYCO_SKIP_VERSION_CHECK"),
     "VLLM_HYCO_DISABLE": _flag("VLLM_HYCO_DISABLE"),
     "HYCO_CACHE": _cache,
+    "VLLM_HYCO_BENCH_TIMING": _flag("VLLM_HYCO_BENCH_TIMING"),
+    "VLLM_HYCO_BENCH_TIMING_DIR": lambda: os.environ.get("VLLM_HYCO_BENCH_TIMING_DIR") or None,
 }
 
 

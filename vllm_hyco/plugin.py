@@ -18,7 +18,6 @@ engine-argument expansion. The HTTP side is the separate ``vllm.endpoint_plugins
 from __future__ import annotations
 
 import logging
-import os
 
 from vllm_hyco import SUPPORTED_VLLM, __version__, envs
 from vllm_hyco.errors import VllmVersionError
@@ -78,7 +77,7 @@ def register() -> None:
     from vllm_hyco.serving import core_utils
 
     core_utils.install()  # the phone route's engine-core utility methods (vllm_hyco.serving)
-    if os.environ.get("VLLM_HYCO_BENCH_TIMING"):  # benchmarks only: engine-side g (vllm_hyco/bench/timing.py)
+    if envs.VLLM_HYCO_BENCH_TIMING:  # benchmarks only: engine-side g (vllm_hyco/bench/timing.py)
         from vllm_hyco.bench import timing
 
         timing.install()

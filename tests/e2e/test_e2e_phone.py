@@ -24,6 +24,7 @@ from test_e2e_phone_support import (
     phone_server,
     start_frame,
     tree_frame,
+    wait_drained,
 )
 
 from vllm_hyco.handoff.server_frames import ErrorFrame, FinalFrame, VerdictFrame
@@ -164,6 +165,7 @@ def test_metrics_show_hyco_sessions(server):
     accepted = metric_values(server, "vllm_hyco_accepted_tokens_total")
     assert accepted and any('depth="1"' in k and 'source="chain"' in k for k in accepted)
     assert metric_values(server, "vllm_hyco_bytes_total")
+    wait_drained(server)  # sessions dropped by earlier tests expire after the idle timeout
     assert metric_values(server, "vllm_hyco_parked_sessions") == {"": 0.0}
     assert sum(metric_values(server, "vllm_hyco_sessions_total").values()) > 0
 
@@ -174,6 +176,7 @@ def test_session_limit_refuses_and_closes(server, tok):
     import time
 
     ids = tok.encode(PROMPTS[0])
+    wait_drained(server)  # the limit counts every held session, also those dropped by earlier tests
 
     async def run():
         async with aiohttp.ClientSession() as http:

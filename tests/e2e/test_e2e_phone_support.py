@@ -59,6 +59,24 @@ def http_get(url: str, timeout: float = 10.0, headers: dict | None = None) -> tu
         return e.code, e.read()
 
 
+def hyco_stats(server: str) -> dict:
+    """``GET /v1/hyco/stats``: sessions held by the endpoint, and live/parked sessions and KV in the engine."""
+    return json.loads(http_get(f"{server}/v1/hyco/stats", headers={"Authorization": f"Bearer {API_KEY}"})[1])
+
+
+def wait_drained(server: str, timeout_s: float = IDLE_TIMEOUT_S * 3 + 30) -> dict:
+    """Wait until no session is held. The server is shared by the e2e modules, and a phone that dropped
+    without closing keeps its session (for a resume) until the idle timeout: tests that count sessions or
+    parked requests start from an empty server."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = hyco_stats(server)
+        if stats["sessions"] == 0 and stats["engine"]["live"] == 0 and stats["engine"]["parked"] == 0:
+            return stats
+        assert time.monotonic() < deadline, f"sessions still held after {timeout_s:.0f} s: {stats}"
+        time.sleep(1.0)
+
+
 def _stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)

@@ -109,6 +109,13 @@ def grouped_attention(
     return torch.matmul(probs, v)
 
 
+def keep_lm_head(sd: dict[str, torch.Tensor], keep_ids) -> torch.Tensor:
+    """The output layer restricted to the keep set: rows ``keep_ids`` of ``lm_head.weight``, or of the
+    input embedding when the head is tied (Gemma checkpoints do not save a tied lm_head)."""
+    lm = sd.get("lm_head.weight", sd["model.embed_tokens.weight"])
+    return lm[torch.as_tensor(list(keep_ids), dtype=torch.long)]
+
+
 def load_into(module: nn.Module, sd: dict[str, torch.Tensor], prefix: str = "") -> None:
     """Copy ``sd[prefix + name]`` into each parameter/buffer ``name`` of ``module`` (quantizer state is
     skipped); raises KeyError naming the first tensor the checkpoint lacks."""

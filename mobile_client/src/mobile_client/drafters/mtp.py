@@ -29,7 +29,15 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from mobile_client.drafters.layers import GatedMLP, RMSNorm, grouped_attention, load_into, rotate, softcap
+from mobile_client.drafters.layers import (
+    GatedMLP,
+    RMSNorm,
+    grouped_attention,
+    keep_lm_head,
+    load_into,
+    rotate,
+    softcap,
+)
 from mobile_client.drafters.spec import FULL, SLIDING, MtpSpec
 from mobile_client.quant.fakequant import ActQuant
 
@@ -115,8 +123,7 @@ class MtpHead(nn.Module):
         head = cls(spec, len(keep_ids))
         mapped = {("model." + k if k.startswith(("layers.", "norm.")) else k): k for k in head.state_dict()}
         sub = {k: sd[hf] for hf, k in mapped.items() if hf in sd}
-        lm = sd.get("lm_head.weight", sd["model.embed_tokens.weight"])
-        sub["lm_head.weight"] = lm[torch.as_tensor(list(keep_ids), dtype=torch.long)]
+        sub["lm_head.weight"] = keep_lm_head(sd, keep_ids)
         load_into(head, sub)
         return head.eval()
 

@@ -30,7 +30,15 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from mobile_client.drafters.layers import GatedMLP, RMSNorm, grouped_attention, load_into, rotate, softcap
+from mobile_client.drafters.layers import (
+    GatedMLP,
+    RMSNorm,
+    grouped_attention,
+    keep_lm_head,
+    load_into,
+    rotate,
+    softcap,
+)
 from mobile_client.drafters.spec import FULL, SLIDING, SlmSpec
 from mobile_client.quant.fakequant import ActQuant
 
@@ -157,8 +165,7 @@ class SlmStep(nn.Module):
     ) -> "SlmStep":
         step = cls(spec, len(keep_ids))
         sub = {k: sd["model." + k] for k in step.state_dict() if "model." + k in sd}
-        lm = sd.get("lm_head.weight", sd["model.embed_tokens.weight"])
-        sub["lm_head.weight"] = lm[torch.as_tensor(list(keep_ids), dtype=torch.long)]
+        sub["lm_head.weight"] = keep_lm_head(sd, keep_ids)
         load_into(step, sub)
         return step.eval()
 

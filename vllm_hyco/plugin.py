@@ -10,8 +10,9 @@ more than once. It is:
   ``VLLM_HYCO_SKIP_VERSION_CHECK=1``;
 * lazy: nothing of vLLM is imported before vLLM itself calls ``register()``.
 
-What it installs (see ``vllm_hyco/patches``): the ``--speculative-config hyco`` parser and the
-engine-argument expansion. The HTTP side is the separate ``vllm.endpoint_plugins`` entry point
+What it installs (see ``vllm_hyco/patches``): the ``--speculative-config hyco`` parser, the
+engine-argument expansion and, on the CPU build, the fix of its ``expand_kernel`` fallback (sampled
+speculative decoding, ours and vLLM's own MTP alike). The HTTP side is the separate ``vllm.endpoint_plugins`` entry point
 (``vllm_hyco.endpoint``), which vLLM loads only when ``VLLM_PLUGINS`` names ``hyco``.
 """
 
@@ -70,10 +71,11 @@ def register() -> None:
     if _REGISTERED or envs.VLLM_HYCO_DISABLE:
         return
     check_vllm_version()
-    from vllm_hyco.patches import engine_config, speculative_config_arg
+    from vllm_hyco.patches import cpu_expand_kernel, engine_config, speculative_config_arg
 
     speculative_config_arg.PATCH.apply()
     engine_config.PATCH.apply()
+    cpu_expand_kernel.apply_if_present()  # vLLM 0.32 CPU sampled spec decode (fixes plain vLLM too)
     from vllm_hyco.serving import core_utils
 
     core_utils.install()  # the phone route's engine-core utility methods (vllm_hyco.serving)

@@ -9,6 +9,14 @@ to::
     worker_cls         = HycoWorker (GPU) or HycoCPUWorker (CPU build)
     async_scheduling   = False
     additional_config["hyco"] = HycoConfig.to_dict()     # reaches engine core and workers (pickled VllmConfig)
+    attention_backend  = "CUSTOM"   (GPU only: HyCo's tree-attention backend, engine/gpu_attention.py)
+
+On GPU the tree rows need HyCo's backend, registered over the static ``CUSTOM`` member by the worker
+(a new enum name could not be unpickled in a spawned engine core). It subclasses vLLM's Triton backend,
+so Gemma-4's FA4 default is replaced by Triton attention on every layer (vllm-integration.md §12). Its
+metadata builder declares no full-CUDA-graph support, so vLLM itself resolves the default
+FULL_AND_PIECEWISE to PIECEWISE (attention and the KV write run eagerly, where the tree hooks are); no
+compilation option is set here. Another backend asked for on the command line is refused.
 
 Topologies v1 does not support (decisions.md D7) are refused here, with the flag to change.
 
@@ -55,6 +63,21 @@ def check_topology(args: Any) -> None:
                           "before the next round is scheduled): remove --async-scheduling")
 
 
+def _select_tree_attention(args: Any) -> None:
+    """GPU: attention_backend = CUSTOM (HyCo's tree attention) unless the user already chose CUSTOM."""
+    cfg = getattr(args, "attention_config", None)
+    cfg_backend = cfg.get("backend") if isinstance(cfg, dict) else getattr(cfg, "backend", None)
+    chosen = {"--attention-backend": getattr(args, "attention_backend", None),
+              "--attention-config backend": cfg_backend}
+    for flag, value in chosen.items():
+        name = getattr(value, "name", value)
+        if name is not None and str(name).upper() not in ("AUTO", "CUSTOM"):
+            raise ConfigError(f"--speculative-config hyco verifies trees with its own attention backend on GPU "
+                              f"(a Triton tree-attention backend registered as CUSTOM): remove {flag} {name}")
+    if all(getattr(v, "name", v) in (None, "auto", "AUTO") for v in chosen.values()):
+        args.attention_backend = "CUSTOM"
+
+
 def expand_engine_args(args: Any, *, is_cpu: bool) -> HycoConfig:
     """Validate ``args.speculative_config`` (a HyCo spec), rewrite ``args`` in place, return the config."""
     cfg = HycoConfig.parse(args.speculative_config)
@@ -71,6 +94,8 @@ def expand_engine_args(args: Any, *, is_cpu: bool) -> HycoConfig:
     args.scheduler_cls = SCHEDULER
     args.worker_cls = CPU_WORKER if is_cpu else GPU_WORKER
     args.async_scheduling = False
+    if not is_cpu:
+        _select_tree_attention(args)
     args.additional_config = {**(getattr(args, "additional_config", None) or {}),
                               ADDITIONAL_CONFIG_KEY: cfg.to_dict()}
     logger.info("%s", cfg.describe())

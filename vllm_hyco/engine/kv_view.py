@@ -14,7 +14,10 @@ public "read K/V of slots" API, and the two builds store K/V differently:
   Writes always go through that op, so they do not depend on the layout.
 * ``BlockMajorKVView`` (GPU Triton/flash layouts): ``kv_cache.transpose(1, 2).split(head_size, -1)`` gives
   ``[num_blocks, block_size, num_kv_heads, head_size]`` K and V views, as the Triton backend itself reads
-  them. Not exercised on this machine (no GPU run yet): marked unverified in docs/engine.md.
+  them (and as vLLM's ``triton_reshape_and_cache_flash`` writes them). Pure torch indexing on those views,
+  so it is tested on CPU tensors (gather/scatter round trips and compaction against a dense reference,
+  ``tests/kernels/test_kernels_tree_rows.py``); on a GPU the same code runs on CUDA tensors
+  (GPU-unverified until a GPU engine run, docs/engine.md).
 
 Slots: ``slot = block_table[p // block_size] * block_size + p % block_size`` (per KV group).
 fp8 / quantized caches are refused (no scale handling yet).
@@ -35,7 +38,7 @@ VERIFIED_CPU_ISAS = ("vec", "vec16")
 
 def slots_for_positions(block_table_row: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
     """[n] int64 slots of ``positions`` for one request, given its block-table row of one KV group."""
-    positions = positions.to(torch.int64)
+    positions = positions.to(device=block_table_row.device, dtype=torch.int64)
     blocks = block_table_row.to(torch.int64)[positions // block_size]
     return blocks * block_size + positions % block_size
 
@@ -89,6 +92,14 @@ class BlockMajorKVView:
     """GPU layouts (Triton/flash): logical ``[B, Hkv, bs, 2D]`` read as ``[B, bs, Hkv, D]`` K and V."""
 
     layout = "block_major"
+    UNQUANTIZED = ("auto", "float16", "bfloat16", "float32", "half", "float")
+
+    def __init__(self, kv_cache_dtype: str = "auto"):
+        if kv_cache_dtype not in self.UNQUANTIZED:
+            raise HardwareUnsupportedError(f"kv_cache_dtype={kv_cache_dtype!r}: quantized KV caches (fp8, int8, "
+                                           f"int4 per token-head) are not supported by the tree path yet; "
+                                           f"use --kv-cache-dtype auto")
+        self.kv_cache_dtype = kv_cache_dtype
 
     @staticmethod
     def _split(kv_cache: torch.Tensor):
@@ -97,18 +108,20 @@ class BlockMajorKVView:
         return k, v, kv_cache.shape[2]
 
     def gather(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of ``slots``: each [n, num_kv_heads, head_size] (copies)."""
         k, v, block_size = self._split(kv_cache)
-        slots = slots.to(torch.int64)
+        slots = slots.to(device=kv_cache.device, dtype=torch.int64)
         blk, off = slots // block_size, slots % block_size
         return k[blk, off].clone(), v[blk, off].clone()
 
     def scatter(self, kv_cache: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 *, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+        """Write K/V rows ``[n, num_kv_heads, head_size]`` to ``slots`` (unquantized caches: scales unused)."""
         k, v, block_size = self._split(kv_cache)
-        slots = slots.to(torch.int64)
+        slots = slots.to(device=kv_cache.device, dtype=torch.int64)
         blk, off = slots // block_size, slots % block_size
-        k[blk, off] = key.to(k.dtype)
-        v[blk, off] = value.to(v.dtype)
+        k[blk, off] = key.to(device=k.device, dtype=k.dtype)
+        v[blk, off] = value.to(device=v.device, dtype=v.dtype)
 
 
 @functools.cache

@@ -18,6 +18,14 @@ calling ``super()`` first so non-HyCo requests keep vLLM's behaviour:
   the per-request verdicts to ``ModelRunnerOutput.hyco_verdicts`` (read by the scheduler mixin).
 
 The scheduler passes trees as ``scheduler_output.hyco_trees = {req_id: (round, tokens, parents, eps)}``.
+
+Devices: the same code runs on the CPU runner (attention: ``cpu_attention``, CPU_ATTN override) and on the
+GPU runner (attention: ``gpu_attention``, the Triton backend registered over CUSTOM; a tree on a GPU
+runner whose layers run another backend raises HardwareUnsupportedError). The step's trees are published
+to both through ``tree_plan.set_active_trees`` (and ``cpu_attention``'s registry on CPU). KV reads and
+writes go through the view each captured layer carries (``kv_view``: CPU_ATTN's or block-major). The
+tree decision runs on the host on CPU copies of the rows' logits, so its draws come from the session's
+CPU generator on either device. Hand-off tensors are returned on the CPU.
 """
 
 from __future__ import annotations
@@ -27,15 +35,29 @@ from typing import Any
 
 import torch
 
-from vllm_hyco.engine import cpu_attention
+from vllm_hyco.engine import tree_plan
 from vllm_hyco.engine.kv_view import cpu_kv_view, slots_for_positions
-from vllm_hyco.engine.tree_plan import TreeRows
+from vllm_hyco.engine.tree_plan import CapturedKV, TreeRows
 
 PLACEHOLDER = -1
 
 
 def _hits(tokens: list[int], parents: list[int], samples: list[int], path: list[int]) -> int:
     return sum(int(tokens[r] == samples[parents[r]]) for r in path)
+
+
+def _publish(trees: list[TreeRows] | None, device: torch.device) -> None:
+    """Hand the step's trees to the attention backend of this device (None clears)."""
+    tree_plan.set_active_trees(trees, device)
+    if device.type == "cpu":
+        from vllm_hyco.engine import cpu_attention
+
+        cpu_attention.set_active_trees(trees)
+
+
+def _view(cap: CapturedKV):
+    """The KV view of a captured layer's cache: the one the backend attached, else CPU_ATTN's."""
+    return cap.view if cap.view is not None else cpu_kv_view(cap.layer.isa, cap.kv_cache)
 
 
 class HycoRunnerMixin:
@@ -56,10 +78,7 @@ class HycoRunnerMixin:
             st["gens"].pop(req_id, None)
         specs = getattr(scheduler_output, "hyco_trees", None) or {}
         if specs and self.device.type != "cpu":
-            from vllm_hyco.errors import HardwareUnsupportedError
-
-            raise HardwareUnsupportedError("tree verification on GPU needs the Triton tree-attention backend, "
-                                           "which is not wired into the engine yet (docs/engine.md)")
+            self._hyco_check_gpu_backend()
         trees = []
         for req_id, (round_, tokens, parents, eps) in specs.items():
             b = self.input_batch.req_id_to_index.get(req_id)
@@ -72,12 +91,21 @@ class HycoRunnerMixin:
                                 round=round_, tokens=tokens, parents=parents, eps=eps)
             assert tr.num_rows <= len(tokens), "a tree request got more rows than its tree has"
             rows = slice(tr.q_start, tr.q_start + tr.num_rows)
-            self.positions[rows] = tr.positions.to(self.positions.dtype)
+            self.positions[rows] = tr.positions.to(device=self.positions.device, dtype=self.positions.dtype)
             tr.host_s += time.perf_counter() - t0
             trees.append(tr)
         st["trees"] = trees or None
-        cpu_attention.set_active_trees(trees)
+        _publish(trees, self.device)
         return result
+
+    def _hyco_check_gpu_backend(self) -> None:
+        """Trees on a GPU runner need our tree-attention backend on every layer (checked once)."""
+        st = self._hyco_state()
+        if not st.get("gpu_backend_ok"):
+            from vllm_hyco.engine import gpu_attention
+
+            gpu_attention.check_tree_backends(self.vllm_config.compilation_config.static_forward_context)
+            st["gpu_backend_ok"] = True
 
     # -- sampling ---------------------------------------------------------------------------------
     def sample_tokens(self, grammar_output):
@@ -87,7 +115,7 @@ class HycoRunnerMixin:
         try:
             output = super().sample_tokens(grammar_output)
         finally:
-            cpu_attention.set_active_trees(None)
+            _publish(None, self.device)
             st["trees"], st["hidden"] = None, None
         if st["verdicts"]:
             target = getattr(output, "model_runner_output", output)
@@ -112,10 +140,11 @@ class HycoRunnerMixin:
         # vLLM's plain sampler for everyone on one row each (a tree request's sample is overwritten). The
         # chain rejection sampler is bypassed: it would reject tree rows as a chain, draw from seeded
         # generators, and on the CPU build its top-k expansion of 33-row drafts reads garbage.
-        last_rows = torch.tensor([lo for lo, _ in bounds], dtype=torch.long)
+        last_rows = torch.tensor([lo for lo, _ in bounds], dtype=torch.long, device=logits.device)
         sampler_output = super()._sample(logits[last_rows], None)
         width = max(tr.num_rows for tr in trees.values())
-        out = torch.full((num_reqs, width), PLACEHOLDER, dtype=sampler_output.sampled_token_ids.dtype)
+        sampled = sampler_output.sampled_token_ids
+        out = torch.full((num_reqs, width), PLACEHOLDER, dtype=sampled.dtype, device=sampled.device)
         out[:, :1] = sampler_output.sampled_token_ids[:, :1]  # [num_reqs, width]
         for b, tr in trees.items():
             lo, hi = bounds[b]
@@ -124,10 +153,10 @@ class HycoRunnerMixin:
             rows_logits = logits[lo:hi]  # [num_rows, vocab]
             verdict = self._hyco_decide(tr, rows_logits)
             if st.get("debug_logits"):  # tests only: the rows' logits as the decision saw them
-                verdict["logits"] = rows_logits.detach().float().clone()
+                verdict["logits"] = rows_logits.detach().float().cpu().clone()
             committed = [tr.tokens[r] for r in verdict["path_rows"]] + [verdict["bonus"]]
             out[b].fill_(PLACEHOLDER)
-            out[b, :len(committed)] = torch.tensor(committed, dtype=out.dtype)
+            out[b, :len(committed)] = torch.tensor(committed, dtype=out.dtype, device=out.device)
             self._hyco_compact(tr, verdict["path_rows"])
             verdict["handoff"] = self._hyco_handoff(tr, verdict)
             verdict["host_s"] = tr.host_s + time.perf_counter() - t0
@@ -147,6 +176,7 @@ class HycoRunnerMixin:
 
         params = self.requests[tr.req_id].sampling_params
         temperature = float(params.temperature) if params is not None else 0.0
+        logits = logits.cpu()  # [num_rows, vocab]; no-op on CPU: the decision is host code on either device
         logits = self._hyco_min_tokens(tr, logits, params)
         probs = None
         if temperature < SAMPLING_EPS:
@@ -200,9 +230,9 @@ class HycoRunnerMixin:
         dst_idx = torch.tensor([i for i, _ in moves])
         src_idx = torch.tensor([r for _, r in moves])
         for cap in tr.captured.values():
-            view = cpu_kv_view(cap.layer.isa, cap.kv_cache)
-            view.scatter(cap.kv_cache, cap.slots[dst_idx], cap.key[src_idx], cap.value[src_idx],
-                         k_scale=cap.layer._k_scale_float, v_scale=cap.layer._v_scale_float)
+            dst, src = dst_idx.to(cap.slots.device), src_idx.to(cap.key.device)
+            _view(cap).scatter(cap.kv_cache, cap.slots[dst], cap.key[src], cap.value[src],
+                               k_scale=cap.layer._k_scale_float, v_scale=cap.layer._v_scale_float)
 
     # -- hand-off ---------------------------------------------------------------------------------
     def _hyco_handoff(self, tr: TreeRows, verdict: dict) -> dict[str, Any]:
@@ -218,17 +248,17 @@ class HycoRunnerMixin:
         end_pos = tr.context_len + len(verdict["path_rows"])
         out: dict[str, Any] = {"position": end_pos, "start": tr.context_len, "layers": {}}
         with torch.no_grad():
-            ids = torch.tensor([verdict["bonus"]], dtype=torch.long)
-            out["e_bonus"] = self.model.embed_input_ids(ids)[0].float().clone()  # [hidden]
+            ids = torch.tensor([verdict["bonus"]], dtype=torch.long, device=self.device)
+            out["e_bonus"] = self.model.embed_input_ids(ids)[0].float().cpu().clone()  # [hidden]
         if hidden is not None:
-            out["h"] = hidden[tr.q_start + verdict["end_row"]].float().clone()  # [hidden]
+            out["h"] = hidden[tr.q_start + verdict["end_row"]].float().cpu().clone()  # [hidden]
         for kind, name in self._hyco_handoff_layers().items():
             cap = tr.captured.get(name)
             if cap is None:
                 continue
-            idx = torch.tensor(rows)
+            idx = torch.tensor(rows, device=cap.key.device)
             out["layers"][kind] = name
-            out[f"{kind}_k"], out[f"{kind}_v"] = cap.key[idx].clone(), cap.value[idx].clone()  # [d+1, Hkv, D]
+            out[f"{kind}_k"], out[f"{kind}_v"] = cap.key[idx].cpu().clone(), cap.value[idx].cpu().clone()  # [d+1, Hkv, D]
         if tr.round == 0:
             out["seed"] = self._hyco_gather_seed(tr, end_pos + 1)
         return out
@@ -249,7 +279,8 @@ class HycoRunnerMixin:
                 continue
             block_size = cap.kv_cache.shape[2]
             slots = slots_for_positions(row, positions, block_size)
-            seed[f"{kind}_k"], seed[f"{kind}_v"] = cpu_kv_view(cap.layer.isa, cap.kv_cache).gather(cap.kv_cache, slots)
+            k, v = _view(cap).gather(cap.kv_cache, slots)  # [W, Hkv, D] each
+            seed[f"{kind}_k"], seed[f"{kind}_v"] = k.cpu(), v.cpu()
         return seed
 
     def _hyco_handoff_layers(self) -> dict[str, str]:

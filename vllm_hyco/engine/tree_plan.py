@@ -1,9 +1,14 @@
-"""Per-step tree plan shared by the runner mixin and the CPU attention override (vLLM-free, torch only).
+"""Per-step tree plan shared by the runner mixin and the attention overrides (vLLM-free, torch only).
 
 For every HyCo request scheduled with a tree this step, the runner builds one :class:`TreeRows`: where
 its rows sit in the flattened batch, the committed context length ``t`` (the root's position), each
 row's depth and its ancestor mask. The attention override reads it to mask tree rows; the runner reads
 the K/V rows the override captured to compact the accepted path and to build the hand-off.
+
+The runner publishes the step with :func:`set_active_trees` (a :class:`TreeStep`: the trees plus their
+rows, masks and depths stacked once on the runner's device, so the GPU backend does no host-to-device
+copy per layer) and clears it after sampling; the GPU backend reads :func:`active_step`. The CPU override
+keeps its own registry (``cpu_attention.set_active_trees``), which the runner fills on CPU.
 
 Masks and depths come from ``vllm_hyco.kernels.tree_attention.ancestor_masks_from_parents`` (int64 bit
 masks, the form the kernels and their torch twin take); ``anc`` is the same mask as a bool matrix.
@@ -53,6 +58,8 @@ class CapturedKV:
     slots: torch.Tensor
     layer: object  # the vLLM attention layer (scales, isa)
     kv_cache: torch.Tensor  # the layer's paged cache
+    # the KV view of that cache's layout (``kv_view.BlockMajorKVView`` on GPU); None = CPU_ATTN's view
+    view: object | None = None
 
 
 @dataclass
@@ -92,3 +99,53 @@ class TreeRows:
     def positions(self) -> torch.Tensor:
         """[num_rows] int64: t + depth."""
         return self.context_len + self.depths
+
+
+@dataclass
+class TreeStep:
+    """The step's trees as the GPU backend needs them, on the runner's device (built once per step)."""
+
+    trees: list[TreeRows]
+    # [T] int64 batch index of each tree request (rows of attn_metadata.block_table)
+    batch_idx: torch.Tensor
+    # [R] int64 flattened-batch row of each tree row, tree after tree
+    rows: torch.Tensor
+    # [R] int64 ancestor bitmasks and [R] int32 depths, same order
+    masks: torch.Tensor
+    depths: torch.Tensor
+    row_counts: list[int]
+    context_lens: list[int]
+
+    @classmethod
+    def build(cls, trees: list[TreeRows], device: torch.device | str = "cpu") -> TreeStep:
+        """Stack the trees' rows, masks and depths (tree after tree) and move them to ``device``.
+
+        >>> tr = TreeRows.build(req_id="a", batch_idx=1, q_start=3, num_rows=3, context_len=7, round=0,
+        ...                     tokens=[5, 6, 7], parents=[-1, 0, 0], eps=None)
+        >>> st = TreeStep.build([tr])
+        >>> st.rows.tolist(), st.masks.tolist(), st.context_lens
+        ([3, 4, 5], [1, 3, 5], [7])
+        """
+        rows = [torch.arange(tr.q_start, tr.q_start + tr.num_rows, dtype=torch.int64) for tr in trees]
+        return cls(
+            trees=list(trees),
+            batch_idx=torch.tensor([tr.batch_idx for tr in trees], dtype=torch.int64).to(device),
+            rows=torch.cat(rows).to(device),
+            masks=torch.cat([tr.masks for tr in trees]).to(device),
+            depths=torch.cat([tr.depths for tr in trees]).to(device=device, dtype=torch.int32),
+            row_counts=[tr.num_rows for tr in trees],
+            context_lens=[tr.context_len for tr in trees],
+        )
+
+
+_ACTIVE_STEP: TreeStep | None = None
+
+
+def set_active_trees(trees: list[TreeRows] | None, device: torch.device | str = "cpu") -> None:
+    """Publish this step's trees (None or [] clears); everything runs in the worker process."""
+    global _ACTIVE_STEP
+    _ACTIVE_STEP = TreeStep.build(trees, device) if trees else None
+
+
+def active_step() -> TreeStep | None:
+    return _ACTIVE_STEP

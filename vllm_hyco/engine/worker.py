@@ -1,10 +1,15 @@
 """HycoWorker and HycoModelRunner (adapter, vLLM 0.32 GPU ``Worker`` / V1 ``GPUModelRunner``).
 
 ``custom_class`` forces the V1 runner, so ``_make_model_runner`` (the hook vLLM documents for
-subclasses) returns HycoModelRunner, which carries ``HycoRunnerMixin``. The GPU tree-attention backend
-(the Triton kernel registered over the static CUSTOM member) is not wired yet, so a tree reaching this
-runner raises HardwareUnsupportedError instead of being verified with a causal mask; requests without
-a tree run exactly as in vLLM.
+subclasses) returns HycoModelRunner, which carries ``HycoRunnerMixin`` (tree positions, tree decision,
+compaction and hand-off through ``kv_view.BlockMajorKVView``). ``HycoWorker.__init__`` registers the tree
+attention backend over the static ``CUSTOM`` member (``engine/gpu_attention.py``) before anything builds
+attention layers; ``--speculative-config hyco`` selects it (``attention_config.backend = CUSTOM``,
+``engine/expansion.py``). After the model is loaded the runner checks that every attention layer runs it,
+so a backend override that slipped past the expansion fails at start-up with HardwareUnsupportedError
+rather than verifying trees with a causal mask. Requests without a tree run exactly as in vLLM.
+
+GPU-unverified: no GPU engine run has happened yet (docs/engine.md, "GPU path").
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import Worker
 
 from vllm_hyco.config import HycoConfig
+from vllm_hyco.engine import gpu_attention
 from vllm_hyco.engine.runner_mixin import HycoRunnerMixin
 
 
@@ -23,8 +29,17 @@ class HycoModelRunner(HycoRunnerMixin, GPUModelRunner):
         super().__init__(vllm_config, device)
         self.hyco_config = HycoConfig.maybe_from_vllm_config(vllm_config)
 
+    def load_model(self, *args, **kwargs):
+        super().load_model(*args, **kwargs)
+        # Fail at start-up, not at the first tree, when a layer runs another backend.
+        gpu_attention.check_tree_backends(self.vllm_config.compilation_config.static_forward_context)
+
 
 class HycoWorker(Worker):
+    def __init__(self, *args, **kwargs):
+        gpu_attention.install()  # before the model (and its attention layers) is built
+        super().__init__(*args, **kwargs)
+
     def _make_model_runner(self) -> GPUModelRunner:
         if self.use_v2_model_runner:  # custom_class forces V1 in 0.32; keep vLLM's choice if that changes
             return super()._make_model_runner()

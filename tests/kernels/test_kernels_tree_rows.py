@@ -168,6 +168,26 @@ def test_one_tree_call_equals_its_rows_of_the_batch(backend):
         start += len(parents)
 
 
+@pytest.mark.parametrize("backend", ["torch"] + (["triton"] if TRITON_OK else []))
+def test_engine_step_metadata_gives_the_same_rows(backend):
+    """The GPU backend's call: rows, masks, depths and prebuilt query_start_loc/seq_lens from a TreeStep."""
+    ctx, trees, hq, hkv, dim, bs, window, cap = CASES["three_trees_gqa3"]
+    reqs = PagedRequests(ctx, trees, hq, hkv, dim, bs, torch.float32, seed=5)
+    plans, start = [], 0
+    for r, parents in enumerate(trees):
+        plans.append(TreeRows.build(req_id=str(r), batch_idx=r, q_start=start, num_rows=len(parents),
+                                    context_len=ctx[r], round=1, tokens=list(range(len(parents))), parents=parents,
+                                    eps=None))
+        start += len(parents)
+    step = TreeStep.build(plans, DEVICE)
+    k_cache, v_cache = reqs.caches()
+    got = paged_tree_rows_attention(
+        torch.cat(reqs.q)[step.rows], k_cache, v_cache, reqs.block_tables.to(DEVICE)[step.batch_idx],
+        step.context_lens, step.row_counts, step.masks, step.depths, 1 / math.sqrt(dim), window, cap,
+        query_start_loc=step.query_start_loc, seq_lens=step.seq_lens, backend=backend)
+    _close(got, reqs.batched(backend, window, cap), torch.float32, backend)
+
+
 def test_tree_rows_refuse_causal_rows_and_bad_counts():
     reqs = PagedRequests([20], [random_tree(5, 0)], 2, 1, 32, 16, torch.float32)
     k_cache, v_cache = reqs.caches()
@@ -267,4 +287,5 @@ def test_tree_step_stacks_rows_in_tree_order():
     assert st.rows.tolist() == [10, 11, 12, 0, 1] and st.batch_idx.tolist() == [2, 0]
     assert st.masks.tolist() == [1, 3, 5, 1, 3] and st.depths.tolist() == [0, 1, 1, 0, 1]
     assert st.row_counts == [3, 2] and st.context_lens == [40, 5]
+    assert st.query_start_loc.tolist() == [0, 3, 5] and st.seq_lens.tolist() == [43, 7]
     assert first_visible_key(40, a.depths, 8) == 33

@@ -92,11 +92,12 @@ def test_forward_hook_recomputes_exactly_the_tree_rows(stub_stock, monkeypatch, 
     seen = []
     real = gpu_attention.paged_tree_rows_attention
 
-    def spy(q, k_cache, v_cache, block_tables, context_lens, row_counts, masks, depths, scale, win, cap):
+    def spy(q, k_cache, v_cache, block_tables, context_lens, row_counts, masks, depths, scale, win, cap, **kw):
         seen.append({"q": q.clone(), "block_tables": block_tables.clone(), "context_lens": list(context_lens),
-                     "row_counts": list(row_counts), "win": win, "cap": cap, "scale": scale})
+                     "row_counts": list(row_counts), "win": win, "cap": cap, "scale": scale,
+                     "qsl": kw["query_start_loc"].tolist(), "seq": kw["seq_lens"].tolist()})
         return real(q, k_cache, v_cache, block_tables, context_lens, row_counts, masks, depths, scale, win, cap,
-                    backend="torch")
+                    backend="torch", **kw)
 
     monkeypatch.setattr(gpu_attention, "paged_tree_rows_attention", spy)
     impl.do_kv_cache_update(layer, key, value, kv, slot_mapping)
@@ -109,6 +110,7 @@ def test_forward_hook_recomputes_exactly_the_tree_rows(stub_stock, monkeypatch, 
     assert torch.equal(call["q"], query[tree_rows])
     assert torch.equal(call["block_tables"], table[[1, 3]])
     assert (call["context_lens"], call["row_counts"]) == ([57, 16], [33, 9])
+    assert (call["qsl"], call["seq"]) == ([0, 33, 42], [90, 25])  # the step's prebuilt kernel metadata
     assert (call["win"], call["cap"], call["scale"]) == (window, softcap, impl.scale)
     other = [0, 34, 35, 36, 37]
     assert bool((out[other] == SENTINEL).all()) and not bool((out[tree_rows] == SENTINEL).any())

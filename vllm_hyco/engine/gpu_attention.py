@@ -137,12 +137,13 @@ class HycoTritonAttentionImpl(TritonAttentionImpl):
         for tr in step.trees:
             tr.block_rows[name] = block_table[tr.batch_idx].clone()
         k_cache, v_cache = block_major_views(kv_cache, self.head_size)
-        q_all = query.view(-1, self.num_heads, self.head_size)
+        q_all = query.reshape(-1, self.num_heads, self.head_size)
         out_all = out.view(-1, self.num_heads, self.head_size)
         res = paged_tree_rows_attention(
             q_all[step.rows], k_cache, v_cache, block_table[step.batch_idx], step.context_lens,
             step.row_counts, step.masks, step.depths, self.scale, self._tree_window(),
-            float(self.logits_soft_cap or 0.0) or None)
+            float(self.logits_soft_cap or 0.0) or None, query_start_loc=step.query_start_loc,
+            seq_lens=step.seq_lens)
         out_all[step.rows] = res.to(out_all.dtype)
         return out
 

@@ -115,6 +115,9 @@ class TreeStep:
     depths: torch.Tensor
     row_counts: list[int]
     context_lens: list[int]
+    # [T + 1] int32 cumulative rows and [T] int32 t + n, on the device (the kernel's metadata, built once)
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
 
     @classmethod
     def build(cls, trees: list[TreeRows], device: torch.device | str = "cpu") -> TreeStep:
@@ -127,6 +130,8 @@ class TreeStep:
         ([3, 4, 5], [1, 3, 5], [7])
         """
         rows = [torch.arange(tr.q_start, tr.q_start + tr.num_rows, dtype=torch.int64) for tr in trees]
+        counts = torch.tensor([tr.num_rows for tr in trees], dtype=torch.int32)
+        ctx = torch.tensor([tr.context_len for tr in trees], dtype=torch.int32)
         return cls(
             trees=list(trees),
             batch_idx=torch.tensor([tr.batch_idx for tr in trees], dtype=torch.int64).to(device),
@@ -135,6 +140,8 @@ class TreeStep:
             depths=torch.cat([tr.depths for tr in trees]).to(device=device, dtype=torch.int32),
             row_counts=[tr.num_rows for tr in trees],
             context_lens=[tr.context_len for tr in trees],
+            query_start_loc=torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32).to(device),
+            seq_lens=(ctx + counts).to(device),
         )
 
 

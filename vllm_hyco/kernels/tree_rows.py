@@ -61,8 +61,15 @@ def tree_rows_metadata(
     row_counts: Sequence[int],
     ancestor_mask: torch.Tensor,
     depths: torch.Tensor,
+    query_start_loc: torch.Tensor | None = None,
+    seq_lens: torch.Tensor | None = None,
 ) -> TreeAttentionMetadata:
-    """Kernel metadata of ``T`` tree requests (host ints in, no device sync)."""
+    """Kernel metadata of ``T`` tree requests (host ints in, no device sync).
+
+    ``query_start_loc`` ``[T + 1]`` / ``seq_lens`` ``[T]`` (int32, on the device) may be passed prebuilt,
+    as the engine does once per step, to spare two host-to-device copies per layer; they must equal the
+    cumulative ``row_counts`` and ``context_lens + row_counts``.
+    """
     if len(context_lens) != len(row_counts) or block_tables.shape[0] != len(row_counts):
         raise KernelInputError(f"{block_tables.shape[0]} block-table rows, {len(context_lens)} context lengths "
                                f"and {len(row_counts)} row counts: one each per tree")
@@ -75,9 +82,13 @@ def tree_rows_metadata(
     qsl = [0]
     for n in row_counts:
         qsl.append(qsl[-1] + int(n))
+    if query_start_loc is None:
+        query_start_loc = torch.tensor(qsl, dtype=torch.int32).to(dev, non_blocking=True)
+    if seq_lens is None:
+        seq_lens = torch.tensor(seq, dtype=torch.int32).to(dev, non_blocking=True)
     return TreeAttentionMetadata(
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32).to(dev, non_blocking=True),
-        seq_lens=torch.tensor(seq, dtype=torch.int32).to(dev, non_blocking=True),
+        query_start_loc=query_start_loc.to(torch.int32),
+        seq_lens=seq_lens.to(torch.int32),
         block_table=block_tables.to(device=dev, dtype=torch.int32),
         ancestor_mask=ancestor_mask.to(torch.int64),
         depths=depths.to(torch.int32),
@@ -100,16 +111,21 @@ def paged_tree_rows_attention(
     softcap: float | None = None,
     out: torch.Tensor | None = None,
     *,
+    query_start_loc: torch.Tensor | None = None,
+    seq_lens: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Attention output ``[R, num_q_heads, D]`` of the tree rows of ``T`` trees in one launch (see above).
+
+    ``query_start_loc``/``seq_lens``: optional prebuilt device copies (see :func:`tree_rows_metadata`).
 
     A row with mask 0 would be taken as causal; tree rows always carry at least their own bit, so a zero
     there is a caller's bug and is refused (checked on CPU tensors only: on CUDA it would cost a sync).
     """
     if not ancestor_mask.is_cuda and bool((ancestor_mask == 0).any()):
         raise KernelInputError("every tree row needs a nonzero ancestor mask (its own bit at least)")
-    meta = tree_rows_metadata(block_tables, context_lens, row_counts, ancestor_mask, depths)
+    meta = tree_rows_metadata(block_tables, context_lens, row_counts, ancestor_mask, depths, query_start_loc,
+                              seq_lens)
     impl = tree_attention_triton if use_triton(backend, q) else tree_attention_ref
     return impl(q, k_cache, v_cache, meta, scale, sliding_window or None, softcap or None, out)
 

@@ -4,7 +4,7 @@
 #   1. the compiled subset of tests/kernels (kernel vs twin vs brute force; needs pytest, skipped without),
 #   2. tests/kernels/test_kernels_tree_rows.py: the GPU engine's tree-rows function (paged_tree_rows_attention,
 #      what the CUSTOM attention backend launches) compiled vs its torch twin vs the CPU override's
-#      computation, plus the block-major KV view and compaction on CUDA tensors (40 s cap; 28 cases, 21 s in
+#      computation, plus the block-major KV view and compaction on CUDA tensors (40 s cap; 30 cases, 25 s in
 #      the CPU interpreter),
 #   3. benchmarks/gpu/gpu_checks.py: Gemma-4-shaped cases to 32K context in bf16/fp32, 30-layer compaction,
 #      the int8 hand-off bit for bit, and replays of benchmarks/gpu/replay/*.pt (recorded engine batches),

@@ -6,82 +6,31 @@ layout) and run on this machine's CPU; their *timing* is modelled (decisions.md 
 round's drafting to the configuration's device time (``BenchClient``), 15.7 ms for the SLM-only first
 round (D2), and nothing when a proactive tree is reused (SpecEdge + PD).
 
-``MultiPassSlm`` lets the phone's one-pass SLM Drafter (``mobile_client.drafters.slm.SlmDrafter``, whose
-static graph only takes one pass's rows) serve the multi-pass trees (SpecEdge-style, HyCo-2P) and
-proactive drafting: every forward recomputes, in the same static call, the earlier passes' rows that the
-new rows attend to (their ancestors), and first commits any committed tokens the SLM has not seen
-(a reused proactive tree skips a forward, so its catch-up rows would otherwise be lost). ``pure`` runs a
-forward without touching the drafter's state (proactive drafting while the verdict is in flight).
+``MultiPassSlm`` (``mobile_client.drafters.multipass``, re-exported here) lets the phone's one-pass SLM
+Drafter (``mobile_client.drafters.slm.SlmDrafter``, whose static graph only takes one pass's rows) serve
+the multi-pass trees (SpecEdge-style, HyCo-2P) and proactive drafting: every forward recomputes, in the
+same static call, the earlier passes' rows that the new rows attend to (their ancestors), and first
+commits any committed tokens the SLM has not seen (``context``; ``PhoneSession`` now hands a reused
+proactive tree's owed rows to the next forward itself). ``pure`` runs a forward without touching the
+drafter's state (proactive drafting while the verdict is in flight).
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import time
-from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+# the multi-pass wrapper lives in the phone package (HyCo-2P is a phone option); re-exported here
+from mobile_client.drafters.multipass import ROWS, MultiPassSlm
+
 from vllm_hyco.bench.configs import SLM_PASS_MS, BenchConfig
 from vllm_hyco.bench.metrics import RoundRecord
 
-ROWS = 96  # static rows of the benchmark's SLM graph: a pass's rows + their ancestors + catch-up rows
 WINDOW = 1024
-
-
-class MultiPassSlm:
-    """A ``RowDrafter`` over an ``SlmDrafter`` that also serves rows attending to earlier passes' rows."""
-
-    def __init__(self, slm: Any, context: Callable[[], Sequence[int]] | None = None):
-        self.slm = slm
-        self.context = context  # committed tokens before the session's current root
-
-    def _augment(self, plan, before_root: Sequence[int]):
-        """The plan with every needed tree row (the rows and their ancestors) and the missing catch-up."""
-        from mobile_client.tree import FrontierPlan
-
-        c = len(plan.catch_up)
-        anc = plan.attend_mask()[c:, c:]  # [rows, T] ancestors + self of each forward tree row
-        need = sorted(set(np.nonzero(anc.any(axis=0))[0].tolist()) - set(plan.rows))
-        missing = tuple(before_root[self.slm.committed: max(len(before_root) - c, self.slm.committed)])
-        full = FrontierPlan(missing + tuple(plan.catch_up), tuple(need) + tuple(plan.rows), plan.tokens,
-                            plan.parents)
-        keep = list(range(len(missing), len(missing) + c))
-        keep += list(range(len(missing) + c + len(need), full.num_rows))
-        return full, keep
-
-    def forward_rows(self, plan, before_root: Sequence[int] | None = None):
-        from mobile_client.drafters.base import RowLogprobs
-
-        if before_root is None:
-            before_root = list(self.context()) if self.context is not None else []
-            if len(before_root) < self.slm.committed + len(plan.catch_up):
-                before_root = []  # no context to resync against: trust the plan
-        full, keep = self._augment(plan, before_root)
-        if full.num_rows > ROWS:
-            raise RuntimeError(f"{full.num_rows} SLM rows exceed the benchmark graph's {ROWS}")
-        # pad to a multiple of 8 rows, not to the static 96: padded rows only attend to themselves, so the
-        # real rows' outputs do not depend on it, and this CPU drafts faster (the timing is modelled anyway)
-        self.slm.rows = -(-full.num_rows // 8) * 8
-        try:
-            out = self.slm.forward_rows(full)
-        finally:
-            self.slm.rows = ROWS
-        return RowLogprobs(np.asarray(out.logprobs)[keep], out.ids)
-
-    def pure(self, plan):
-        """``forward_rows`` on a copy of the state (for proactive drafting; the bet's catch-up rows are the
-        root and the bet path, which the real forward will commit later)."""
-        saved = (copy.deepcopy(self.slm.rings), copy.deepcopy(self.slm.pos), self.slm.committed,
-                 self.slm.pending)
-        try:
-            before = list(self.context()) if self.context is not None else []
-            return self.forward_rows(plan, before_root=before if len(before) >= self.slm.committed else [])
-        finally:
-            self.slm.rings, self.slm.pos, self.slm.committed, self.slm.pending = saved
 
 
 def load_phone(bundle: Path, config: BenchConfig, *, window: int = WINDOW):

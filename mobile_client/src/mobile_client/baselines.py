@@ -141,12 +141,13 @@ class ProactiveDraft:
         return self.grower if self.matches(accepted, bonus) else None
 
 
-def _bet(tree: DraftTree, slm: SlmFn, *, beams: int, decay: float, keep_ids: Any) -> tuple[int, int]:
+def _bet(tree: DraftTree, slm: SlmFn, *, beams: int, decay: float, keep_ids: Any,
+         catch_up: Sequence[int] = ()) -> tuple[int, int]:
     """One SLM forward over the best ``beams`` leaves; the (leaf row, token) maximizing
     ``(s(leaf) + ln q) + decay``, ties to the earlier frontier row then the lower token."""
     has_kids = set(tree.parents[1:])
     leaves = [r for r in range(len(tree.tokens)) if r not in has_kids]
-    plan = frontier_plan(tree, frontier_order(tree.scores, leaves)[:beams])
+    plan = frontier_plan(tree, frontier_order(tree.scores, leaves)[:beams], catch_up)
     lp, ids = _logprob_rows(slm(plan))
     rows, toks, q = top_candidates(_candidate_rows(plan, lp), 1, keep_ids if ids is None else ids)
     if rows.size == 0:
@@ -158,17 +159,20 @@ def _bet(tree: DraftTree, slm: SlmFn, *, beams: int, decay: float, keep_ids: Any
 
 def proactive_draft(tree: DraftTree, slm: SlmFn, *, passes: int = PROACTIVE_PASSES, budget: int = BUDGET,
                     beams: int = BEAMS, width: int = WIDTH, decay: float = PROACTIVE_DECAY,
-                    keep_ids: Any = None) -> ProactiveDraft:
+                    keep_ids: Any = None, catch_up: Sequence[int] = ()) -> ProactiveDraft:
     """Prepare the next tree while ``tree``'s verdict is in flight (``passes`` + 1 SLM forwards).
 
     The bet: the most likely root-to-leaf path of ``tree`` is accepted whole and the SLM's best next token
     at its leaf is the bonus. The prepared tree is rooted at that token; its first forward carries the
     current root and the bet path as catch-up rows (committed tokens the SLM has no KV for).
+    ``catch_up``: committed tokens before ``tree``'s root that the SLM has not seen either (the session
+    passes them while a reused proactive tree is in flight); both forwards put them first.
     """
-    leaf, bonus = _bet(tree, slm, beams=beams, decay=decay, keep_ids=keep_ids)
+    catch_up = tuple(int(t) for t in catch_up)
+    leaf, bonus = _bet(tree, slm, beams=beams, decay=decay, keep_ids=keep_ids, catch_up=catch_up)
     rows = tree.path(leaf)
     path_tokens = tuple(tree.tokens[r] for r in rows[1:])
     grower = SpecEdgeGrower(bonus, budget=budget, beams=beams, width=width, decay=decay, keep_ids=keep_ids,
-                            catch_up=(tree.tokens[0],) + path_tokens)
+                            catch_up=catch_up + (tree.tokens[0],) + path_tokens)
     grower.grow(slm, passes)
     return ProactiveDraft(leaf, path_tokens, bonus, grower)

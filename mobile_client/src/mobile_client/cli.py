@@ -19,6 +19,8 @@ The model bundle (``--model-dir``) is what a phone app ships (docs/phone-loop.md
 default BUNDLE/build: ``mtp_ctx.onnx``, ``slm_ctx.onnx``, ``mtp_embed_lut.npz``, ``keep_ids.npy``) on QNN's
 HTP backend (the x86 HTP emulator here, the NPU on a phone); a step without a compiled model runs in torch,
 and the console says so. ``--prompt-ids`` sends a completions request with token ids (no tokenizer).
+``--slm-passes 2`` drafts HyCo-2P trees (a second SLM pass; torch SLM step only: the compiled SLM graph is
+a static 32-row one-pass step, and hyco-phone refuses the combination).
 """
 
 from __future__ import annotations
@@ -77,26 +79,42 @@ def _handoff_spec(model_dir: Path):
 
 
 def load_bundle(model_dir: Path, backend: str = "torch", build_dir: Path | None = None,
-                window: int = MTP_WINDOW) -> PhoneBundle:
-    """The phone's drafters from a model bundle: MTP head + SLM (HyCo), or SLM only without scales."""
+                window: int = MTP_WINDOW, slm_passes: int = 1) -> PhoneBundle:
+    """The phone's drafters from a model bundle: MTP head + SLM (HyCo), or SLM only without scales.
+
+    ``slm_passes=2`` is HyCo-2P (Algorithm 3 line 15): a second SLM pass under the nodes the first pass
+    added, through ``MultiPassSlm`` (the second pass's rows and their ancestors in one forward, up to 96
+    rows). The compiled SLM step is a static 32-row graph, so HyCo-2P needs the torch SLM step."""
     from mobile_client.drafters.base import HybridDrafter
+    from mobile_client.drafters.multipass import ROWS, MultiPassSlm
     from mobile_client.drafters.slm import SlmDrafter
     from mobile_client.drafters.spec import SlmSpec
 
+    if slm_passes not in (1, 2):
+        raise ConfigError(f"--slm-passes must be 1 (HyCo) or 2 (HyCo-2P), got {slm_passes}")
     notes: list[str] = []
     build_dir = build_dir or model_dir / "build"
     scfg, ssd = _hf_dir(model_dir / "slm")
     sspec = SlmSpec.from_hf_config(scfg)
     keep = _keep_ids(model_dir, sspec.vocab, build_dir if backend == "compiled" else None)
     slm_step = _compiled_step(build_dir / "slm_ctx.onnx", notes, "SLM") if backend == "compiled" else None
+    if slm_passes == 2 and slm_step is not None:
+        raise ConfigError(
+            f"--slm-passes 2 (HyCo-2P) runs the second pass's rows together with their first-pass ancestors "
+            f"(up to {ROWS} rows per forward); the compiled SLM step {build_dir / 'slm_ctx.onnx'} is a static "
+            f"32-row graph. Use --backend torch with --slm-passes 2, or --slm-passes 1 with --backend compiled")
     slm = SlmDrafter(sspec, ssd, keep, window=window, step=slm_step)
+    rows = MultiPassSlm(slm) if slm_passes == 2 else slm
+    if slm_passes == 2:
+        notes.append("HyCo-2P: two SLM passes per tree (torch SLM step)")
     spec, scales = _handoff_spec(model_dir)
     mtp = None
     if scales is None:
         notes.append(f"no {model_dir / 'handoff_scales.npz'}: SLM-only trees (no MTP chain)")
     else:
         mtp = _mtp_drafter(model_dir, keep, backend, build_dir, window, notes)
-    drafter = HycoPhoneDrafter(HybridDrafter(mtp, slm), slm=slm, mtp=mtp, scales=scales)
+    drafter = HycoPhoneDrafter(HybridDrafter(mtp, rows, two_pass=slm_passes == 2), slm=slm, mtp=mtp,
+                               scales=scales)
     return PhoneBundle(drafter, spec, notes)
 
 
@@ -186,6 +204,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--mode", choices=("exact", "epsilon"), default="exact")
     ap.add_argument("--epsilon", type=float, help="with --mode epsilon: a stricter ε than the operator's")
     ap.add_argument("--max-nodes", type=int, default=32)
+    ap.add_argument("--slm-passes", type=int, choices=(1, 2), default=1,
+                    help="SLM passes per tree: 1 = HyCo, 2 = HyCo-2P (a second pass under the first "
+                         "pass's new nodes; torch SLM step only)")
     ap.add_argument("--window", type=int, default=MTP_WINDOW, help="MTP/SLM ring columns (paper: 1,024)")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for any one frame")
     ap.add_argument("--retries", type=int, default=8, help="reconnects in a row without progress")
@@ -204,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 async def _main(args) -> int:
-    bundle = load_bundle(args.model_dir, args.backend, args.build_dir, args.window)
+    bundle = load_bundle(args.model_dir, args.backend, args.build_dir, args.window, args.slm_passes)
     for note in bundle.notes:
         print(f"hyco-phone: {note}", file=sys.stderr)
     tok_dir = next((d for d in (args.model_dir / "tokenizer", args.model_dir / "verifier")

@@ -36,6 +36,7 @@ hooks the session calls when present: ``prefill(tokens)`` (SLM cache for round 0
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -52,7 +53,9 @@ from vllm_hyco.handoff.limits import AIOHTTP_DEFAULT_MAX_MSG
 from vllm_hyco.handoff.quant import HandoffScales, dequantize
 from vllm_hyco.handoff.schema import HandoffPayload, HandoffSpec
 
-ProactiveFn = Callable[[DraftTree], Any]  # tree -> mobile_client.baselines.ProactiveDraft
+# tree [, catch_up=tokens] -> mobile_client.baselines.ProactiveDraft; ``catch_up`` (when the function takes
+# it): committed tokens before the tree's root that the drafter has not seen yet
+ProactiveFn = Callable[..., Any]
 
 
 @dataclass(frozen=True)
@@ -222,7 +225,10 @@ class PhoneSession:
             tree = self.drafter.propose(ctx, self.budget)
         draft_ms = (time.perf_counter() - t0) * 1e3
         self._check_tree(tree)
-        self.catch_up = ()  # the drafter's forward committed them
+        if not hit:
+            self.catch_up = ()  # the drafter's forward committed them
+        # a reused proactive tree ran no forward of this drafter (it was drafted on a copy of its state,
+        # before the verdict): the catch-up rows stay owed, and the next forward commits them
         frame = TreeFrame.from_lists(self.round, **tree.wire_dict(labels=self.options.labels))
         self._pending = _Pending(self.round, tree, frame, draft_ms, hit, nbytes=len(encode_frame(frame)))
         return frame
@@ -250,7 +256,11 @@ class PhoneSession:
         if self.options.proactive is None or p is None or p.prepared is not None:
             return
         t0 = time.perf_counter()
-        p.prepared = self.options.proactive(p.tree)
+        fn = self.options.proactive
+        # the committed tokens before the tree's root that the drafter has not seen (non-empty only while a
+        # reused proactive tree is in flight): a proactive function that takes ``catch_up`` drafts after them
+        owed = {"catch_up": self.catch_up} if self.catch_up and _takes(fn, "catch_up") else {}
+        p.prepared = fn(p.tree, **owed)
         p.proactive_ms = (time.perf_counter() - t0) * 1e3
 
     def note_resume(self) -> None:
@@ -301,8 +311,11 @@ class PhoneSession:
         if finished:
             self.finish_reason = v.finish_reason
             return stats
-        kept = self.drafter.accept([0, *v.path]) if hasattr(self.drafter, "accept") else 0
-        self.catch_up = tuple([self.root, *path_tokens][kept:])
+        kept = 0
+        if hasattr(self.drafter, "accept"):  # a reused proactive tree: the drafter holds none of its rows
+            kept = self.drafter.accept([] if p.proactive_hit else [0, *v.path])
+        # Algorithm 1 line 10: rows without SLM KV become catch-up rows, after any still owed (a reused tree)
+        self.catch_up = self.catch_up + tuple([self.root, *path_tokens][kept:])
         self.root, self.position = int(v.bonus), new_position
         self.budget = min(v.budget, self.options.max_nodes)
         self._prepared, self._last_bet_key = p.prepared, (tuple(path_tokens), int(v.bonus))
@@ -378,6 +391,15 @@ class PhoneSession:
                              list(self.stats), self.resumes, self.final)
 
 
+def _takes(fn: Callable, name: str) -> bool:
+    """Whether ``fn`` takes the keyword argument ``name``."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(q.name == name or q.kind is q.VAR_KEYWORD for q in params)
+
+
 def _chunk_text(chunk: dict) -> str:
     choice = chunk["choices"][0]
     if chunk.get("object") == "chat.completion.chunk":
@@ -400,16 +422,26 @@ class HycoPhoneDrafter:
         if mtp is not None and scales is None:
             raise SessionError("an MTP drafter needs the model's hand-off scales", code="bad_config")
         self.drafter, self.slm, self.mtp, self.scales = drafter, slm, mtp, scales
+        self._sent: DraftTree | None = None  # the tree last proposed (its verdict's rows index it)
 
     def propose(self, context: DraftContext, tree_budget: int) -> DraftTree:
-        return self.drafter.propose(context, tree_budget)
+        self._sent = self.drafter.propose(context, tree_budget)
+        return self._sent
 
     def prefill(self, tokens: Sequence[int]) -> None:
         if self.slm is not None and len(tokens):
             self.slm.prefill(list(tokens))
 
     def accept(self, rows: Sequence[int]) -> int:
-        return self.slm.accept(list(rows)) if self.slm is not None else 0
+        """The SLM keeps the KV of the accepted rows it computed, found by their tokens (the tree sent was
+        trimmed after the forward, so its row indices need not be the forward's)."""
+        if self.slm is None:
+            return 0
+        sent, rows = self._sent, list(rows)
+        self._sent = None
+        if sent is not None and rows and max(rows) < len(sent.tokens) and _takes(self.slm.accept, "tokens"):
+            return self.slm.accept(rows, tokens=[sent.tokens[r] for r in rows])
+        return self.slm.accept(rows)
 
     def apply_handoff(self, h: HandoffPayload) -> np.ndarray | None:
         """Dequantize the hand-off, write its K/V rows into the MTP ring, return ``x_hat`` = [e ; h] [2H]."""

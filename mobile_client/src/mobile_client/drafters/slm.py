@@ -298,20 +298,36 @@ class SlmDrafter:
     # -- the drafter contract ----------------------------------------------------------------------------
     def prefill(self, tokens: Sequence[int]) -> None:
         """Commit ``tokens`` (the prompt's last W before its last token, D2) in causal chunks of ``rows``."""
-        tokens = list(tokens)[-self.window :]
+        self._commit_causal(list(tokens)[-self.window :])
+
+    def _commit_causal(self, tokens: Sequence[int]) -> np.ndarray:
+        """Commit ``tokens`` after the committed ones, in causal chunks of ``rows``; their logits [n, Vk]."""
+        logits = []
         for lo in range(0, len(tokens), self.rows):
-            chunk = tokens[lo : lo + self.rows]
+            chunk = list(tokens[lo : lo + self.rows])
             start = self.committed
-            _, new = self._run(
+            out, new = self._run(
                 chunk, start + np.arange(len(chunk)), np.tril(np.ones((len(chunk),) * 2, bool))
             )
+            logits.append(out)
             for i in range(len(chunk)):
                 self._commit_row(new, i, start + i)
+        return np.concatenate(logits) if logits else np.zeros((0, len(self.keep_ids)), np.float32)
 
     def forward_rows(self, plan):
-        """One forward over ``plan`` (a ``mobile_client.tree.FrontierPlan``): log q over the keep set."""
-        from mobile_client.drafters.base import RowLogprobs
+        """One forward over ``plan`` (a ``mobile_client.tree.FrontierPlan``): log q over the keep set.
 
+        Catch-up rows that do not fit the static graph next to the tree rows (many committed tokens the
+        SLM has not seen, e.g. after reused proactive trees) are committed first, oldest first, in causal
+        chunks; the output still has one row per forward row of ``plan``."""
+        from mobile_client.drafters.base import RowLogprobs
+        from mobile_client.tree import DraftTree, FrontierPlan
+
+        over = len(plan.catch_up) + len(plan.rows) - self.rows
+        early = None
+        if over > 0 and len(plan.rows) <= self.rows:
+            early = self._commit_causal(plan.catch_up[:over])
+            plan = FrontierPlan(plan.catch_up[over:], plan.rows, plan.tokens, plan.parents)
         c = len(plan.catch_up)
         root_pos = self.committed + c
         positions = root_pos + np.asarray(plan.positions(), np.int64)
@@ -320,27 +336,40 @@ class SlmDrafter:
         outside = np.delete(full_mask, cols, axis=1)
         if outside.any():
             raise NotImplementedError(
-                "rows attending to an earlier pass's rows (HyCo-2P) need pending KV "
-                "columns; the static one-pass graph does not take them"
+                "rows attending to an earlier pass's rows (HyCo-2P, SpecEdge-style passes) need "
+                "those rows' KV; wrap the drafter in mobile_client.drafters.multipass.MultiPassSlm "
+                "(hyco-phone --slm-passes 2), which recomputes them in the same forward"
             )
         logits, new = self._run(plan.forward_tokens(), positions, full_mask[:, cols])
         for i in range(c):
             self._commit_row(new, i, positions[i])
-        self.pending = {
-            r: (int(positions[c + i]), [a[:, c + i : c + i + 1] for a in new])
+        paths = DraftTree.make_dummy(plan.tokens, plan.parents)
+        self.pending = {  # row -> (position, new K/V, the row's tokens from the root)
+            r: (int(positions[c + i]), [a[:, c + i : c + i + 1] for a in new],
+                tuple(plan.tokens[j] for j in paths.path(r)))
             for i, r in enumerate(plan.rows)
         }
+        if early is not None:
+            logits = np.concatenate([early, logits])
         lp = torch.log_softmax(torch.from_numpy(logits).double(), dim=-1).numpy()
         return RowLogprobs(lp, self.keep_ids)
 
-    def accept(self, tree_rows: Sequence[int]) -> int:
+    def accept(self, tree_rows: Sequence[int], tokens: Sequence[int] | None = None) -> int:
         """Algorithm 1 line 10: commit the KV of ``tree_rows`` (the root, then the accepted path in order)
-        computed by the last forward; stops at the first row without KV. Returns how many were committed."""
+        computed by the last forward; stops at the first row without KV. Returns how many were committed.
+
+        ``tokens`` (the rows' tokens, root first): look the rows up by their token path instead of their
+        index. Needed whenever the tree that was sent is not the plan's row list: a trimmed tree
+        (Algorithm 3 line 17 re-indexes rows when an earlier row is cut; HyCo-2P and SpecEdge-style trees
+        cut first-pass rows often), so a row index alone may name a different node than the one computed."""
+        by_path = {v[2]: r for r, v in self.pending.items()} if tokens is not None else None
         done = 0
-        for r in tree_rows:
+        for i, r in enumerate(tree_rows):
+            if by_path is not None:
+                r = by_path.get(tuple(int(t) for t in tokens[: i + 1]), -1)
             if r not in self.pending or self.pending[r][0] != self.committed:
                 break
-            pos, new = self.pending[r]
+            pos, new, _ = self.pending[r]
             self._commit_row(new, 0, pos)
             done += 1
         self.pending = {}

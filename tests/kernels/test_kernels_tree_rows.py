@@ -278,6 +278,34 @@ def test_compaction_on_block_major_layout_equals_dense_reference(path_rows):
         assert torch.equal(ref, g.kv)
 
 
+def test_seed_gather_after_compaction_reads_the_committed_window():
+    """Round 0's seed (``_hyco_gather_seed``) through the block-major view: the last W committed positions
+    of both hand-off layers, read from the paged cache after compaction, equal the dense committed rows."""
+    parents, path_rows = random_tree(33, 4), [3, 9, 17]
+    t, n, window = 41, 33, 24
+    layers = {"full": PagedRequests([t], [parents], 2, 1, 64, 32, torch.float32, seed=6),
+              "sliding": PagedRequests([t], [parents], 2, 2, 32, 16, torch.float32, seed=7)}
+    tr = TreeRows.build(req_id="s", batch_idx=0, q_start=0, num_rows=n, context_len=t, round=0,
+                        tokens=list(range(n)), parents=parents, eps=None)
+    dense = {}
+    for kind, g in layers.items():
+        k_all, v_all = g.view.gather(g.kv, g.slots(0, torch.arange(0, t + n)))
+        keep = list(range(t + 1)) + [t + r for r in path_rows]
+        dense[kind] = (k_all[keep], v_all[keep])
+        tr.captured[kind] = CapturedKV(key=g.fresh_k[0], value=g.fresh_v[0], slots=g.slots(0, torch.arange(t, t + n)),
+                                       layer=_layer(), kv_cache=g.kv, view=g.view)
+        tr.block_rows[kind] = g.block_tables[0].to(DEVICE)
+    HycoRunnerMixin._hyco_compact(None, tr, path_rows)
+    runner = SimpleNamespace(_hyco_window=lambda: window, _hyco_handoff_layers=lambda: {k: k for k in layers})
+    committed = t + 1 + len(path_rows)
+    seed = HycoRunnerMixin._hyco_gather_seed(runner, tr, committed)
+    assert (seed["start"], seed["end"]) == (committed - window, committed)
+    for kind in layers:
+        assert seed[f"{kind}_k"].device.type == "cpu"
+        assert torch.equal(seed[f"{kind}_k"], dense[kind][0][committed - window:].cpu())
+        assert torch.equal(seed[f"{kind}_v"], dense[kind][1][committed - window:].cpu())
+
+
 def test_tree_step_stacks_rows_in_tree_order():
     a = TreeRows.build(req_id="a", batch_idx=2, q_start=10, num_rows=3, context_len=40, round=0,
                        tokens=[1, 2, 3], parents=[-1, 0, 0], eps=None)

@@ -92,8 +92,11 @@ class SessionRegistry:
 
     # -- lookup -----------------------------------------------------------------------------------
     def add(self, sid: str, *, req_id: str, eps: float | None) -> Session:
-        if sid in self._by_sid and self._by_sid[sid].state is not SessionState.FINISHED:
+        old = self._by_sid.get(sid)
+        if old is not None and old.state is not SessionState.FINISHED:
             raise SessionError(f"session {sid!r} is already open", code="duplicate_session")
+        if old is not None:  # a finished session of the same sid: its request id must not outlive it
+            self.forget(old)
         s = Session(sid=sid, req_id=req_id, eps=eps, last_active=self._clock())
         self._by_sid[sid] = s
         self._by_req[req_id] = s

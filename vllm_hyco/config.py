@@ -30,8 +30,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from vllm_hyco.errors import ConfigError
 
@@ -53,6 +54,10 @@ class HycoConfig:
         max_sessions: concurrent phone sessions the server accepts.
         session_idle_timeout_s: a session with no tree for this long is closed and its KV freed.
         max_session_tokens: prompt + generated tokens per session; None = the model's max_model_len.
+        max_parked_blocks: cap on the KV blocks parked sessions pin (between rounds); beyond it the least
+            recently used parked session is finished with ``session_evicted``. An integer is a block count,
+            a float in (0, 1) a fraction of the engine's KV blocks; None = no cap (parked sessions are
+            evicted only when a waiting request needs their blocks).
     """
 
     epsilon: float | None = None
@@ -61,6 +66,7 @@ class HycoConfig:
     max_sessions: int = 16
     session_idle_timeout_s: float = 60.0
     max_session_tokens: int | None = None
+    max_parked_blocks: int | float | None = None
 
     def __post_init__(self):
         _check_epsilon(self.epsilon)
@@ -69,6 +75,7 @@ class HycoConfig:
         _check_int("max_sessions", self.max_sessions, 1, 1 << 16)
         _check_float("session_idle_timeout_s", self.session_idle_timeout_s, 0.0, 86400.0)
         _check_int("max_session_tokens", self.max_session_tokens, 2, 1 << 24, optional=True)
+        _check_parked_blocks(self.max_parked_blocks)
 
     # ------------------------------------------------------------------ derived
     @property
@@ -87,7 +94,7 @@ class HycoConfig:
         return sorted([f.name for f in dataclasses.fields(cls)] + ["method"])
 
     @classmethod
-    def from_dict(cls, options: Mapping[str, Any]) -> "HycoConfig":
+    def from_dict(cls, options: Mapping[str, Any]) -> HycoConfig:
         """Build from ``{"method": "hyco", ...}`` (``method`` optional); unknown keys raise ConfigError."""
         options = dict(options)
         method = options.pop("method", METHOD)
@@ -100,7 +107,7 @@ class HycoConfig:
         return cls(**options)
 
     @classmethod
-    def parse(cls, value: "str | Mapping[str, Any] | HycoConfig | None") -> "HycoConfig":
+    def parse(cls, value: str | Mapping[str, Any] | HycoConfig | None) -> HycoConfig:
         """Accept ``"hyco"``, a JSON string, a dict, a HycoConfig, or None (all defaults)."""
         if value is None or isinstance(value, HycoConfig):
             return value or cls()
@@ -140,7 +147,7 @@ class HycoConfig:
 
     # ------------------------------------------------------------------ engine side
     @classmethod
-    def from_vllm_config(cls, vllm_config: Any) -> "HycoConfig":
+    def from_vllm_config(cls, vllm_config: Any) -> HycoConfig:
         """The HycoConfig a HyCo engine was started with (in any process: API, engine core, worker).
 
         Raises ConfigError when the engine was not started with ``--speculative-config hyco``.
@@ -151,17 +158,29 @@ class HycoConfig:
         return found
 
     @classmethod
-    def maybe_from_vllm_config(cls, vllm_config: Any) -> "HycoConfig | None":
+    def maybe_from_vllm_config(cls, vllm_config: Any) -> HycoConfig | None:
         extra = getattr(vllm_config, "additional_config", None)
         if not isinstance(extra, Mapping) or ADDITIONAL_CONFIG_KEY not in extra:
             return None
         return cls.from_dict(extra[ADDITIONAL_CONFIG_KEY])
 
+    def parked_block_cap(self, num_kv_blocks: int) -> int | None:
+        """``max_parked_blocks`` in blocks for an engine with ``num_kv_blocks`` KV blocks (None = no cap).
+
+        >>> [HycoConfig(max_parked_blocks=cap).parked_block_cap(1000) for cap in (0.5, 64, None)]
+        [500, 64, None]
+        """
+        cap = self.max_parked_blocks
+        if cap is None or isinstance(cap, int):
+            return cap
+        return max(1, int(cap * num_kv_blocks))
+
     def describe(self) -> str:
         mode = "exact (lossless)" if self.exact else f"LOSSY epsilon={self.epsilon}"
         window = self.window if self.window is not None else "verifier sliding_window"
         return (f"HyCo: verification {mode}, node_budget {self.node_budget}, window {window}, "
-                f"max_sessions {self.max_sessions}, session_idle_timeout_s {self.session_idle_timeout_s}")
+                f"max_sessions {self.max_sessions}, session_idle_timeout_s {self.session_idle_timeout_s}, "
+                f"max_parked_blocks {self.max_parked_blocks if self.max_parked_blocks is not None else 'none'}")
 
 
 def _check_epsilon(value: Any) -> None:
@@ -171,6 +190,19 @@ def _check_epsilon(value: Any) -> None:
             or not 0.0 < value < 1.0:
         raise ConfigError(f"hyco option epsilon={value!r} is out of range: valid values are a float in "
                           f"(0, 1) for lossy mode (0.005 recommended), or null/omitted for exact mode")
+
+
+def _check_parked_blocks(value: Any) -> None:
+    if value is None:
+        return
+    if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 1 << 30:
+        return
+    if isinstance(value, float) and math.isfinite(value) and 0.0 < value < 1.0:
+        return
+    raise ConfigError(f"hyco option max_parked_blocks={value!r} is invalid: valid values are an integer "
+                      f"block count in [1, {1 << 30}], a float in (0, 1) for a fraction of the engine's KV "
+                      f"blocks, or null for no cap (evict parked sessions only when a waiting request needs "
+                      f"their blocks)")
 
 
 def _check_int(name: str, value: Any, lo: int, hi: int, *, optional: bool = False) -> None:

@@ -22,14 +22,16 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_hyco.errors import RequestFieldError, SessionError
+from vllm_hyco.errors import HycoError, RequestFieldError, SessionError
 
 ALLOWED_FIELDS = ("temperature", "top_k", "top_p", "seed", "max_tokens", "stop", "ignore_eos", "min_tokens")
 DEFAULT_BUDGET = 32
 ENDED_CODES = ("session_timeout", "session_evicted", "session_finished", "closed", "aborted", "finished")
+ENDED_MEMORY = 4096  # ended sids remembered (closing one again is a no-op); older ones become unknown
 
 
 @dataclass
@@ -95,7 +97,9 @@ class HycoEngine:
         self.max_steps = max_steps
         self._outbox: dict[str, list[Any]] = {}  # request id -> RequestOutputs not yet consumed
         self._sessions: dict[str, str] = {}  # sid -> request id (open sessions)
-        self._ended: set[str] = set()  # sids that finished (closing them again is a no-op)
+        self._sids: dict[str, str] = {}  # request id -> sid (open sessions)
+        self._in_round: set[str] = set()  # sids with a tree submitted and its verdict not taken yet
+        self._ended: OrderedDict[str, str] = OrderedDict()  # the last ENDED_MEMORY ended sids -> why
 
     # -- core access ------------------------------------------------------------------------------
     def _call(self, name: str, *args):
@@ -115,7 +119,32 @@ class HycoEngine:
 
     def _step(self) -> None:
         for out in self.engine.step():
+            sid = self._sids.get(out.request_id)
+            if out.finished and sid is not None and sid not in self._in_round:
+                # ended outside a round (idle timeout, eviction): remember why, keep nothing
+                self._drop(sid, self._finish_code(sid), abort=False)
+                continue
             self._outbox.setdefault(out.request_id, []).append(out)
+
+    def _finish_code(self, sid: str) -> str:
+        try:
+            return self._call("hyco_session_info", sid).get("finish_code") or "session_finished"
+        except SessionError as e:
+            return e.code
+
+    def _drop(self, sid: str, code: str, *, abort: bool = True) -> None:
+        """Forget an ended session here (its request id, unread outputs, the frontend's request), keeping
+        only why it ended: a later call on it raises that code."""
+        req_id = self._sessions.pop(sid, None)
+        self._in_round.discard(sid)
+        self._ended[sid] = code
+        while len(self._ended) > ENDED_MEMORY:
+            self._ended.popitem(last=False)
+        if req_id is not None:
+            self._sids.pop(req_id, None)
+            if abort:
+                self.engine.abort_request([req_id])
+            self._take(req_id)
 
     def _take(self, req_id: str) -> list[Any]:
         return self._outbox.pop(req_id, [])
@@ -145,12 +174,12 @@ class HycoEngine:
             inputs = prompt
         start = time.perf_counter()
         self.engine.add_request(req_id, inputs, params)
-        self._sessions[sid] = req_id
+        self._sessions[sid], self._sids[req_id] = req_id, sid
+        self._in_round.add(sid)  # keep the prefill's outputs until the state is known
         info = self._wait(sid, lambda i: i["state"] != "prefilling")
+        self._in_round.discard(sid)
         if info["state"] == "finished":
-            self._sessions.pop(sid, None)
-            self.engine.abort_request([req_id])
-            self._take(req_id)
+            self._drop(sid, info["finish_code"] or "session_finished")
             raise SessionError(f"session {sid!r} finished during prefill ({info['finish_code']})",
                                code=info["finish_code"] or "session_finished")
         ids = list(prompt_token_ids) if prompt_token_ids is not None else None
@@ -171,43 +200,61 @@ class HycoEngine:
         """Verify one tree (row 0 = the root = the last committed token) and return its verdict."""
         return self.submit_many([(sid, round_, tokens, parents, eps)])[0]
 
-    def submit_many(self, trees: list[tuple]) -> list[Verdict]:
+    def submit_many(self, trees: list[tuple], *, return_errors: bool = False) -> list[Any]:
         """Submit trees of several sessions (``(sid, round, tokens, parents[, eps])``); they share steps.
 
-        A typed error on one tree is raised before any engine step runs; trees submitted before it in
-        the list stay submitted and their verdicts are dropped by the next ``submit`` of that session.
+        By default a typed error on one tree is raised before any engine step runs; trees submitted before
+        it in the list stay submitted and their verdicts are dropped by the next ``submit`` of that session.
+        With ``return_errors=True`` every tree is tried: a refused one (``server_busy`` when every batch
+        slot is taken, a bad round or tree, an ended session) gets its HycoError in its place in the
+        result, the others their Verdict.
         """
         start = time.perf_counter()
-        for sid, round_, tokens, parents, *rest in trees:
-            if sid not in self._sessions:
-                raise SessionError(f"unknown session {sid!r}", code="unknown_session")
+        results: list[Any] = [None] * len(trees)
+        accepted = []
+        for i, (sid, round_, tokens, parents, *rest) in enumerate(trees):
             try:
+                self._check_open(sid)
                 self._call("hyco_submit_tree", sid, round_, list(tokens), list(parents), rest[0] if rest else None)
-            except SessionError as e:
-                if e.code in ENDED_CODES:  # the engine finished it (timeout, eviction...): drop it here too
-                    req_id = self._sessions.pop(sid)
-                    self._ended.add(sid)
-                    self.engine.abort_request([req_id])
-                    self._take(req_id)
-                raise
+            except HycoError as e:
+                if isinstance(e, SessionError) and e.code in ENDED_CODES and sid in self._sessions:
+                    self._drop(sid, e.code)  # the engine finished it (timeout, eviction...): drop it here too
+                if not return_errors:
+                    raise
+                results[i] = e
+                continue
+            self._in_round.add(sid)
+            accepted.append(i)
         for _ in range(self.max_steps):
-            infos = [self._call("hyco_session_info", t[0]) for t in trees]
-            if all(t[1] in i["pending_verdicts"] or i["state"] == "finished" for t, i in zip(trees, infos)):
+            infos = [self._call("hyco_session_info", trees[i][0]) for i in accepted]
+            if all(trees[i][1] in info["pending_verdicts"] or info["state"] == "finished"
+                   for i, info in zip(accepted, infos)):
                 break
             self._step()
         else:
             raise SessionError("trees made no progress", code="stalled")
         wall = time.perf_counter() - start
-        return [self._verdict(t[0], t[1], t[2], wall) for t in trees]
+        for i in accepted:
+            try:
+                results[i] = self._verdict(trees[i][0], trees[i][1], trees[i][2], wall)
+            except HycoError as e:
+                if not return_errors:
+                    raise
+                results[i] = e
+        return results
 
     def _verdict(self, sid: str, round_: int, tokens: list[int], wall: float) -> Verdict:
-        raw = self._call("hyco_take_verdict", sid, round_)
+        self._in_round.discard(sid)
+        try:
+            raw = self._call("hyco_take_verdict", sid, round_)
+        except SessionError as e:  # ended during the round without a verdict
+            self._drop(sid, self._finish_code(sid) if e.code == "no_verdict" else e.code)
+            raise
         outs = self._take(self._sessions[sid])
         text = "".join(o.outputs[0].text for o in outs if o.outputs)
         finished = any(o.finished for o in outs)
         if finished:
-            self._sessions.pop(sid, None)
-            self._ended.add(sid)
+            self._drop(sid, "session_finished", abort=False)
         path_rows = list(raw["path_rows"])
         return Verdict(
             sid=sid, round=round_, path_rows=path_rows, path_tokens=[tokens[r] for r in path_rows],
@@ -220,20 +267,28 @@ class HycoEngine:
                    **({"logits": raw["logits"]} if "logits" in raw else {})})
 
     def close(self, sid: str) -> bool:
-        req_id = self._sessions.pop(sid, None)
-        if req_id is None and sid in self._ended:
+        if sid not in self._sessions and sid in self._ended:
             return False
-        if req_id is None:
-            raise SessionError(f"unknown session {sid!r}", code="unknown_session")
-        self._ended.add(sid)
+        self._check_open(sid)
         closed = self._call("hyco_close", sid)
-        self.engine.abort_request([req_id])
-        self._take(req_id)
+        self._drop(sid, "closed")
         return closed
 
     def poll(self) -> list[str]:
-        """Apply idle timeouts / eviction now; returns the sids finished."""
-        return self._call("hyco_poll")
+        """Apply idle timeouts / eviction now; returns the sids finished (dropped here too)."""
+        sids = self._call("hyco_poll")
+        for sid in sids:
+            if sid in self._sessions:
+                self._drop(sid, self._finish_code(sid))
+        return sids
+
+    def _check_open(self, sid: str) -> None:
+        if sid in self._sessions:
+            return
+        code = self._ended.get(sid)
+        if code is None:
+            raise SessionError(f"unknown session {sid!r}", code="unknown_session")
+        raise SessionError(f"session {sid!r} ended ({code})", code=code)
 
     # -- ordinary requests sharing the engine -------------------------------------------------------
     def add_request(self, req_id: str, inputs: Any, params) -> None:

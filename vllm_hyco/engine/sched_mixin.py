@@ -9,14 +9,16 @@ Overrides (each calls ``super()``; internals this leans on are listed so a vLLM 
 * ``add_request``: registers the session (``SessionRegistry``).
 * ``_reserve_prefill_lookahead`` (a per-request hook both scheduling paths call): caps a session's
   prefill at ``num_tokens - 1`` so the last prompt token (the first root, D2) is never prefilled; the
-  same cap re-applies if the request is preempted and re-prefilled. Replaces nothing (super's value is
+  same cap re-applies, chunk by chunk, if the request is preempted and re-prefilled (only the chunk
+  that starts at the root of a submitted tree may go past it). Replaces nothing (super's value is
   only lowered). Can go when vLLM has a per-request prefill limit.
 * ``update_from_output``: records the runner's verdict (``ModelRunnerOutput.hyco_verdicts``) and *parks*
   the request: it leaves ``self.running`` but keeps status RUNNING and its KV blocks, so it holds no batch
   slot and the engine does not run ahead. Parked requests are not in ``running``/``waiting``, so
   ``get_num_unfinished_requests`` ignores them and the busy loop idles. ``finish_requests`` (abort,
   close) works on them unchanged (it filters ``running`` and frees blocks by status).
-* ``hyco_submit_tree``: checks the round, validates the tree, sets ``request.spec_token_ids`` to the
+* ``hyco_submit_tree``: checks the round, validates the tree, refuses with ``server_busy`` when every
+  batch slot is taken (the one admission guard for the in-process API and the WebSocket route), sets ``request.spec_token_ids`` to the
   nodes (the root is already the request's last token) and un-parks it. vLLM's running path then
   schedules 1 + n rows and stores the nodes in ``scheduled_spec_decode_tokens``; a tree cut short by the
   token budget stays a valid tree (rows are topologically ordered).
@@ -53,18 +55,20 @@ class HycoSchedulerMixin:
         return reg
 
     def _hyco_registry_kwargs(self) -> dict[str, Any]:
-        """Registry policy from HycoConfig when the foundation provides it, else defaults."""
-        try:
-            from vllm_hyco.config import HycoConfig  # foundation
-            cfg = HycoConfig.from_vllm_config(self.vllm_config)
-            out = {}
-            for ours, theirs in (("idle_timeout_s", "session_idle_timeout_s"),
-                                 ("max_parked_blocks", "max_parked_blocks")):
-                if hasattr(cfg, theirs):
-                    out[ours] = getattr(cfg, theirs)
-            return out
-        except Exception:  # noqa: BLE001 - config not there yet or not a HyCo engine: defaults
+        """Registry policy from the engine's HycoConfig (idle timeout, parked-KV cap in blocks).
+
+        A bad ``additional_config["hyco"]`` raises ConfigError here (never a silent fall-back to defaults);
+        only a scheduler without any HyCo config (the mixin used outside a HyCo engine) gets the registry's
+        defaults.
+        """
+        from vllm_hyco.config import HycoConfig
+
+        cfg = getattr(self, "hyco_config", None) or HycoConfig.maybe_from_vllm_config(self.vllm_config)
+        if cfg is None:
             return {}
+        num_blocks = int(self.kv_cache_manager.block_pool.num_gpu_blocks) - 1  # block 0 is vLLM's null block
+        return {"idle_timeout_s": cfg.session_idle_timeout_s,
+                "max_parked_blocks": cfg.parked_block_cap(num_blocks)}
 
     def _hyco_budget(self) -> int:
         """Node budget (D3): HycoConfig's when set, capped by the engine's spec slots."""
@@ -101,7 +105,12 @@ class HycoSchedulerMixin:
             return n
         from vllm.v1.request import RequestStatus
 
-        if s.state is not SessionState.VERIFYING or request.status != RequestStatus.RUNNING:
+        if not (s.state is SessionState.VERIFYING and request.status == RequestStatus.RUNNING
+                and num_computed_tokens == request.num_tokens - 1):
+            # Only a chunk that starts at the root of a submitted tree may go past the root. A session
+            # preempted while verifying is re-prefilled through vLLM's running path in chunks: every chunk
+            # but the tree's stays capped, or the re-prefill would compute the root as a prompt token and
+            # sample a plain token instead of the verdict.
             n = min(n, max(request.num_tokens - 1 - num_computed_tokens, 0))
         return n
 
@@ -153,6 +162,11 @@ class HycoSchedulerMixin:
             raise SessionError("ε is fixed per session (decisions.md D4); a round cannot change it",
                                code="eps_mismatch")
         assert request.num_computed_tokens == request.num_tokens - 1, "parked session not at its root"
+        if request not in self.running and len(self.running) >= self.max_num_running_reqs:
+            # The tree joins `running`; vLLM asserts it never holds more than max_num_seqs. Checked after
+            # the round and the tree, so a resend of the same tree can only meet this code again.
+            raise SessionError(f"all {self.max_num_running_reqs} batch slots (max_num_seqs) are busy; "
+                               f"resend the same tree", code="server_busy")
         reg.start_round(s, RoundTree(round=int(round_), tokens=tokens, parents=parents, eps=s.eps))
         request.spec_token_ids = tokens[1:]
         if request not in self.running:
@@ -165,6 +179,7 @@ class HycoSchedulerMixin:
         s = self.hyco_sessions.get(sid)
         if s.state is SessionState.FINISHED:
             return False
+        s.finish_code = "closed"
         self.finish_requests(s.req_id, RequestStatus.FINISHED_ABORTED)
         self.hyco_sessions.mark_finished(s, "closed")
         return True
@@ -211,6 +226,7 @@ class HycoSchedulerMixin:
         reg = self.__dict__.get("_hyco_sessions")
         if reg is None:
             return outputs
+        self._hyco_emit_ended(outputs)
         emitted = _outputs_by_req(outputs)
         for req_id in scheduler_output.num_scheduled_tokens:
             s = reg.by_req(req_id)
@@ -233,6 +249,22 @@ class HycoSchedulerMixin:
             if finished:
                 reg.mark_finished(s, s.finish_code or "finished")
         return outputs
+
+    def _hyco_emit_ended(self, outputs) -> None:
+        """A finished (abort) output for each session a policy ended (timeout, eviction), like vLLM's own
+        error finishes: without it the frontend keeps the request's state (and AsyncLLM's generate waits)
+        until someone aborts it. The engine steps once after such a finish (``finished_req_ids``)."""
+        ended = self.__dict__.pop("_hyco_ended", None)
+        if not ended:
+            return
+        from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
+
+        for client_index, req_id in ended:
+            eco = outputs.get(client_index)
+            if eco is None:
+                eco = outputs[client_index] = EngineCoreOutputs()
+            eco.outputs = [*eco.outputs, EngineCoreOutput(request_id=req_id, new_token_ids=[],
+                                                          finish_reason=FinishReason.ABORT)]
 
     def _hyco_park(self, s: Session, request) -> None:
         if request in self.running:
@@ -264,7 +296,9 @@ class HycoSchedulerMixin:
             for s in victims:
                 if s.state is SessionState.PARKED:
                     s.finish_code = code
-                    self.finish_requests(s.req_id, RequestStatus.FINISHED_ABORTED)
+                    for request in self.finish_requests(s.req_id, RequestStatus.FINISHED_ABORTED):
+                        self.__dict__.setdefault("_hyco_ended", []).append((request.client_index,
+                                                                            request.request_id))
                     reg.mark_finished(s, code)
                     done.append(s.sid)
         reg.sweep_finished()

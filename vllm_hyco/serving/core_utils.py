@@ -12,7 +12,8 @@ Methods (all take plain ints/strings and return msgpack-friendly values):
 
 * ``hyco_srv_info(sid)`` -> session info dict, or None when the engine does not know the sid;
 * ``hyco_srv_submit(sid, round, tokens, parents)`` -> ``{"ok": True}`` or an error dict (``server_busy``
-  when ``scheduler.running`` is full: the tree would join it past ``max_num_seqs``, which vLLM asserts);
+  when ``scheduler.running`` is full: the tree would join it past ``max_num_seqs``, which vLLM asserts;
+  the check is the scheduler's ``hyco_submit_tree``, shared with the in-process API);
 * ``hyco_srv_take(sid, round)`` -> the raw verdict dict (tensors) or an error dict;
 * ``hyco_srv_close(sid)`` -> True when it aborted a live session; the session is forgotten either way;
 * ``hyco_srv_stats()`` -> ``{"live", "parked", "kv_blocks_used", "kv_blocks_total"}`` (soak checks).
@@ -46,12 +47,8 @@ def hyco_srv_info(self, sid: str) -> dict[str, Any] | None:
 def hyco_srv_submit(self, sid: str, round_: int, tokens: list[int], parents: list[int]) -> dict[str, Any]:
     from vllm_hyco.errors import HycoError
 
-    sched = self.scheduler
-    if len(sched.running) >= sched.max_num_running_reqs:  # a tree joins `running`: never past vLLM's cap
-        return {"error": "server_busy", "message": f"all {sched.max_num_running_reqs} batch slots are busy; "
-                                                   f"resend the same tree"}
-    try:
-        sched.hyco_submit_tree(sid, int(round_), list(tokens), list(parents), None)
+    try:  # the scheduler refuses with server_busy when every batch slot is taken (one guard, both APIs)
+        self.scheduler.hyco_submit_tree(sid, int(round_), list(tokens), list(parents), None)
     except HycoError as e:
         return _error(e)
     return {"ok": True}

@@ -193,3 +193,10 @@ def test_expansion_selects_tree_attention_on_gpu_only():
                 _args(attention_backend=AttentionBackendEnum.FLEX_ATTENTION)):
         with pytest.raises(ConfigError, match="own attention backend"):
             expand_engine_args(bad, is_cpu=False)
+
+
+def test_gpu_worker_refuses_the_v2_runner():
+    from vllm_hyco.engine.worker import HycoWorker
+
+    with pytest.raises(HardwareUnsupportedError, match="V1 GPU model runner"):
+        HycoWorker._make_model_runner(SimpleNamespace(use_v2_model_runner=True))

@@ -20,6 +20,7 @@ from vllm.v1.worker.gpu_worker import Worker
 from vllm_hyco.config import HycoConfig
 from vllm_hyco.engine import gpu_attention
 from vllm_hyco.engine.runner_mixin import HycoRunnerMixin
+from vllm_hyco.errors import HardwareUnsupportedError
 
 
 class HycoModelRunner(HycoRunnerMixin, GPUModelRunner):
@@ -41,6 +42,7 @@ class HycoWorker(Worker):
         super().__init__(*args, **kwargs)
 
     def _make_model_runner(self) -> GPUModelRunner:
-        if self.use_v2_model_runner:  # custom_class forces V1 in 0.32; keep vLLM's choice if that changes
-            return super()._make_model_runner()
+        if self.use_v2_model_runner:  # custom_class forces V1 in 0.32; a V2 runner would verify trees as chains
+            raise HardwareUnsupportedError("--speculative-config hyco needs vLLM's V1 GPU model runner (the "
+                                           "tree hooks are V1 runner overrides); unset VLLM_USE_V2_MODEL_RUNNER")
         return HycoModelRunner(self.vllm_config, self.device)

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from mobile_client import cli
 from mobile_client.drafters.base import DraftContext, HybridDrafter, RowLogprobs
 from mobile_client.drafters.multipass import ROWS, MultiPassSlm
 from mobile_client.drafters.slm import SlmDrafter
 from mobile_client.drafters.spec import random_slm_state_dict, toy_slm_spec
 from mobile_client.tree import DraftTree, Source, frontier_plan, grow_tree, plant_tree
+
+from mobile_client import cli
 from vllm_hyco.errors import ConfigError
 
 validate_tree = pytest.importorskip("vllm_hyco.spec_decode.tree").validate_tree
@@ -97,13 +97,15 @@ def test_accept_after_a_two_pass_round_keeps_the_ring_consistent():
 
 def test_one_pass_drafter_and_compiled_backend_refuse_two_pass(monkeypatch, tmp_path):
     with pytest.raises(NotImplementedError, match="MultiPassSlm"):
-        HybridDrafter(FixedChain(), _slm(32), two_pass=True).propose(DraftContext(root=ROOT, x_hat=np.zeros(4)), 32)
-    from test_client_loop_cli import ROPE, _save  # a bundle folder with an SLM only
-
+        HybridDrafter(FixedChain(), _slm(32), two_pass=True).propose(
+            DraftContext(root=ROOT, x_hat=np.zeros(4)), 32)
     from mobile_client.drafters.spec import slm_hf_config
+    from test_client_loop_cli import ROPE, _save  # a bundle folder with an SLM only
 
     _save(tmp_path / "slm", {**slm_hf_config(SPEC), "rope_parameters": ROPE}, SD)
     monkeypatch.setattr(cli, "_compiled_step", lambda ctx, notes, name: (lambda feeds: None))
+    (tmp_path / "build").mkdir()
+    (tmp_path / "build" / "slm_ctx.onnx").write_bytes(b"")  # a compiled SLM step (never loaded here)
     with pytest.raises(ConfigError, match="--slm-passes 2"):
         cli.load_bundle(tmp_path, "compiled", slm_passes=2)
     with pytest.raises(ConfigError, match="--slm-passes"):

@@ -47,6 +47,7 @@ class PhoneBundle:
     drafter: HycoPhoneDrafter
     spec: Any  # HandoffSpec, or None without a scales file
     notes: list[str]
+    keep_set_hash: bytes | None = None  # sha256 of the drafters' keep set, sent in ``start``
 
 
 def _hf_dir(path: Path) -> tuple[dict, dict]:
@@ -89,6 +90,7 @@ def load_bundle(model_dir: Path, backend: str = "torch", build_dir: Path | None 
     from mobile_client.drafters.multipass import ROWS, MultiPassSlm
     from mobile_client.drafters.slm import SlmDrafter
     from mobile_client.drafters.spec import SlmSpec
+    from mobile_client.keepset import KeepSet
 
     if slm_passes not in (1, 2):
         raise ConfigError(f"--slm-passes must be 1 (HyCo) or 2 (HyCo-2P), got {slm_passes}")
@@ -97,12 +99,14 @@ def load_bundle(model_dir: Path, backend: str = "torch", build_dir: Path | None 
     scfg, ssd = _hf_dir(model_dir / "slm")
     sspec = SlmSpec.from_hf_config(scfg)
     keep = _keep_ids(model_dir, sspec.vocab, build_dir if backend == "compiled" else None)
-    slm_step = _compiled_step(build_dir / "slm_ctx.onnx", notes, "SLM") if backend == "compiled" else None
-    if slm_passes == 2 and slm_step is not None:
+    slm_ctx = build_dir / "slm_ctx.onnx"
+    if slm_passes == 2 and backend == "compiled" and slm_ctx.exists():
         raise ConfigError(
-            f"--slm-passes 2 (HyCo-2P) runs the second pass's rows together with their first-pass ancestors "
-            f"(up to {ROWS} rows per forward); the compiled SLM step {build_dir / 'slm_ctx.onnx'} is a static "
-            f"32-row graph. Use --backend torch with --slm-passes 2, or --slm-passes 1 with --backend compiled")
+            f"--slm-passes 2 (HyCo-2P) runs the second pass's rows together with their first-pass "
+            f"ancestors (up to {ROWS} rows per forward); the compiled SLM step {slm_ctx} is a static "
+            f"32-row graph. Use --backend torch with --slm-passes 2, or --slm-passes 1 with --backend "
+            f"compiled")
+    slm_step = _compiled_step(slm_ctx, notes, "SLM") if backend == "compiled" else None
     slm = SlmDrafter(sspec, ssd, keep, window=window, step=slm_step)
     rows = MultiPassSlm(slm) if slm_passes == 2 else slm
     if slm_passes == 2:
@@ -115,7 +119,7 @@ def load_bundle(model_dir: Path, backend: str = "torch", build_dir: Path | None 
         mtp = _mtp_drafter(model_dir, keep, backend, build_dir, window, notes)
     drafter = HycoPhoneDrafter(HybridDrafter(mtp, rows, two_pass=slm_passes == 2), slm=slm, mtp=mtp,
                                scales=scales)
-    return PhoneBundle(drafter, spec, notes)
+    return PhoneBundle(drafter, spec, notes, KeepSet.from_ids(keep, sspec.vocab).hash_bytes)
 
 
 def _mtp_drafter(model_dir: Path, keep: list[int], backend: str, build_dir: Path, window: int, notes):
@@ -231,7 +235,8 @@ async def _main(args) -> int:
     tok_dir = next((d for d in (args.model_dir / "tokenizer", args.model_dir / "verifier")
                     if (d / "tokenizer.json").exists()), None)
     endpoint, request, ids = build_request(args, tok_dir)
-    opts = SessionOptions(mode=args.mode, epsilon=args.epsilon, max_nodes=args.max_nodes)
+    opts = SessionOptions(mode=args.mode, epsilon=args.epsilon, max_nodes=args.max_nodes,
+                          keep_set_hash=bundle.keep_set_hash)
 
     def on_text(text: str) -> None:
         sys.stdout.write(text)

@@ -25,7 +25,8 @@ restores it (proactive drafting while the verdict is in flight).
 >>> slm.prefill([5, 6, 7])
 >>> t = DraftTree.make_dummy([8, 9, 10], [-1, 0, 1])
 >>> _ = MultiPassSlm(slm).forward_rows(FrontierPlan((), (0, 1), t.tokens[:2], t.parents[:2]))
->>> MultiPassSlm(slm).forward_rows(FrontierPlan((), (2,), t.tokens, t.parents)).logprobs.shape  # row 2 sees 8, 9
+>>> second = FrontierPlan((), (2,), t.tokens, t.parents)  # row 2 attends to rows 0, 1: recomputed
+>>> MultiPassSlm(slm).forward_rows(second).logprobs.shape
 (1, 512)
 """
 

@@ -6,9 +6,9 @@ classes and are imported only by vLLM itself, through the dotted paths below:
 | path | what | status |
 | --- | --- | --- |
 | ``vllm_hyco.engine.proposer.NullProposer`` | ``custom_class`` drafter that drafts nothing | done |
-| ``vllm_hyco.engine.scheduler.HycoScheduler`` | trees -> spec slots, parking between rounds | stock behaviour for now |
-| ``vllm_hyco.engine.worker.HycoWorker`` / ``HycoModelRunner`` | GPU V1 runner: tree positions, sampler, compaction | stock behaviour for now |
-| ``vllm_hyco.engine.cpu_worker.HycoCPUWorker`` / ``HycoCPUModelRunner`` | the same on vLLM's CPU build | stock behaviour for now |
+| ``vllm_hyco.engine.scheduler.HycoScheduler`` | sessions, trees -> spec slots, parking between rounds, eviction | CPU-tested |
+| ``vllm_hyco.engine.worker.HycoWorker`` / ``HycoModelRunner`` | GPU V1 runner: tree positions, Triton tree attention over ``CUSTOM`` (``gpu_attention``), decision, compaction, hand-off | logic CPU-tested; GPU-unverified (docs/engine.md) |
+| ``vllm_hyco.engine.cpu_worker.HycoCPUWorker`` / ``HycoCPUModelRunner`` | the same on vLLM's CPU build (``cpu_attention`` override of ``CPU_ATTN``) | CPU-tested on the real engine |
 """
 
 NULL_PROPOSER = "vllm_hyco.engine.proposer.NullProposer"

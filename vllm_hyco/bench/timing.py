@@ -73,6 +73,7 @@ class EngineTimer:
         snap["busy_s"] = round(sum(v for k, v in self.totals.items() if k != "cpu_s"), 9)
         snap.update(self.counts)
         snap["g_clock"] = self.g_clock
+        snap["expand_kernel"] = expand_kernel_status()
         snap["pid"] = os.getpid()
         return snap
 
@@ -84,6 +85,28 @@ class EngineTimer:
 
 
 TIMER = EngineTimer()
+
+
+def expand_kernel_status() -> str:
+    """Which ``expand_kernel`` this process's rejection sampler launches: ``patched`` (the plugin's fix,
+    ``vllm_hyco.patches.cpu_expand_kernel``), ``stock-cpu-fallback`` (vLLM 0.32's CPU fallback, which
+    leaves float/int32 outputs uninitialised: sampled spec decode runs at temperature 0), ``triton``, or
+    ``not-loaded`` (no rejection sampler in this process).
+
+    >>> expand_kernel_status() in ("patched", "stock-cpu-fallback", "triton", "not-loaded")
+    True
+    """
+    import sys
+
+    rs = sys.modules.get("vllm.v1.sample.rejection_sampler")
+    if rs is None:
+        return "not-loaded"
+    from vllm_hyco.patches import cpu_expand_kernel
+
+    impl = getattr(rs.expand_kernel, "func", None)
+    if impl is cpu_expand_kernel.expand_rows:
+        return "patched"
+    return "stock-cpu-fallback" if getattr(impl, "__module__", "") == cpu_expand_kernel.TARGET else "triton"
 
 
 def _sync() -> None:
@@ -151,7 +174,7 @@ def install() -> bool:
 def read_dir(path: str | Path) -> dict[str, Any]:
     """The sum of every process's last snapshot in ``path`` (zeros when none wrote yet)."""
     total: dict[str, Any] = {**{f: 0.0 for f in FIELDS}, "busy_s": 0.0, **{c: 0 for c in COUNTS}}
-    clock = "cpu_s"
+    clock, kernels = "cpu_s", set()
     for f in sorted(Path(path).glob("timing-*.json")):
         try:
             snap = json.loads(f.read_text())
@@ -160,7 +183,11 @@ def read_dir(path: str | Path) -> dict[str, Any]:
         for k in total:
             total[k] += snap.get(k, 0)
         clock = "busy_s" if snap.get("g_clock") == "busy_s" else clock
+        if snap.get("expand_kernel") not in (None, "not-loaded"):
+            kernels.add(snap["expand_kernel"])
     total["g_clock"] = clock
+    if kernels:
+        total["expand_kernel"] = ",".join(sorted(kernels))
     return total
 
 
@@ -168,6 +195,7 @@ def delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     """``after - before`` for every numeric field both have."""
     out: dict[str, Any] = {k: round(after[k] - before[k], 9) for k in after
                            if k in before and k != "pid" and isinstance(after[k], (int, float))}
-    if "g_clock" in after:
-        out["g_clock"] = after["g_clock"]
+    for key in ("g_clock", "expand_kernel"):
+        if key in after:
+            out[key] = after[key]
     return out

@@ -222,3 +222,18 @@ def test_session_options_are_validated(bad):
 
     with pytest.raises(ConfigError):
         SessionOptions(**bad)
+
+
+def test_accept_gets_the_accepted_tokens_when_the_drafter_takes_them():
+    """The tree sent was trimmed after the SLM's forward (rows re-indexed), so the session also hands the
+    drafter the accepted rows' tokens (root first); a reused proactive tree hands it nothing."""
+    class ByTokens(Recorder):
+        def accept(self, rows, tokens=None):
+            self.calls.append(("accept", list(rows), list(tokens)))
+            return 1
+
+    d = ByTokens()
+    s = session(d)
+    s.next_tree()  # 8 -> 9 -> 10 -> 11, 8 -> 17
+    s.apply_verdict(verdict(0, [1, 2], [9, 10, 77], 0, 6))
+    assert ("accept", [0, 1, 2], [8, 9, 10]) in d.calls and s.catch_up == (9, 10)

@@ -313,7 +313,11 @@ class PhoneSession:
             return stats
         kept = 0
         if hasattr(self.drafter, "accept"):  # a reused proactive tree: the drafter holds none of its rows
-            kept = self.drafter.accept([] if p.proactive_hit else [0, *v.path])
+            rows, toks = ([], []) if p.proactive_hit else ([0, *v.path], [self.root, *path_tokens])
+            # with their tokens when the drafter takes them: the tree sent was trimmed after the SLM's
+            # forward, so its row indices need not be the forward's
+            kept = self.drafter.accept(rows, tokens=toks) if _takes(self.drafter.accept, "tokens") \
+                else self.drafter.accept(rows)
         # Algorithm 1 line 10: rows without SLM KV become catch-up rows, after any still owed (a reused tree)
         self.catch_up = self.catch_up + tuple([self.root, *path_tokens][kept:])
         self.root, self.position = int(v.bonus), new_position
@@ -422,26 +426,23 @@ class HycoPhoneDrafter:
         if mtp is not None and scales is None:
             raise SessionError("an MTP drafter needs the model's hand-off scales", code="bad_config")
         self.drafter, self.slm, self.mtp, self.scales = drafter, slm, mtp, scales
-        self._sent: DraftTree | None = None  # the tree last proposed (its verdict's rows index it)
 
     def propose(self, context: DraftContext, tree_budget: int) -> DraftTree:
-        self._sent = self.drafter.propose(context, tree_budget)
-        return self._sent
+        return self.drafter.propose(context, tree_budget)
 
     def prefill(self, tokens: Sequence[int]) -> None:
         if self.slm is not None and len(tokens):
             self.slm.prefill(list(tokens))
 
-    def accept(self, rows: Sequence[int]) -> int:
-        """The SLM keeps the KV of the accepted rows it computed, found by their tokens (the tree sent was
-        trimmed after the forward, so its row indices need not be the forward's)."""
+    def accept(self, rows: Sequence[int], tokens: Sequence[int] | None = None) -> int:
+        """The SLM keeps the KV of the accepted rows it computed; ``tokens`` (root first) find them by their
+        token path (the tree sent was trimmed after the forward, so its row indices need not be the
+        forward's)."""
         if self.slm is None:
             return 0
-        sent, rows = self._sent, list(rows)
-        self._sent = None
-        if sent is not None and rows and max(rows) < len(sent.tokens) and _takes(self.slm.accept, "tokens"):
-            return self.slm.accept(rows, tokens=[sent.tokens[r] for r in rows])
-        return self.slm.accept(rows)
+        if tokens is not None and _takes(self.slm.accept, "tokens"):
+            return self.slm.accept(list(rows), tokens=list(tokens))
+        return self.slm.accept(list(rows))
 
     def apply_handoff(self, h: HandoffPayload) -> np.ndarray | None:
         """Dequantize the hand-off, write its K/V rows into the MTP ring, return ``x_hat`` = [e ; h] [2H]."""

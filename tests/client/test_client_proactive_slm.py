@@ -12,7 +12,6 @@ catch-up overflow (more owed rows than the static graph holds) equals committing
 from __future__ import annotations
 
 import numpy as np
-
 from mobile_client.baselines import proactive_draft
 from mobile_client.drafters.base import SpecEdgeDrafter
 from mobile_client.drafters.multipass import ROWS, MultiPassSlm

@@ -60,7 +60,8 @@ def load_phone(bundle: Path, config: BenchConfig, *, window: int = WINDOW):
     else:
         inner = SpecEdgeDrafter(rows, passes=4, keep_ids=np.asarray(keep))
         if config.drafter == "specedge-pd":
-            options["proactive"] = lambda tree: proactive_draft(tree, rows.pure, keep_ids=np.asarray(keep))
+            options["proactive"] = lambda tree, catch_up=(): proactive_draft(tree, rows.pure, keep_ids=np.asarray(keep),
+                                                                            catch_up=catch_up)
     drafter = HycoPhoneDrafter(inner, slm=slm, mtp=mtp, scales=scales)
     return drafter, spec, options, rows, notes
 

@@ -180,7 +180,7 @@ class HycoConfig:
         window = self.window if self.window is not None else "verifier sliding_window"
         return (f"HyCo: verification {mode}, node_budget {self.node_budget}, window {window}, "
                 f"max_sessions {self.max_sessions}, session_idle_timeout_s {self.session_idle_timeout_s}, "
-                f"max_parked_blocks {self.max_parked_blocks if self.max_parked_blocks is not None else 'none'}")
+                f"max_parked_blocks {'none' if self.max_parked_blocks is None else self.max_parked_blocks}")
 
 
 def _check_epsilon(value: Any) -> None:

@@ -25,7 +25,7 @@ from test_engine_sessions import BLOCK, VOCAB, _build_tiny, _tree
 from vllm_hyco.config import ADDITIONAL_CONFIG_KEY, HycoConfig
 from vllm_hyco.errors import ConfigError, SessionError
 
-CAP = 24  # parked KV blocks: two 90-token sessions (9 blocks each in this model's 4 KV groups) fit, three do not
+CAP = 24  # parked KV blocks: two 90-token sessions (9 blocks each in this model's 4 KV groups) fit, 3 do not
 SLOTS = 2
 
 
@@ -115,7 +115,8 @@ def test_more_trees_than_batch_slots_get_server_busy_and_resend(llm, hy):
         batch = []
         for sid, st in state.items():
             if sid not in pending:
-                toks, pars, _ = _tree(st["root"], st["ref"][len(st["out"]):], rng.choice(["chain", "deep"]), rng)
+                shape = rng.choice(["chain", "deep"])
+                toks, pars, _ = _tree(st["root"], st["ref"][len(st["out"]):], shape, rng)
                 pending[sid] = (sid, st["round"], toks, pars)
             batch.append(pending[sid])
         results = hy.submit_many(batch, return_errors=True)
@@ -139,7 +140,8 @@ def test_more_trees_than_batch_slots_get_server_busy_and_resend(llm, hy):
     # The WebSocket route's utility method answers with the same code from the same guard.
     core = _core(llm)
     core_utils.install()
-    handles = [hy.open(prompt_token_ids=p, temperature=0.0, max_tokens=4, ignore_eos=True) for p in prompts[:3]]
+    handles = [hy.open(prompt_token_ids=p, temperature=0.0, max_tokens=4, ignore_eos=True)
+               for p in prompts[:3]]
     acks = [core.hyco_srv_submit(h.sid, 0, [h.root], [-1]) for h in handles]
     assert acks[:2] == [{"ok": True}] * 2 and acks[2]["error"] == "server_busy"
     assert len(core.scheduler.running) == SLOTS
@@ -194,7 +196,8 @@ def _sizes(llm, hy) -> dict[str, int]:
     reg = sched.hyco_sessions
     st = runner._hyco_state()
     return {"registry_sids": len(reg._by_sid), "registry_reqs": len(reg._by_req), "live": len(reg),
-            "sched_requests": len(sched.requests), "running": len(sched.running), "waiting": len(sched.waiting),
+            "sched_requests": len(sched.requests), "running": len(sched.running),
+            "waiting": len(sched.waiting),
             "runner_requests": len(runner.requests), "runner_gens": len(st["gens"]),
             "runner_verdicts": len(st["verdicts"]), "runner_trees": int(bool(st["trees"])),
             "frontend_states": len(llm.llm_engine.output_processor.request_states),
@@ -227,7 +230,7 @@ def test_ended_sessions_leave_no_state_behind(llm, hy):
     core = _core(llm)
     reg = core.scheduler.hyco_sessions
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
-    assert hy.run_plain("before", {"prompt_token_ids": [2, 7, 8, 9]}, params)[-1].finished  # flush earlier tests
+    assert hy.run_plain("before", {"prompt_token_ids": [2, 7, 8, 9]}, params)[-1].finished  # earlier tests
     _forget_finished(reg)
     hy.step()  # its finished id reaches the runner
     base = _sizes(llm, hy)
@@ -283,9 +286,9 @@ def test_ended_sessions_leave_no_state_behind(llm, hy):
         assert _sizes(llm, hy) == base, cycle
 
 
-@pytest.mark.xfail(reason="runner_mixin.py pops a sampled session's generator in _prepare_inputs, which a step "
-                          "with no scheduled tokens (an idle engine delivering finished ids) skips: one "
-                          "torch.Generator leaks per sampled session that ends while the engine is idle",
+@pytest.mark.xfail(reason="runner_mixin.py pops a sampled session's generator in _prepare_inputs, which a "
+                          "step with no scheduled tokens (an idle engine delivering finished ids) skips: "
+                          "one torch.Generator leaks per sampled session that ends while the engine is idle",
                    strict=False)
 def test_a_sampled_session_ending_on_an_idle_engine_frees_its_generator(llm, hy):
     runner = _core(llm).model_executor.driver_worker.worker.model_runner

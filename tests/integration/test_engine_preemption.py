@@ -1,4 +1,4 @@
-"""vLLM preempts a HyCo session between its submit and its round (real vLLM 0.32 engine, CPU, tiny fp32 model).
+"""vLLM preempts a HyCo session between its submit and its round (real vLLM 0.32 engine, CPU, tiny model).
 
 A 36-block KV cache holds three parked sessions and two ordinary requests; when the three trees join
 ``running`` behind the ordinary requests, the blocks run out and vLLM preempts the last running request, a
@@ -45,9 +45,9 @@ def test_sessions_preempted_before_their_round_stay_exact_and_the_engine_keeps_s
     sched = llm.llm_engine.engine_core.engine_core.scheduler
     rng = random.Random(1)
     prompts = [[2] + [rng.randrange(5, VOCAB) for _ in range(n)] for n in (89, 60, 100, 20, 20, 30)]
-    refs = [list(o.outputs[0].token_ids) for o in llm.generate(
-        [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True),
-        use_tqdm=False)]
+    greedy = SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True)
+    refs = [list(o.outputs[0].token_ids)
+            for o in llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)]
     preempted = []  # (request id, session state or None) for every preemption
     real_preempt = sched._preempt_request
 
@@ -58,8 +58,10 @@ def test_sessions_preempted_before_their_round_stay_exact_and_the_engine_keeps_s
 
     monkeypatch.setattr(sched, "_preempt_request", spy)
     hy = HycoEngine(llm)
-    handles = [hy.open(prompt_token_ids=p, temperature=0.0, max_tokens=GEN, ignore_eos=True) for p in prompts[:3]]
-    stream = SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    handles = [hy.open(prompt_token_ids=p, temperature=0.0, max_tokens=GEN, ignore_eos=True)
+               for p in prompts[:3]]
+    stream = SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True,
+                            output_kind=RequestOutputKind.DELTA)
     for i in (3, 4):  # ordinary requests, admitted before the trees join `running`
         hy.add_request(f"plain-{i}", {"prompt_token_ids": prompts[i]}, stream)
     hy.step()
@@ -68,7 +70,8 @@ def test_sessions_preempted_before_their_round_stay_exact_and_the_engine_keeps_s
     while state:
         batch = []
         for sid, st in state.items():
-            toks, pars, _ = _tree(st["root"], st["ref"][len(st["out"]):], rng.choice(["chain", "deep", "slm"]), rng)
+            shape = rng.choice(["chain", "deep", "slm"])
+            toks, pars, _ = _tree(st["root"], st["ref"][len(st["out"]):], shape, rng)
             batch.append((sid, st["round"], toks, pars))
         for (sid, *_), v in zip(batch, hy.submit_many(batch, return_errors=True)):
             st = state[sid]

@@ -197,7 +197,12 @@ class HycoEngine:
 
     def submit(self, sid: str, round_: int, tokens: list[int], parents: list[int],
                eps: float | None = None) -> Verdict:
-        """Verify one tree (row 0 = the root = the last committed token) and return its verdict."""
+        """Verify one tree (row 0 = the root = the last committed token) and return its verdict.
+
+        Raises SessionError ``server_busy`` when every batch slot (``max_num_seqs``) is verifying a tree:
+        nothing changed, resend the same tree later. A session the engine ended (``session_evicted``,
+        ``session_timeout``, ...) raises that code, also on later calls.
+        """
         return self.submit_many([(sid, round_, tokens, parents, eps)])[0]
 
     def submit_many(self, trees: list[tuple], *, return_errors: bool = False) -> list[Any]:
@@ -215,7 +220,8 @@ class HycoEngine:
         for i, (sid, round_, tokens, parents, *rest) in enumerate(trees):
             try:
                 self._check_open(sid)
-                self._call("hyco_submit_tree", sid, round_, list(tokens), list(parents), rest[0] if rest else None)
+                self._call("hyco_submit_tree", sid, round_, list(tokens), list(parents),
+                           rest[0] if rest else None)
             except HycoError as e:
                 if isinstance(e, SessionError) and e.code in ENDED_CODES and sid in self._sessions:
                     self._drop(sid, e.code)  # the engine finished it (timeout, eviction...): drop it here too

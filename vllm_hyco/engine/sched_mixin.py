@@ -18,10 +18,11 @@ Overrides (each calls ``super()``; internals this leans on are listed so a vLLM 
   ``get_num_unfinished_requests`` ignores them and the busy loop idles. ``finish_requests`` (abort,
   close) works on them unchanged (it filters ``running`` and frees blocks by status).
 * ``hyco_submit_tree``: checks the round, validates the tree, refuses with ``server_busy`` when every
-  batch slot is taken (the one admission guard for the in-process API and the WebSocket route), sets ``request.spec_token_ids`` to the
-  nodes (the root is already the request's last token) and un-parks it. vLLM's running path then
-  schedules 1 + n rows and stores the nodes in ``scheduled_spec_decode_tokens``; a tree cut short by the
-  token budget stays a valid tree (rows are topologically ordered).
+  batch slot is taken (the one admission guard for the in-process API and the WebSocket route), sets
+  ``request.spec_token_ids`` to the nodes (the root is already the request's last token) and un-parks
+  it. vLLM's running path then schedules 1 + n rows and stores the nodes in
+  ``scheduled_spec_decode_tokens``; a tree cut short by the token budget stays a valid tree (rows are
+  topologically ordered).
 * ``schedule``: applies the idle-timeout and parked-KV policies, re-injects a tree whose request was
   preempted before its round ran, and attaches ``scheduler_output.hyco_trees``
   (``{req_id: (round, tokens, parents, eps)}``) for the runner.

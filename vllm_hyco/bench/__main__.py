@@ -26,7 +26,7 @@ from vllm_hyco.bench.drive import Sampling, run_cloud, run_phones
 from vllm_hyco.bench.linkproxy import LinkModel
 from vllm_hyco.bench.report import build_results, write_report
 from vllm_hyco.bench.server import BenchServer, counters_delta, spec_counters
-from vllm_hyco.errors import HycoError
+from vllm_hyco.errors import ConfigError, HycoError
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -44,9 +44,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fixtures", default=None, help="a built fixtures folder (default: build/reuse in HYCO_CACHE)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0, help="0: off (vLLM 0.32's CPU MTP sampler crashes on top-k)")
+    p.add_argument("--top-k", type=int, default=64, help="0: off (the paper's setting, D4, is 64)")
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                   help="every server's token budget per step; large enough that no prefill is chunked (vLLM "
+                        "0.32's CPU build crashes on a seeded request whose prefill is chunked: 'CPU Generator "
+                        "does not use offset')")
     p.add_argument("--machine", default=None, help="how to describe this machine in the report")
     p.add_argument("--engine-threads", type=int, default=1,
                    help="CPU engine: OpenMP threads (passive waits, no binding); 0: vLLM's default binding")
@@ -93,6 +97,7 @@ class Bench:
         self.out.mkdir(parents=True, exist_ok=True)
         self._ids: list[list[int]] | None = None
         self.records: list[dict] = []
+        self.expand_kernels: dict[str, str] = {}  # server -> its rejection sampler's expand_kernel
 
     def ids(self) -> list[list[int]]:
         if self._ids is None:
@@ -104,7 +109,8 @@ class Bench:
 
     def server(self, spec: str | None, max_num_seqs: int | None = None) -> BenchServer:
         return BenchServer(self.fx / "verifier", spec, max_num_seqs=max_num_seqs or self.args.max_num_seqs,
-                           log_dir=self.out / "logs", threads=self.args.engine_threads or None)
+                           log_dir=self.out / "logs", threads=self.args.engine_threads or None,
+                           extra_args=["--max-num-batched-tokens", str(self.args.max_num_batched_tokens)])
 
     def one_pass(self, srv: BenchServer, cfg: C.BenchConfig, run: int, prompts: list[dict], ids, concurrency: int
                  ) -> M.RunRecord:
@@ -138,6 +144,7 @@ class Bench:
                 _log(f"  up in {srv.startup_s:.0f} s")
                 warm = cfgs[0]
                 self.one_pass(srv, warm, -1, self.prompts[:1], self.ids()[:1] if warm.kind == "phone" else None, 1)
+                self.check_expand_kernel(srv, cfgs)
                 for cfg in cfgs:
                     for run in range(self.args.runs):
                         rec = self.one_pass(srv, cfg, run, self.prompts,
@@ -145,6 +152,18 @@ class Bench:
                         per_run.append(M.run_metrics(rec))
                         _log(f"  {cfg.name} run {run}: {_brief(per_run[-1])}")
         return per_run
+
+    def check_expand_kernel(self, srv: BenchServer, cfgs: list[C.BenchConfig]) -> None:
+        """Sampled Cloud+MTP needs the plugin's fix of vLLM 0.32's CPU ``expand_kernel`` fallback in the
+        engine process (vllm_hyco/patches/cpu_expand_kernel.py); without it every T > 0 request runs at
+        temperature 0. The engine reports which kernel it runs through the timing snapshot."""
+        kernel = str(srv.timing().get("expand_kernel", "not-loaded"))
+        names = ", ".join(c.name for c in cfgs)
+        self.expand_kernels[names] = kernel
+        _log(f"  expand_kernel in the engine: {kernel}")
+        if any(c.kind == "cloud" for c in cfgs) and self.args.temperature > 0 and "stock" in kernel:
+            raise ConfigError(f"server for {names}: vLLM's CPU expand_kernel fallback is not patched (is the "
+                              "hyco plugin loaded in the engine?); sampled MTP would run at temperature 0")
 
     def sweep(self, levels: list[int]) -> list[dict]:
         out: list[dict] = []
@@ -205,9 +224,11 @@ def main(argv: list[str] | None = None) -> int:
                            "weights": _weights(bench.fx), "link": bench.link.to_dict(), "prompts": len(bench.prompts),
                            "prompt_set": args.prompt_set, "runs": args.runs, "phones": args.phones,
                            "max_tokens": args.max_tokens, "temperature": args.temperature, "top_k": args.top_k,
-                           "top_p": args.top_p, "engine_threads": args.engine_threads, "slm_only": any(c.name == "slm-only" for c in selected),
+                           "top_p": args.top_p, "engine_threads": args.engine_threads,
+                           "max_num_batched_tokens": args.max_num_batched_tokens,
+                           "slm_only": any(c.name == "slm-only" for c in selected),
                            "argv": sys.argv[1:] if argv is None else argv, "phone_notes": _phone_notes(bench.fx),
-                           "handoff_values": _handoff_values(bench.fx)}
+                           "handoff_values": _handoff_values(bench.fx), "expand_kernel": bench.expand_kernels}
     results = build_results(per_run, env, sweep, ordinary)
     (bench.out / "records.json").write_text(json.dumps(bench.records, default=str))
     paths = write_report(bench.out, results)

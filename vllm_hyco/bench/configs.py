@@ -3,6 +3,7 @@
 | name | server | phone tree | acceptance |
 | --- | --- | --- | --- |
 | ``cloud-mtp`` | vLLM's built-in MTP (the assistant on the server), K = 4 | none: plain ``openai`` requests | exact |
+| ``cloud-mtp-prob`` | same, ``"draft_sample_method": "probabilistic"`` (drafts sampled from the head) | same | exact |
 | ``specedge`` | ``--speculative-config hyco`` | 32 nodes from 4 SLM passes | exact |
 | ``specedge-pd`` | same | + proactive drafting during the wait | exact |
 | ``specedge-eps`` | hyco, ε = 0.005 | 32 nodes from 4 SLM passes | ε = 0.005 |
@@ -51,6 +52,7 @@ class BenchConfig:
     server: str | None = None  # "mtp" or "hyco"; None: no server
     epsilon: float | None = None  # the server's ε (None: exact); the phones ask for the server's mode
     drafter: str | None = None  # "hybrid", "hybrid-2p", "specedge", "specedge-pd"
+    draft_sample_method: str | None = None  # cloud configurations: vLLM's option (None: its default, greedy)
     device_ms: float = 0.0  # modelled device ms per round after the first
     first_round_ms: float = SLM_PASS_MS  # round 0 is the SLM's alone (D2)
 
@@ -61,7 +63,10 @@ class BenchConfig:
     def server_spec(self, assistant: str, max_sessions: int = 64) -> str:
         """The ``--speculative-config`` JSON for this configuration's server."""
         if self.server == "mtp":
-            return json.dumps({"method": "mtp", "model": assistant, "num_speculative_tokens": MTP_K})
+            spec = {"method": "mtp", "model": assistant, "num_speculative_tokens": MTP_K}
+            if self.draft_sample_method:
+                spec["draft_sample_method"] = self.draft_sample_method
+            return json.dumps(spec)
         spec: dict = {"method": "hyco", "max_sessions": max_sessions}
         if self.epsilon is not None:
             spec["epsilon"] = self.epsilon
@@ -69,11 +74,13 @@ class BenchConfig:
 
     def server_key(self) -> tuple:
         """Configurations with equal keys can share one server (same engine arguments)."""
-        return (self.server, self.epsilon)
+        return (self.server, self.epsilon, self.draft_sample_method)
 
 
 CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
     BenchConfig("cloud-mtp", "cloud", "Cloud+MTP", server="mtp"),
+    BenchConfig("cloud-mtp-prob", "cloud", "Cloud+MTP, sampled drafts", server="mtp",
+                draft_sample_method="probabilistic"),
     BenchConfig("specedge", "phone", "SpecEdge-style", server="hyco", drafter="specedge",
                 device_ms=4 * SLM_PASS_MS),
     BenchConfig("specedge-pd", "phone", "SpecEdge-style + PD", server="hyco", drafter="specedge-pd",
@@ -95,7 +102,8 @@ DROPPED = {
                    "phone's tree would need a server drafter that does not exist; its cost would be "
                    "cloud-mtp's head steps plus a 33-row verify, reported by neither.",
 }
-DEFAULT = ("cloud-mtp", "specedge", "specedge-pd", "specedge-eps", "hyco", "hyco-2p", "hyco-exact", "slm-only")
+DEFAULT = ("cloud-mtp", "cloud-mtp-prob", "specedge", "specedge-pd", "specedge-eps", "hyco", "hyco-2p", "hyco-exact",
+           "slm-only")
 
 
 def select(names: str | list[str] | None) -> list[BenchConfig]:

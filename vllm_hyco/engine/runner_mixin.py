@@ -71,11 +71,18 @@ class HycoRunnerMixin:
         return st
 
     # -- inputs -----------------------------------------------------------------------------------
+    def _update_states(self, scheduler_output):
+        # Finished ids reach the worker also in steps that schedule no tokens (an idle engine), which skip
+        # ``_prepare_inputs``: free the per-request generators here so none outlives its session.
+        result = super()._update_states(scheduler_output)
+        gens = self._hyco_state()["gens"]
+        for req_id in getattr(scheduler_output, "finished_req_ids", ()) or ():
+            gens.pop(req_id, None)
+        return result
+
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
         st = self._hyco_state()
-        for req_id in getattr(scheduler_output, "finished_req_ids", ()) or ():
-            st["gens"].pop(req_id, None)
         specs = getattr(scheduler_output, "hyco_trees", None) or {}
         if specs and self.device.type != "cpu":
             self._hyco_check_gpu_backend()
@@ -126,6 +133,11 @@ class HycoRunnerMixin:
     def _sample(self, logits, spec_decode_metadata):
         st = self._hyco_state()
         if not st["trees"]:
+            if spec_decode_metadata is not None and not any(spec_decode_metadata.num_draft_tokens):
+                # No tree and no draft row in the batch: vLLM would still run its rejection sampler, whose
+                # top-k over zero draft rows crashes the CPU engine (top_k set, top_p unset). With no
+                # drafts its result is the plain sampler's on the one row per request.
+                return super()._sample(logits, None)
             return super()._sample(logits, spec_decode_metadata)
         trees = {tr.batch_idx: tr for tr in st["trees"]}
         num_reqs = self.input_batch.num_reqs

@@ -12,8 +12,10 @@ more than once. It is:
 
 What it installs (see ``vllm_hyco/patches``): the ``--speculative-config hyco`` parser, the
 engine-argument expansion and, on the CPU build, the fix of its ``expand_kernel`` fallback (sampled
-speculative decoding, ours and vLLM's own MTP alike). The HTTP side is the separate ``vllm.endpoint_plugins`` entry point
-(``vllm_hyco.endpoint``), which vLLM loads only when ``VLLM_PLUGINS`` names ``hyco``.
+speculative decoding, ours and vLLM's own MTP alike) and of its generator rewind for seeded requests whose
+chunked-prefill samples are discarded (``patches/cpu_seeded_discard.py``). The HTTP side is the separate
+``vllm.endpoint_plugins`` entry point (``vllm_hyco.endpoint``), which vLLM loads only when ``VLLM_PLUGINS``
+names ``hyco``.
 """
 
 from __future__ import annotations
@@ -71,11 +73,12 @@ def register() -> None:
     if _REGISTERED or envs.VLLM_HYCO_DISABLE:
         return
     check_vllm_version()
-    from vllm_hyco.patches import cpu_expand_kernel, engine_config, speculative_config_arg
+    from vllm_hyco.patches import cpu_expand_kernel, cpu_seeded_discard, engine_config, speculative_config_arg
 
     speculative_config_arg.PATCH.apply()
     engine_config.PATCH.apply()
     cpu_expand_kernel.apply_if_present()  # vLLM 0.32 CPU sampled spec decode (fixes plain vLLM too)
+    cpu_seeded_discard.apply_if_cpu()  # vLLM 0.32 CPU: seeded requests under chunked prefill (plain vLLM too)
     from vllm_hyco.serving import core_utils
 
     core_utils.install()  # the phone route's engine-core utility methods (vllm_hyco.serving)

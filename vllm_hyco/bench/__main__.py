@@ -48,9 +48,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192,
-                   help="every server's token budget per step; large enough that no prefill is chunked (vLLM "
-                        "0.32's CPU build crashes on a seeded request whose prefill is chunked: 'CPU Generator "
-                        "does not use offset')")
+                   help="every server's token budget per step; large enough that no prefill is chunked "
+                        "(unpatched vLLM 0.32 CPU crashes on a seeded request whose prefill is chunked; "
+                        "vllm_hyco/patches/cpu_seeded_discard.py)")
     p.add_argument("--machine", default=None, help="how to describe this machine in the report")
     p.add_argument("--engine-threads", type=int, default=1,
                    help="CPU engine: OpenMP threads (passive waits, no binding); 0: vLLM's default binding")

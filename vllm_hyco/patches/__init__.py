@@ -11,6 +11,7 @@ Registry (vLLM 0.32):
 | ``speculative_config_arg.PATCH`` | ``vllm.engine.arg_utils.EngineArgs.add_cli_args`` | ``plugin.register()`` |
 | ``engine_config.PATCH`` | ``vllm.engine.arg_utils.EngineArgs.create_engine_config`` | ``plugin.register()`` |
 | ``cpu_expand_kernel.PATCH`` | ``vllm.utils.cpu_triton_utils._expand_kernel_impl`` (CPU build) | ``plugin.register()`` |
+| ``cpu_seeded_discard.PATCHES`` | ``vllm.v1.worker.gpu_model_runner:GPUModelRunner.sample_tokens`` / ``_bookkeeping_sync`` (CPU platform) | ``plugin.register()`` |
 | ``cpu_version_lookup.PATCH`` | ``importlib.metadata.version`` (for the name ``vllm`` only) | ``vllm-hyco`` CLI |
 """
 

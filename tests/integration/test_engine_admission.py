@@ -15,12 +15,11 @@ One real vLLM 0.32 engine (CPU, tiny fp32 Gemma-4 MoE, in-process) with ``max_nu
 
 from __future__ import annotations
 
-import gc
 import random
 from types import SimpleNamespace
 
 import pytest
-from test_engine_sessions import BLOCK, VOCAB, _build_tiny, _tree
+from test_engine_sessions import VOCAB, _tree, tiny_hyco_llm
 
 from vllm_hyco.config import ADDITIONAL_CONFIG_KEY, HycoConfig
 from vllm_hyco.errors import ConfigError, SessionError
@@ -64,17 +63,8 @@ def test_registry_policy_never_falls_back_silently_on_a_bad_config():
 # -- the engine ---------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
-    from vllm import LLM
-
-    path = _build_tiny(tmp_path_factory.mktemp("tiny_admission"))
-    engine = LLM(model=path, dtype="float32", max_model_len=512, max_num_seqs=SLOTS, enforce_eager=True,
-                 distributed_executor_backend="uni", skip_tokenizer_init=True, block_size=BLOCK, seed=0,
-                 enable_prefix_caching=False,
-                 speculative_config={"method": "hyco", "max_parked_blocks": CAP})
-    yield engine
-    engine.llm_engine.engine_core.shutdown()
-    del engine
-    gc.collect()
+    yield from tiny_hyco_llm(tmp_path_factory, "tiny_admission", max_num_seqs=SLOTS,
+                             speculative_config={"method": "hyco", "max_parked_blocks": CAP})
 
 
 @pytest.fixture(scope="module")

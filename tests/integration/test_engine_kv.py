@@ -8,13 +8,12 @@ see the same logits. Contexts run past the sliding window (32) and across blocks
 
 from __future__ import annotations
 
-import gc
 import logging
 import random
 
 import pytest
 import torch
-from test_engine_sessions import BLOCK, VOCAB, _build_tiny, _tree
+from test_engine_sessions import VOCAB, _tree, tiny_hyco_llm
 from tolerances import tol
 
 log = logging.getLogger(__name__)
@@ -22,16 +21,7 @@ log = logging.getLogger(__name__)
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
-    from vllm import LLM
-
-    path = _build_tiny(tmp_path_factory.mktemp("tiny_kv"))
-    engine = LLM(model=path, dtype="float32", max_model_len=512, max_num_seqs=16, enforce_eager=True,
-                 distributed_executor_backend="uni", skip_tokenizer_init=True, block_size=BLOCK, seed=0,
-                 enable_prefix_caching=False, speculative_config={"method": "hyco"})
-    yield engine
-    engine.llm_engine.engine_core.shutdown()
-    del engine
-    gc.collect()
+    yield from tiny_hyco_llm(tmp_path_factory, "tiny_kv")
 
 
 @pytest.fixture(scope="module")

@@ -11,11 +11,10 @@ code and no lost committed token; the ordinary requests must equal plain greedy;
 
 from __future__ import annotations
 
-import gc
 import random
 
 import pytest
-from test_engine_sessions import BLOCK, VOCAB, _build_tiny, _tree
+from test_engine_sessions import VOCAB, _tree, tiny_hyco_llm
 
 NUM_BLOCKS = 36
 GEN = 40
@@ -23,17 +22,8 @@ GEN = 40
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
-    from vllm import LLM
-
-    path = _build_tiny(tmp_path_factory.mktemp("tiny_preempt"))
-    engine = LLM(model=path, dtype="float32", max_model_len=256, max_num_seqs=8, enforce_eager=True,
-                 distributed_executor_backend="uni", skip_tokenizer_init=True, block_size=BLOCK, seed=0,
-                 enable_prefix_caching=False, num_gpu_blocks_override=NUM_BLOCKS, max_num_batched_tokens=64,
-                 speculative_config={"method": "hyco"})
-    yield engine
-    engine.llm_engine.engine_core.shutdown()
-    del engine
-    gc.collect()
+    yield from tiny_hyco_llm(tmp_path_factory, "tiny_preempt", max_model_len=256, max_num_seqs=8,
+                             num_gpu_blocks_override=NUM_BLOCKS, max_num_batched_tokens=64)
 
 
 def test_sessions_preempted_before_their_round_stay_exact_and_the_engine_keeps_serving(llm, monkeypatch):

@@ -7,27 +7,18 @@ cache, so both sessions must return the same seed and the same verdicts, equal t
 
 from __future__ import annotations
 
-import gc
 import random
 
 import pytest
 import torch
-from test_engine_sessions import BLOCK, VOCAB, _build_tiny, _tree
+from test_engine_sessions import VOCAB, _tree, tiny_hyco_llm
 from tolerances import tol
 
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
-    from vllm import LLM
-
-    path = _build_tiny(tmp_path_factory.mktemp("tiny_prefix"))
-    engine = LLM(model=path, dtype="float32", max_model_len=512, max_num_seqs=8, enforce_eager=True,
-                 distributed_executor_backend="uni", skip_tokenizer_init=True, block_size=BLOCK, seed=0,
-                 enable_prefix_caching=True, max_num_batched_tokens=64, speculative_config={"method": "hyco"})
-    yield engine
-    engine.llm_engine.engine_core.shutdown()
-    del engine
-    gc.collect()
+    yield from tiny_hyco_llm(tmp_path_factory, "tiny_prefix", max_num_seqs=8, enable_prefix_caching=True,
+                             max_num_batched_tokens=64)
 
 
 def test_chunked_prefill_and_prefix_cached_sessions_share_seed_and_verdicts(llm):
@@ -114,16 +105,8 @@ def test_a_fully_cached_prompt_still_opens_a_session(llm):
 
 @pytest.fixture(scope="module")
 def small_llm(tmp_path_factory):
-    from vllm import LLM
-
-    path = _build_tiny(tmp_path_factory.mktemp("tiny_small"))
-    engine = LLM(model=path, dtype="float32", max_model_len=256, max_num_seqs=8, enforce_eager=True,
-                 distributed_executor_backend="uni", skip_tokenizer_init=True, block_size=BLOCK, seed=0,
-                 enable_prefix_caching=False, num_gpu_blocks_override=24, speculative_config={"method": "hyco"})
-    yield engine
-    engine.llm_engine.engine_core.shutdown()
-    del engine
-    gc.collect()
+    yield from tiny_hyco_llm(tmp_path_factory, "tiny_small", max_model_len=256, max_num_seqs=8,
+                             num_gpu_blocks_override=24)
 
 
 def test_parked_sessions_yield_their_kv_to_a_waiting_request(small_llm):

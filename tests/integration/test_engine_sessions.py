@@ -46,18 +46,24 @@ def _build_tiny(out) -> str:
     return str(out)
 
 
-@pytest.fixture(scope="module")
-def llm(tmp_path_factory):
+def tiny_hyco_llm(tmp_path_factory, name: str, **overrides):
+    """Body of a module-scoped ``llm`` fixture (``yield from``): a HyCo engine on a fresh tiny model with
+    these tests' defaults and ``overrides``, shut down when the module is done."""
     from vllm import LLM
 
-    path = _build_tiny(tmp_path_factory.mktemp("tiny"))
-    engine = LLM(model=path, dtype="float32", max_model_len=512, max_num_seqs=16, enforce_eager=True,
-                 distributed_executor_backend="uni", skip_tokenizer_init=True, block_size=BLOCK, seed=0,
-                 enable_prefix_caching=False, speculative_config={"method": "hyco"})
+    kwargs = dict(dtype="float32", max_model_len=512, max_num_seqs=16, enforce_eager=True,
+                  distributed_executor_backend="uni", skip_tokenizer_init=True, block_size=BLOCK, seed=0,
+                  enable_prefix_caching=False, speculative_config={"method": "hyco"})
+    engine = LLM(model=_build_tiny(tmp_path_factory.mktemp(name)), **{**kwargs, **overrides})
     yield engine
     engine.llm_engine.engine_core.shutdown()
     del engine
     gc.collect()
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    yield from tiny_hyco_llm(tmp_path_factory, "tiny")
 
 
 @pytest.fixture(scope="module")

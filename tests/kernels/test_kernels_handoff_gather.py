@@ -7,19 +7,16 @@ from decimal import ROUND_HALF_UP, Decimal
 
 import pytest
 import torch
+from kernel_support import DEVICE, TRITON_OK
 
 from vllm_hyco.kernels import (
-    HAS_TRITON,
     KernelInputError,
     dequantize_int8,
     gather_quantize_kv,
     handoff_gather_quantize,
-    interpreting,
     quantize_int8,
 )
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-TRITON_OK = HAS_TRITON and (DEVICE == "cuda" or interpreting())
 BACKENDS = ["torch"] + (["triton"] if TRITON_OK else [])
 
 

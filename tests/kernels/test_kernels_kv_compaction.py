@@ -6,13 +6,12 @@ import random
 
 import pytest
 import torch
+from kernel_support import DEVICE, TRITON_OK
 from tolerances import tol
 
-from vllm_hyco.kernels import HAS_TRITON, KernelInputError, compact_kv, compaction_moves, interpreting
+from vllm_hyco.kernels import KernelInputError, compact_kv, compaction_moves
 from vllm_hyco.kernels.kv_compaction import check_compaction_moves
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-TRITON_OK = HAS_TRITON and (DEVICE == "cuda" or interpreting())
 BACKENDS = ["torch"] + (["triton"] if TRITON_OK else [])
 
 

@@ -12,28 +12,17 @@ import random
 
 import pytest
 import torch
+from kernel_support import DEVICE, needs_triton, random_tree
 from tolerances import tol
 
 from vllm_hyco.kernels import (
-    HAS_TRITON,
     KernelInputError,
     TreeAttentionMetadata,
     ancestor_masks_from_parents,
-    interpreting,
     tree_attention,
     tree_attention_dense_ref,
     tree_attention_ref,
 )
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-TRITON_OK = HAS_TRITON and (DEVICE == "cuda" or interpreting())
-needs_triton = pytest.mark.skipif(not TRITON_OK, reason="needs a GPU or TRITON_INTERPRET=1")
-
-
-def random_tree(n: int, seed: int, reach: int = 6) -> list[int]:
-    rng = random.Random(seed)
-    return [-1] + [rng.randrange(max(0, j - reach), j) for j in range(1, n)]
-
 
 TREES = {
     "root": [-1],

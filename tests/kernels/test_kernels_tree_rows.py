@@ -24,6 +24,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from kernel_support import DEVICE, TRITON_OK, needs_triton, random_tree
 from tolerances import tol
 
 from vllm_hyco.engine.kv_view import BlockMajorKVView, slots_for_positions
@@ -31,25 +32,14 @@ from vllm_hyco.engine.runner_mixin import HycoRunnerMixin
 from vllm_hyco.engine.tree_plan import CapturedKV, TreeRows, TreeStep
 from vllm_hyco.errors import HardwareUnsupportedError
 from vllm_hyco.kernels import (
-    HAS_TRITON,
     KernelInputError,
     ancestor_masks_from_parents,
     compact_kv,
     compaction_moves,
-    interpreting,
     tree_attention_dense_ref,
 )
 from vllm_hyco.kernels.tree_attention import first_visible_key
 from vllm_hyco.kernels.tree_rows import block_major_views, paged_tree_rows_attention, tree_rows_attention
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-TRITON_OK = HAS_TRITON and (DEVICE == "cuda" or interpreting())
-needs_triton = pytest.mark.skipif(not TRITON_OK, reason="needs a GPU or TRITON_INTERPRET=1")
-
-
-def random_tree(n: int, seed: int, reach: int = 6) -> list[int]:
-    rng = random.Random(seed)
-    return [-1] + [rng.randrange(max(0, j - reach), j) for j in range(1, n)]
 
 
 class PagedRequests:

@@ -18,10 +18,7 @@ import atexit
 import json
 import os
 import random
-import signal
-import socket
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -30,6 +27,8 @@ from mobile_client.client import HycoClient, Timeouts
 from mobile_client.session import PhoneSession, SessionOptions
 from mobile_client.tree import DraftTree
 
+from vllm_hyco.bench.server import cli, free_port, stop_process
+
 API_KEY = "hyco-e2e-key"
 MODEL = "tiny"
 STARTUP_TIMEOUT_S = 400
@@ -37,17 +36,6 @@ IDLE_TIMEOUT_S = 20.0
 MAX_SESSIONS = 40
 HYCO = {"method": "hyco", "max_sessions": MAX_SESSIONS, "session_idle_timeout_s": IDLE_TIMEOUT_S}
 _SERVER: dict = {}
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _cli() -> list[str]:
-    script = Path(sys.executable).parent / "vllm-hyco"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "vllm_hyco.cli"]
 
 
 def http_get(url: str, timeout: float = 10.0, headers: dict | None = None) -> tuple[int, bytes]:
@@ -77,16 +65,6 @@ def wait_drained(server: str, timeout_s: float = IDLE_TIMEOUT_S * 3 + 30) -> dic
         time.sleep(1.0)
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
-
-
 def phone_server(fixtures_dir: Path) -> str:
     """The base URL of the shared server (started on first use; ``HYCO_E2E_SERVER=URL`` reuses a running one
     started with the same options, for debugging)."""
@@ -96,7 +74,7 @@ def phone_server(fixtures_dir: Path) -> str:
         if _SERVER["proc"].poll() is not None:
             raise RuntimeError(f"the shared server died:\n{Path(_SERVER['log']).read_text()[-4000:]}")
         return _SERVER["base"]
-    port = _free_port()
+    port = free_port()
     log_path = Path(os.environ.get("HYCO_CACHE", Path(__file__).resolve().parents[2] / ".cache")) / \
         f"e2e-phone-server-{port}.log"
     env = dict(os.environ)
@@ -105,13 +83,13 @@ def phone_server(fixtures_dir: Path) -> str:
     # in-process LLM tests) the engine core's RSS started at 1.8 GB instead of 0.6 GB and grew ~500 MB over
     # the first soak (engine side, reported to the engine owners)
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    args = [*_cli(), "serve", str(fixtures_dir / "verifier"), "--host", "127.0.0.1", "--port", str(port),
+    args = [*cli(), "serve", str(fixtures_dir / "verifier"), "--host", "127.0.0.1", "--port", str(port),
             "--served-model-name", MODEL, "--dtype", "float32", "--max-model-len", "1024",
             "--max-num-seqs", "32", "--enforce-eager", "--distributed-executor-backend", "uni",
             "--api-key", API_KEY, "--speculative-config", json.dumps(HYCO)]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT)
-    atexit.register(_stop, proc)
+    atexit.register(stop_process, proc)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while True:
@@ -123,7 +101,7 @@ def phone_server(fixtures_dir: Path) -> str:
         except OSError:
             pass
         if time.monotonic() > deadline:
-            _stop(proc)
+            stop_process(proc)
             raise RuntimeError(f"server not healthy after {STARTUP_TIMEOUT_S}s:\n{log_path.read_text()[-4000:]}")
         time.sleep(1.0)
     _SERVER.update(base=base, proc=proc, log=str(log_path))

@@ -9,29 +9,17 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
-import socket
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
+from vllm_hyco.bench.server import cli, free_port, stop_process
+
 STARTUP_TIMEOUT_S = 300
 MODEL = "tiny"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _cli() -> list[str]:
-    script = Path(sys.executable).parent / "vllm-hyco"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "vllm_hyco.cli"]
 
 
 def _server_env() -> dict[str, str]:
@@ -41,7 +29,7 @@ def _server_env() -> dict[str, str]:
 
 
 def _serve_args(verifier: Path, port: int, spec: str) -> list[str]:
-    return [*_cli(), "serve", str(verifier), "--host", "127.0.0.1", "--port", str(port),
+    return [*cli(), "serve", str(verifier), "--host", "127.0.0.1", "--port", str(port),
             "--served-model-name", MODEL, "--dtype", "float32", "--max-model-len", "1024",
             "--max-num-seqs", "4", "--enforce-eager", "--distributed-executor-backend", "uni",
             "--speculative-config", spec]
@@ -52,19 +40,9 @@ def _get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
         return resp.status, resp.read()
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
-
-
 @pytest.fixture(scope="module")
 def server(fixtures_dir, tmp_path_factory):
-    port = _free_port()
+    port = free_port()
     log_path = tmp_path_factory.mktemp("server") / "server.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(_serve_args(fixtures_dir / "verifier", port, "hyco"), env=_server_env(),
@@ -85,7 +63,7 @@ def server(fixtures_dir, tmp_path_factory):
             time.sleep(1.0)
         yield base
     finally:
-        _stop(proc)
+        stop_process(proc)
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +133,7 @@ def test_ignored_sampling_fields_get_400_naming_them(client):
 
 def test_bad_hyco_option_refused_at_startup(fixtures_dir):
     spec = json.dumps({"method": "hyco", "node_budgt": 3})
-    proc = subprocess.run(_serve_args(fixtures_dir / "verifier", _free_port(), spec), env=_server_env(),
+    proc = subprocess.run(_serve_args(fixtures_dir / "verifier", free_port(), spec), env=_server_env(),
                           capture_output=True, text=True, timeout=STARTUP_TIMEOUT_S)
     assert proc.returncode != 0
     assert "unknown hyco option 'node_budgt'" in proc.stderr and "node_budget" in proc.stderr

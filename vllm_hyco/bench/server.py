@@ -43,6 +43,17 @@ def cli() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "vllm_hyco.cli"]
 
 
+def stop_process(proc: subprocess.Popen) -> None:
+    """SIGTERM a server process, give it 60 s to drain, then kill it."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
 def parse_prometheus(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
     """Prometheus text exposition -> name -> [(labels, value)]."""
     out: dict[str, list[tuple[dict[str, str], float]]] = {}
@@ -153,13 +164,8 @@ class BenchServer:
             return parse_prometheus(resp.read().decode())
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=30)
+        if self.proc is not None:
+            stop_process(self.proc)
 
     def __enter__(self) -> Self:
         return self.start()

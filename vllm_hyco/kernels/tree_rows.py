@@ -36,12 +36,11 @@ from collections.abc import Sequence
 
 import torch
 
-from vllm_hyco.kernels._backend import KernelInputError, use_triton
+from vllm_hyco.kernels import tree_attention
+from vllm_hyco.kernels._backend import KernelInputError
 from vllm_hyco.kernels.tree_attention import (
     TreeAttentionMetadata,
     ancestor_masks_from_parents,  # noqa: F401  (doctest)
-    tree_attention_ref,
-    tree_attention_triton,
 )
 
 
@@ -126,8 +125,8 @@ def paged_tree_rows_attention(
         raise KernelInputError("every tree row needs a nonzero ancestor mask (its own bit at least)")
     meta = tree_rows_metadata(block_tables, context_lens, row_counts, ancestor_mask, depths, query_start_loc,
                               seq_lens)
-    impl = tree_attention_triton if use_triton(backend, q) else tree_attention_ref
-    return impl(q, k_cache, v_cache, meta, scale, sliding_window or None, softcap or None, out)
+    return tree_attention(q, k_cache, v_cache, meta, scale, sliding_window or None, softcap or None, out,
+                          backend=backend)
 
 
 def tree_rows_attention(

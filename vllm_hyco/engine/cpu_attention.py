@@ -14,8 +14,8 @@ Matches vLLM 0.32 (``v1/attention/backends/cpu_attn.py``).
   rows' K/V (for compaction and the hand-off). Batches without trees are untouched.
 * When it can go: when vLLM's CPU op takes a per-sequence tree mask and per-row positions.
 
-The runner publishes the step's trees with :func:`set_active_trees` before the forward and clears them
-after sampling; everything runs in the worker process.
+The runner publishes the step's trees with ``tree_plan.set_active_trees`` before the forward and clears
+them after sampling; everything runs in the worker process.
 """
 
 from __future__ import annotations
@@ -23,20 +23,10 @@ from __future__ import annotations
 import torch
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
+from vllm_hyco.engine import tree_plan
 from vllm_hyco.engine.kv_view import cpu_kv_view, slots_for_positions
-from vllm_hyco.engine.tree_plan import CapturedKV, TreeRows
+from vllm_hyco.engine.tree_plan import CapturedKV
 from vllm_hyco.kernels.tree_attention import tree_attention_dense_ref
-
-_ACTIVE_TREES: list[TreeRows] | None = None
-
-
-def set_active_trees(trees: list[TreeRows] | None) -> None:
-    global _ACTIVE_TREES
-    _ACTIVE_TREES = trees or None
-
-
-def active_trees() -> list[TreeRows] | None:
-    return _ACTIVE_TREES
 
 
 def install() -> None:
@@ -55,7 +45,7 @@ def install() -> None:
 class HycoCPUAttentionImpl(CPUAttentionBackendImpl):
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
-        trees = _ACTIVE_TREES
+        trees = tree_plan.active_trees()
         if not trees:
             return
         name = getattr(layer, "layer_name", None) or str(id(layer))
@@ -68,7 +58,7 @@ class HycoCPUAttentionImpl(CPUAttentionBackendImpl):
                 output_scale=None, output_block_scale=None):
         out = super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                               output_scale, output_block_scale)
-        trees = _ACTIVE_TREES
+        trees = tree_plan.active_trees()
         if not trees or attn_metadata is None:
             return out
         assert self.sinks is None and self.alibi_slopes is None, "tree rows: sinks/alibi not supported"

@@ -22,7 +22,7 @@ The scheduler passes trees as ``scheduler_output.hyco_trees = {req_id: (round, t
 Devices: the same code runs on the CPU runner (attention: ``cpu_attention``, CPU_ATTN override) and on the
 GPU runner (attention: ``gpu_attention``, the Triton backend registered over CUSTOM; a tree on a GPU
 runner whose layers run another backend raises HardwareUnsupportedError). The step's trees are published
-to both through ``tree_plan.set_active_trees`` (and ``cpu_attention``'s registry on CPU). KV reads and
+to both through ``tree_plan.set_active_trees``. KV reads and
 writes go through the view each captured layer carries (``kv_view``: CPU_ATTN's or block-major). The
 tree decision runs on the host on CPU copies of the rows' logits, so its draws come from the session's
 CPU generator on either device. Hand-off tensors are returned on the CPU.
@@ -44,15 +44,6 @@ PLACEHOLDER = -1
 
 def _hits(tokens: list[int], parents: list[int], samples: list[int], path: list[int]) -> int:
     return sum(int(tokens[r] == samples[parents[r]]) for r in path)
-
-
-def _publish(trees: list[TreeRows] | None, device: torch.device) -> None:
-    """Hand the step's trees to the attention backend of this device (None clears)."""
-    tree_plan.set_active_trees(trees, device)
-    if device.type == "cpu":
-        from vllm_hyco.engine import cpu_attention
-
-        cpu_attention.set_active_trees(trees)
 
 
 def _view(cap: CapturedKV):
@@ -102,7 +93,7 @@ class HycoRunnerMixin:
             tr.host_s += time.perf_counter() - t0
             trees.append(tr)
         st["trees"] = trees or None
-        _publish(trees, self.device)
+        tree_plan.set_active_trees(trees, self.device)
         return result
 
     def _hyco_check_gpu_backend(self) -> None:
@@ -122,7 +113,7 @@ class HycoRunnerMixin:
         try:
             output = super().sample_tokens(grammar_output)
         finally:
-            _publish(None, self.device)
+            tree_plan.set_active_trees(None)
             st["trees"], st["hidden"] = None, None
         if st["verdicts"]:
             target = getattr(output, "model_runner_output", output)

@@ -5,10 +5,11 @@ its rows sit in the flattened batch, the committed context length ``t`` (the roo
 row's depth and its ancestor mask. The attention override reads it to mask tree rows; the runner reads
 the K/V rows the override captured to compact the accepted path and to build the hand-off.
 
-The runner publishes the step with :func:`set_active_trees` (a :class:`TreeStep`: the trees plus their
-rows, masks and depths stacked once on the runner's device, so the GPU backend does no host-to-device
-copy per layer) and clears it after sampling; the GPU backend reads :func:`active_step`. The CPU override
-keeps its own registry (``cpu_attention.set_active_trees``), which the runner fills on CPU.
+The runner publishes the step's trees with :func:`set_active_trees` and clears them after sampling. The
+CPU override reads the list (:func:`active_trees`); the GPU backend reads :func:`active_step`, a
+:class:`TreeStep` (the trees plus their rows, masks and depths stacked on the runner's device), built on its
+first call of the step and kept for the step's other layers, so there is no host-to-device copy per layer
+and the CPU path never builds one.
 
 Masks and depths come from ``vllm_hyco.kernels.tree_attention.ancestor_masks_from_parents`` (int64 bit
 masks, the form the kernels and their torch twin take); ``anc`` is the same mask as a bool matrix.
@@ -145,14 +146,20 @@ class TreeStep:
         )
 
 
-_ACTIVE_STEP: TreeStep | None = None
+# This step's trees and the device they run on; the stacked TreeStep is built on first use.
+_ACTIVE: dict = {"trees": None, "device": "cpu", "step": None}
 
 
 def set_active_trees(trees: list[TreeRows] | None, device: torch.device | str = "cpu") -> None:
     """Publish this step's trees (None or [] clears); everything runs in the worker process."""
-    global _ACTIVE_STEP
-    _ACTIVE_STEP = TreeStep.build(trees, device) if trees else None
+    _ACTIVE.update(trees=trees or None, device=device, step=None)
+
+
+def active_trees() -> list[TreeRows] | None:
+    return _ACTIVE["trees"]
 
 
 def active_step() -> TreeStep | None:
-    return _ACTIVE_STEP
+    if _ACTIVE["step"] is None and _ACTIVE["trees"]:
+        _ACTIVE["step"] = TreeStep.build(_ACTIVE["trees"], _ACTIVE["device"])
+    return _ACTIVE["step"]

@@ -81,7 +81,7 @@ def main(argv=None) -> int:
     from vllm import LLM
 
     from vllm_hyco.engine.api import HycoEngine
-    from vllm_hyco.fixtures import ensure_fixtures
+    from hyco_lab.fixtures import ensure_fixtures
 
     cache = Path(os.environ.get("HYCO_CACHE", Path(__file__).resolve().parents[1] / ".cache"))
     verifier = ensure_fixtures(cache, fp32=True, window=128, seed=0, progress=False).verifier

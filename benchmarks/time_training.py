@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from vllm_hyco.fixtures import train
+from hyco_lab.fixtures import train
 
 
 def _clock(fn, *args) -> tuple[float, float]:

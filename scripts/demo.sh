@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The demo, end to end on CPU, in one command on a fresh machine:
 #   1. build (or reuse) the venv                      scripts/setup_env.sh
-#   2. build (or reuse) the tiny Gemma-4 fixtures     python -m vllm_hyco.fixtures (cached under $HYCO_CACHE)
+#   2. build (or reuse) the tiny Gemma-4 fixtures     python -m hyco_lab.fixtures (cached under $HYCO_CACHE)
 #   3. start `vllm-hyco serve DIR/verifier --speculative-config hyco` on 127.0.0.1
 #   4. stream one chat completion with the official openai client (scripts/demo_chat.py)
 #   5. run one whole HyCo session with `hyco-phone` (the phone's MTP head + SLM drafting trees, the server
@@ -16,7 +16,7 @@ mkdir -p "$HYCO_CACHE"
 log="$HYCO_CACHE/demo-server.log"
 
 echo "[demo] fixtures (first time: a few seconds)"
-fixtures=$("$PY" -c 'import sys; from vllm_hyco.fixtures import ensure_fixtures; print(ensure_fixtures(sys.argv[1]).root)' "$HYCO_CACHE")
+fixtures=$("$PY" -c 'import sys; from hyco_lab.fixtures import ensure_fixtures; print(ensure_fixtures(sys.argv[1]).root)' "$HYCO_CACHE")
 
 echo "[demo] starting vllm-hyco serve $fixtures/verifier --speculative-config hyco (log: $log)"
 "$HYCO_VENV/bin/vllm-hyco" serve "$fixtures/verifier" --host 127.0.0.1 --port "$port" \

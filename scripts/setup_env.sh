@@ -7,7 +7,7 @@
 set -euo pipefail
 _root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 HYCO_VENV=${HYCO_VENV:-$_root/.venv}
-_stamp_src=$(cat "$_root/pyproject.toml" "$_root/mobile_client/pyproject.toml" "$_root/scripts/setup_env.sh" | sha256sum | cut -c1-16)
+_stamp_src=$(cat "$_root/pyproject.toml" "$_root/mobile_client/pyproject.toml" "$_root/lab/pyproject.toml" "$_root/scripts/setup_env.sh" | sha256sum | cut -c1-16)
 _stamp="$HYCO_VENV/.hyco-env-$_stamp_src"
 if [ "${HYCO_FRESH:-0}" = "1" ]; then rm -rf "$HYCO_VENV"; fi
 if [ ! -f "$_stamp" ]; then
@@ -22,8 +22,8 @@ if [ ! -f "$_stamp" ]; then
   $_pip uninstall -y -q torchvision torchaudio torchcodec >&2 || true
   echo "[setup] 3/4 test and phone-side tools" >&2
   $_pip install -q msgpack pytest openai websockets tqdm packaging matplotlib onnx onnxruntime==1.24.4 onnxruntime-qnn==2.3.0 >&2
-  echo "[setup] 4/4 vllm-hyco and hyco-mobile-client (editable, no vLLM dependency)" >&2
-  $_pip install -q --no-deps -e "$_root" -e "$_root/mobile_client" >&2
+  echo "[setup] 4/4 vllm-hyco, hyco-mobile-client and hyco-lab (editable, no vLLM dependency)" >&2
+  $_pip install -q --no-deps -e "$_root" -e "$_root/mobile_client" -e "$_root/lab" >&2
   rm -f "$HYCO_VENV"/.hyco-env-*
   touch "$_stamp"
 fi

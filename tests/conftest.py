@@ -78,14 +78,14 @@ def pytest_sessionfinish(session, exitstatus):
 
 @pytest.fixture(scope="session")
 def fixtures_dir() -> Path:
-    from vllm_hyco.fixtures import ensure_fixtures
+    from hyco_lab.fixtures import ensure_fixtures
 
     return ensure_fixtures(cache_dir(), fp32=True, window=128, seed=0).root
 
 
 @pytest.fixture(scope="session")
 def agree_fixtures_dir() -> Path:
-    from vllm_hyco.fixtures import ensure_fixtures
+    from hyco_lab.fixtures import ensure_fixtures
 
     return ensure_fixtures(cache_dir(), fp32=True, window=128, seed=0, agree=True).root
 

@@ -82,8 +82,8 @@ def register() -> None:
     from vllm_hyco.serving import core_utils
 
     core_utils.install()  # the phone route's engine-core utility methods (vllm_hyco.serving)
-    if envs.VLLM_HYCO_BENCH_TIMING:  # benchmarks only: engine-side g (vllm_hyco/bench/timing.py)
-        from vllm_hyco.bench import timing
+    if envs.VLLM_HYCO_BENCH_TIMING:  # benchmarks only: engine-side g (vllm_hyco/patches/step_timing.py)
+        from vllm_hyco.patches import step_timing as timing
 
         timing.install()
     _REGISTERED = True

@@ -126,7 +126,7 @@ def test_byte_tokens_sentencepiece_and_byte_level():
 
 
 def test_fixture_tokenizer_parts():
-    fixtures = pytest.importorskip("vllm_hyco.fixtures.tokenizer")
+    fixtures = pytest.importorskip("hyco_lab.fixtures.tokenizer")
     tok = fixtures.load_tokenizer()
     special, byte, vocab_size = tokenizer_parts(tok)
     assert vocab_size == fixtures.VOCAB_SIZE
@@ -155,8 +155,8 @@ def test_tree_candidates_over_the_keep_set_are_full_ids():
 
 
 def test_keep_set_from_fixture_corpus_answers():
-    corpus = pytest.importorskip("vllm_hyco.fixtures.corpus")
-    fixtures = pytest.importorskip("vllm_hyco.fixtures.tokenizer")
+    corpus = pytest.importorskip("hyco_lab.fixtures.corpus")
+    fixtures = pytest.importorskip("hyco_lab.fixtures.tokenizer")
     from mobile_client.keepset import keep_set_from_texts
 
     tok = fixtures.load_tokenizer()

@@ -1,4 +1,4 @@
-"""Smoke run of ``python -m vllm_hyco.bench`` (one Cloud+MTP server, one prompt, one run, 8 tokens, the
+"""Smoke run of ``python -m hyco_lab.bench`` (one Cloud+MTP server, one prompt, one run, 8 tokens, the
 modelled SLM-alone row): the report, JSON and plots are written, and the engine timer measured g."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 
 def test_bench_smoke(fixtures_dir, tmp_path):
     out = tmp_path / "bench"
-    cmd = [sys.executable, "-m", "vllm_hyco.bench", "--configs", "cloud-mtp,slm-only", "--prompts", "1",
+    cmd = [sys.executable, "-m", "hyco_lab.bench", "--configs", "cloud-mtp,slm-only", "--prompts", "1",
            "--runs", "1", "--max-tokens", "8", "--link", "lan", "--fixtures", str(fixtures_dir),
            "--out", str(out), "--max-num-seqs", "2"]
     proc = subprocess.run(cmd, env=dict(os.environ), capture_output=True, text=True, timeout=900, check=False)

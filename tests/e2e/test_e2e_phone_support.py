@@ -27,7 +27,7 @@ from mobile_client.client import HycoClient, Timeouts
 from mobile_client.session import PhoneSession, SessionOptions
 from mobile_client.tree import DraftTree
 
-from vllm_hyco.bench.server import cli, free_port, stop_process
+from hyco_lab.bench.server import cli, free_port, stop_process
 
 API_KEY = "hyco-e2e-key"
 MODEL = "tiny"

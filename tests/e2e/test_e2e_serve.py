@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_hyco.bench.server import cli, free_port, stop_process
+from hyco_lab.bench.server import cli, free_port, stop_process
 
 STARTUP_TIMEOUT_S = 300
 MODEL = "tiny"

@@ -1,5 +1,5 @@
 """The shipped trained fixtures in a real vLLM engine (fp32, eager, in-process): a cheap version of
-``python -m vllm_hyco.fixtures.report``.
+``python -m hyco_lab.fixtures.report``.
 
 vLLM's built-in MTP on the trained verifier + assistant must load, stay lossless, and accept drafts at a
 sane rate; the transformers re-enactment of the same chain decoding must count the same acceptances.
@@ -14,8 +14,8 @@ import gc
 
 import pytest
 
-from vllm_hyco.fixtures import corpus, report, trained
-from vllm_hyco.fixtures.tokenizer import STOP_TOKEN_IDS
+from hyco_lab.fixtures import corpus, report, trained
+from hyco_lab.fixtures.tokenizer import STOP_TOKEN_IDS
 
 pytestmark = pytest.mark.skipif(not trained.available(), reason="no trained fixtures shipped")
 

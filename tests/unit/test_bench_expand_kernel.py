@@ -10,7 +10,8 @@ import json
 
 import pytest
 
-from vllm_hyco.bench import configs, timing
+from hyco_lab.bench import configs
+from vllm_hyco.patches import step_timing as timing
 from vllm_hyco.errors import ConfigError
 
 
@@ -42,7 +43,7 @@ class _Srv:
     ("patched", 1.0, "cloud-mtp-prob", False),
 ])
 def test_sampled_cloud_mtp_is_refused_on_the_stock_fallback(kernel, temperature, name, raises):
-    from vllm_hyco.bench.__main__ import Bench
+    from hyco_lab.bench.__main__ import Bench
 
     bench = Bench.__new__(Bench)
     bench.args, bench.expand_kernels = argparse.Namespace(temperature=temperature), {}

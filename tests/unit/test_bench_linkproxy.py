@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from vllm_hyco.bench.linkproxy import PRESETS, LinkModel, LinkProxy, _Pipe
+from hyco_lab.bench.linkproxy import PRESETS, LinkModel, LinkProxy, _Pipe
 from vllm_hyco.errors import ConfigError
 
 

@@ -7,8 +7,9 @@ import json
 
 import pytest
 
-from vllm_hyco.bench import configs, metrics, report, timing
-from vllm_hyco.bench.metrics import RequestRecord, RoundRecord, RunRecord
+from hyco_lab.bench import configs, metrics, report
+from vllm_hyco.patches import step_timing as timing
+from hyco_lab.bench.metrics import RequestRecord, RoundRecord, RunRecord
 from vllm_hyco.errors import ConfigError
 
 

@@ -15,7 +15,7 @@ from mobile_client.drafters.spec import random_slm_state_dict, toy_slm_spec
 from mobile_client.tree import DraftTree, FrontierPlan
 from tolerances import tol
 
-from vllm_hyco.bench import configs, phones
+from hyco_lab.bench import configs, phones
 
 SPEC = toy_slm_spec()
 SD = random_slm_state_dict(SPEC)

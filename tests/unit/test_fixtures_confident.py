@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from vllm_hyco.fixtures import confident
-from vllm_hyco.fixtures.corpus import chat_sample
+from hyco_lab.fixtures import confident
+from hyco_lab.fixtures.corpus import chat_sample
 
 
 def test_pairs_are_deterministic_and_split_by_verse_and_kind():

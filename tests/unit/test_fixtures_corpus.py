@@ -7,8 +7,8 @@ import json
 import pytest
 
 from vllm_hyco.errors import ConfigError
-from vllm_hyco.fixtures import corpus
-from vllm_hyco.fixtures import tokenizer as tk
+from hyco_lab.fixtures import corpus
+from hyco_lab.fixtures import tokenizer as tk
 
 
 def test_corpus_is_the_whole_kjv():

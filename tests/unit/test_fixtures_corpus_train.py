@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from vllm_hyco.fixtures import train, trained
+from hyco_lab.fixtures import train, trained
 
 
 @pytest.mark.slow

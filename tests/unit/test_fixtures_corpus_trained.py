@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from vllm_hyco.errors import ConfigError
-from vllm_hyco.fixtures import report, train, trained
+from hyco_lab.fixtures import report, train, trained
 
 pytestmark = pytest.mark.skipif(not trained.available(), reason="no trained fixtures shipped")
 

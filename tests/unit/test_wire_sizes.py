@@ -47,7 +47,7 @@ def test_32_node_tree_frame_is_at_most_256_bytes(labels):
 
 
 def test_fixture_config_matches_the_fixture_generator_defaults():
-    build = pytest.importorskip("vllm_hyco.fixtures.build")
+    build = pytest.importorskip("hyco_lab.fixtures.build")
     o = build.FixtureOptions()
     want = {
         "hidden_size": o.verifier_hidden,
@@ -76,7 +76,7 @@ def test_layers_from_a_transformers_written_config():
 
 
 def test_layers_from_the_real_fixture_config():
-    build = pytest.importorskip("vllm_hyco.fixtures.build")
+    build = pytest.importorskip("hyco_lab.fixtures.build")
     pytest.importorskip("transformers")
     cfg = build.verifier_config(build.FixtureOptions(), 4096).to_dict()
     assert layers_from_hf_config(cfg) == layers_from_hf_config(FIXTURE_VERIFIER_CONFIG)

@@ -42,7 +42,7 @@ GEMMA4_26B_A4B_CONFIG = {
     "vocab_size": 262144,
 }
 
-# The tiny verifier of vllm_hyco.fixtures (FixtureOptions defaults; a test keeps the two equal).
+# The tiny verifier of hyco_lab.fixtures (FixtureOptions defaults; a test keeps the two equal).
 FIXTURE_VERIFIER_CONFIG = {
     "model_type": "gemma4_text",
     "hidden_size": 256,

@@ -12,8 +12,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from vllm_hyco.bench.configs import CONFIGS, DROPPED, SLM_ONLY_MS_PER_TOKEN, SLM_ONLY_TOK_S
-from vllm_hyco.bench.metrics import disjoint, summarize, with_ratios
+from hyco_lab.bench.configs import CONFIGS, DROPPED, SLM_ONLY_MS_PER_TOKEN, SLM_ONLY_TOK_S
+from hyco_lab.bench.metrics import disjoint, summarize, with_ratios
 
 LABELS = {
     "g": "CPU-measured (engine process CPU seconds in the model calls, prefill included, / output tokens; compare only as ratios in one run)",
@@ -213,8 +213,8 @@ def write_report(out_dir: str | Path, results: dict[str, Any]) -> dict[str, Path
 
 def rebuild(out_dir: str | Path, env_updates: dict[str, Any] | None = None) -> dict[str, Path]:
     """Recompute every metric from ``records.json`` (keeping ``results.json``'s environment) and rewrite
-    the report: ``python -m vllm_hyco.bench.report DIR``."""
-    from vllm_hyco.bench.metrics import RunRecord, run_metrics
+    the report: ``python -m hyco_lab.bench.report DIR``."""
+    from hyco_lab.bench.metrics import RunRecord, run_metrics
 
     out = Path(out_dir)
     old = json.loads((out / "results.json").read_text())
@@ -224,7 +224,7 @@ def rebuild(out_dir: str | Path, env_updates: dict[str, Any] | None = None) -> d
     sweep = [run_metrics(r) for r in runs if r.run >= 100]
     env = {**old["env"], **(env_updates or {})}
     if env.get("fixtures"):
-        from vllm_hyco.bench.__main__ import _handoff_values, _phone_notes
+        from hyco_lab.bench.__main__ import _handoff_values, _phone_notes
 
         env.setdefault("phone_notes", _phone_notes(Path(env["fixtures"])))
         env.setdefault("handoff_values", _handoff_values(Path(env["fixtures"])))

@@ -1,6 +1,6 @@
-"""``python -m vllm_hyco.bench``: HyCo against vLLM's built-in MTP and the paper's variants (docs/benchmarks.md).
+"""``python -m hyco_lab.bench``: HyCo against vLLM's built-in MTP and the paper's variants (docs/benchmarks.md).
 
-    python -m vllm_hyco.bench --configs cloud-mtp,specedge,hyco --prompts 8 --runs 3 --link lte \\
+    python -m hyco_lab.bench --configs cloud-mtp,specedge,hyco --prompts 8 --runs 3 --link lte \\
         --out benchmarks/out/run1 [--sweep 1,4,16,64] [--ordinary]
 
 Starts one server per distinct engine setup (configurations with the same server arguments share it;
@@ -20,17 +20,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_hyco.bench import configs as C
-from vllm_hyco.bench import metrics as M
-from vllm_hyco.bench.drive import Sampling, run_cloud, run_phones
-from vllm_hyco.bench.linkproxy import LinkModel
-from vllm_hyco.bench.report import build_results, write_report
-from vllm_hyco.bench.server import BenchServer, counters_delta, spec_counters
+from hyco_lab.bench import configs as C
+from hyco_lab.bench import metrics as M
+from hyco_lab.bench.drive import Sampling, run_cloud, run_phones
+from hyco_lab.bench.linkproxy import LinkModel
+from hyco_lab.bench.report import build_results, write_report
+from hyco_lab.bench.server import BenchServer, counters_delta, spec_counters
 from vllm_hyco.errors import ConfigError, HycoError
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m vllm_hyco.bench", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m hyco_lab.bench", description=__doc__.split("\n")[0])
     p.add_argument("--configs", default="all", help=f"comma-separated, from: {', '.join(C.CONFIGS)} (all)")
     p.add_argument("--phones", type=int, default=1, help="concurrent phones (requests) in the main runs")
     p.add_argument("--prompts", type=int, default=6, help="prompts per run")
@@ -61,7 +61,7 @@ def fixtures_dir(arg: str | None) -> Path:
     if arg:
         return Path(arg)
     from vllm_hyco import envs
-    from vllm_hyco.fixtures import ensure_fixtures
+    from hyco_lab.fixtures import ensure_fixtures
 
     return ensure_fixtures(envs.HYCO_CACHE, fp32=True, window=128, seed=0).root
 
@@ -86,7 +86,7 @@ def machine() -> str:
 
 class Bench:
     def __init__(self, args: argparse.Namespace):
-        from vllm_hyco.fixtures.corpus import eval_prompts
+        from hyco_lab.fixtures.corpus import eval_prompts
 
         self.args = args
         self.fx = fixtures_dir(args.fixtures)
@@ -101,7 +101,7 @@ class Bench:
 
     def ids(self) -> list[list[int]]:
         if self._ids is None:
-            from vllm_hyco.bench.phones import prompt_ids
+            from hyco_lab.bench.phones import prompt_ids
 
             tok = self.fx / "tokenizer" if (self.fx / "tokenizer").exists() else self.fx / "verifier"
             self._ids = [prompt_ids(tok, p["messages"]) for p in self.prompts]
@@ -193,7 +193,7 @@ class Bench:
 
 
 def M_delta(a: dict, b: dict) -> dict:
-    from vllm_hyco.bench.timing import delta
+    from vllm_hyco.patches.step_timing import delta
 
     return delta(a, b)
 
@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         sweep = bench.sweep(levels) if levels else []
         ordinary = bench.ordinary() if args.ordinary else []
     except HycoError as e:
-        print(f"python -m vllm_hyco.bench: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"python -m hyco_lab.bench: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     env: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                            "machine": args.machine or machine(), "fixtures": str(bench.fx),
@@ -250,7 +250,7 @@ def _handoff_values(fx: Path) -> dict[str, int] | None:
 
 def _phone_notes(fx: Path) -> list[str]:
     """What the bundle lets the HyCo phone do (e.g. no hand-off scales: SLM-only trees)."""
-    from vllm_hyco.bench.phones import load_phone
+    from hyco_lab.bench.phones import load_phone
 
     try:
         return load_phone(fx, C.CONFIGS["hyco"])[4]

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vllm_hyco.bench import phones
-from vllm_hyco.bench.configs import BenchConfig
-from vllm_hyco.bench.linkproxy import LinkModel, LinkProxy
-from vllm_hyco.bench.metrics import RequestRecord
-from vllm_hyco.bench.server import MODEL_NAME
+from hyco_lab.bench import phones
+from hyco_lab.bench.configs import BenchConfig
+from hyco_lab.bench.linkproxy import LinkModel, LinkProxy
+from hyco_lab.bench.metrics import RequestRecord
+from hyco_lab.bench.server import MODEL_NAME
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Simulated phones for the benchmark: the drafters of each configuration and a session that records what
 the metrics need (sources of the accepted nodes, modelled device time, time to first token).
 
-Drafters come from the fixture bundle (``python -m vllm_hyco.fixtures DIR``; docs/phone-loop.md's bundle
+Drafters come from the fixture bundle (``python -m hyco_lab.fixtures DIR``; docs/phone-loop.md's bundle
 layout) and run on this machine's CPU; their *timing* is modelled (decisions.md D8): the client pads each
 round's drafting to the configuration's device time (``BenchClient``), 15.7 ms for the SLM-only first
 round (D2), and nothing when a proactive tree is reused (SpecEdge + PD).
@@ -27,8 +27,8 @@ import numpy as np
 # the multi-pass wrapper lives in the phone package (HyCo-2P is a phone option); re-exported here
 from mobile_client.drafters.multipass import ROWS, MultiPassSlm
 
-from vllm_hyco.bench.configs import SLM_PASS_MS, BenchConfig
-from vllm_hyco.bench.metrics import RoundRecord
+from hyco_lab.bench.configs import SLM_PASS_MS, BenchConfig
+from hyco_lab.bench.metrics import RoundRecord
 
 WINDOW = 1024
 

@@ -1,4 +1,4 @@
-"""The HyCo benchmark harness: ``python -m vllm_hyco.bench`` (docs/benchmarks.md).
+"""The HyCo benchmark harness: ``python -m hyco_lab.bench`` (docs/benchmarks.md).
 
 Modules (none imports vLLM at import time; the harness starts servers as subprocesses):
 
@@ -6,7 +6,7 @@ Modules (none imports vLLM at import time; the harness starts servers as subproc
 | --- | --- |
 | ``configs.py`` | the configurations by name (cloud-mtp, specedge, ..., hyco, slm-only) and the device model (D8) |
 | ``linkproxy.py`` | an asyncio TCP proxy on 127.0.0.1 applying RTT and up/down bandwidth to the real frames |
-| ``timing.py`` | engine-side compute timer (``VLLM_HYCO_BENCH_TIMING=1``) for g, installed by the plugin |
+| (engine-side timing lives in the plugin: ``vllm_hyco.patches.step_timing``) | |
 | ``server.py`` | start / stop one ``vllm-hyco serve`` per configuration, scrape ``/metrics`` |
 | ``phones.py`` | simulated phones: drafters per configuration, recording sessions |
 | ``drive.py`` | drive a configuration's requests (openai client or phone sessions) into records |

@@ -5,7 +5,7 @@ Users write either the bare word or the JSON form of ``--speculative-config``::
     vllm serve MODEL --speculative-config hyco
     vllm serve MODEL --speculative-config '{"method": "hyco", "epsilon": 0.005, "node_budget": 32}'
 
-Both become one frozen :class:`HycoConfig`. The engine adapter (``vllm_hyco.engine.expansion``) turns it
+Both become one frozen :class:`HycoConfig`. The engine adapter (``vllm_hyco.vllm_adapter.expansion``) turns it
 into vLLM engine arguments and stores ``config.to_dict()`` in ``VllmConfig.additional_config["hyco"]``;
 that dict is part of the pickled VllmConfig, so the engine-core and worker processes read the same
 options back with :meth:`HycoConfig.from_vllm_config`.

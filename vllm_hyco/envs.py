@@ -11,7 +11,7 @@ Only process-wide switches live here; everything about *how* HyCo runs is a Hyco
 | ``VLLM_HYCO_SKIP_VERSION_CHECK`` | 0 | load the plugin on a vLLM other than 0.32.x (unsupported; for porting) |
 | ``VLLM_HYCO_DISABLE`` | 0 | the plugin's ``register()`` does nothing (vLLM behaves as if it were absent) |
 | ``HYCO_CACHE`` | ``<repo>/.cache`` | where tests and the demo build fixtures once and reuse them |
-| ``VLLM_HYCO_BENCH_TIMING`` | 0 | benchmarks only: time the engine's model calls for g (``vllm_hyco.patches.step_timing``) |
+| ``VLLM_HYCO_BENCH_TIMING`` | 0 | benchmarks only: time the engine's model calls for g (``vllm_hyco.vllm_adapter.patches.step_timing``) |
 | ``VLLM_HYCO_BENCH_TIMING_DIR`` | unset | where each engine process writes ``timing-<pid>.json`` |
 """
 

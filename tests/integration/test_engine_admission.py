@@ -46,7 +46,7 @@ def test_bad_max_parked_blocks_named_with_its_range(value):
 
 
 def test_registry_policy_never_falls_back_silently_on_a_bad_config():
-    from vllm_hyco.engine.sched_mixin import HycoSchedulerMixin
+    from vllm_hyco.vllm_adapter.sched_mixin import HycoSchedulerMixin
 
     pool = SimpleNamespace(block_pool=SimpleNamespace(num_gpu_blocks=101))
     good = SimpleNamespace(vllm_config=SimpleNamespace(additional_config={ADDITIONAL_CONFIG_KEY: HycoConfig(
@@ -69,7 +69,7 @@ def llm(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hy(llm):
-    from vllm_hyco.engine.api import HycoEngine
+    from vllm_hyco.vllm_adapter.api import HycoEngine
 
     return HycoEngine(llm)
 
@@ -92,7 +92,7 @@ def _prompts(rng, lengths):
 
 
 def test_more_trees_than_batch_slots_get_server_busy_and_resend(llm, hy):
-    from vllm_hyco.serving import core_utils
+    from vllm_hyco.vllm_adapter import core_utils
 
     rng = random.Random(3)
     prompts = _prompts(rng, (12, 20, 7, 16, 9))

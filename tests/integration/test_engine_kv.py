@@ -26,7 +26,7 @@ def llm(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hy(llm):
-    from vllm_hyco.engine.api import HycoEngine
+    from vllm_hyco.vllm_adapter.api import HycoEngine
 
     runner = _runner(llm)
     runner._hyco_state()["debug_logits"] = True
@@ -43,7 +43,7 @@ def _runner(llm):
 
 def _session_kv(llm, req_id: str, num_positions: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Every cache-owning layer's K/V at positions [0, num_positions) of a request, via the KV view."""
-    from vllm_hyco.engine.kv_view import cpu_kv_view, slots_for_positions
+    from vllm_hyco.vllm_adapter.kv_view import cpu_kv_view, slots_for_positions
 
     core, runner = _core(llm), _runner(llm)
     block_ids = core.scheduler.kv_cache_manager.get_block_ids(req_id)

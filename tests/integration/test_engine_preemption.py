@@ -30,7 +30,7 @@ def test_sessions_preempted_before_their_round_stay_exact_and_the_engine_keeps_s
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    from vllm_hyco.engine.api import HycoEngine
+    from vllm_hyco.vllm_adapter.api import HycoEngine
 
     sched = llm.llm_engine.engine_core.engine_core.scheduler
     rng = random.Random(1)

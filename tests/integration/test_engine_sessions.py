@@ -68,7 +68,7 @@ def llm(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hy(llm):
-    from vllm_hyco.engine.api import HycoEngine
+    from vllm_hyco.vllm_adapter.api import HycoEngine
 
     return HycoEngine(llm)
 

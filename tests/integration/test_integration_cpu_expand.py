@@ -1,7 +1,7 @@
 """vLLM 0.32 CPU ``expand_kernel`` fallback: the stock one loses float/int32 outputs, the patch fixes it.
 
 Real vLLM, no engine: the rejection sampler's own ``expand_batch_to_tokens`` with the CPU platform's
-kernel overrides registered as a worker registers them (vllm_hyco/patches/cpu_expand_kernel.py).
+kernel overrides registered as a worker registers them (vllm_hyco/vllm_adapter/patches/cpu_expand_kernel.py).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from vllm_hyco.patches import cpu_expand_kernel  # noqa: E402
+from vllm_hyco.vllm_adapter.patches import cpu_expand_kernel  # noqa: E402
 
 CU = torch.tensor([2, 5, 6], dtype=torch.int32)
 

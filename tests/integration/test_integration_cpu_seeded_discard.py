@@ -1,4 +1,4 @@
-"""vLLM 0.32 CPU: seeded requests under chunked prefill (vllm_hyco/patches/cpu_seeded_discard.py).
+"""vLLM 0.32 CPU: seeded requests under chunked prefill (vllm_hyco/vllm_adapter/patches/cpu_seeded_discard.py).
 
 Plain vLLM (no speculative decoding), fp32, in-process, the random-weight fixtures: 8 seeded T = 1 prompts
 with a 64-token step budget, so their prefills are chunked and the chunks' samples discarded. Stock vLLM
@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm_hyco.patches import cpu_seeded_discard
+from vllm_hyco.vllm_adapter.patches import cpu_seeded_discard
 
 NUM_PROMPTS = 8
 MAX_TOKENS = 12

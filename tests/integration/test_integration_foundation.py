@@ -54,7 +54,7 @@ def test_builtin_mtp_equals_plain_greedy(fixtures_dir, reference, make_llm):
 
 def test_hyco_engine_equals_plain_greedy_and_runs_no_head(fixtures_dir, reference, make_llm):
     from vllm_hyco.config import HycoConfig
-    from vllm_hyco.engine import CPU_WORKER, NULL_PROPOSER, SCHEDULER
+    from vllm_hyco.vllm_adapter import CPU_WORKER, NULL_PROPOSER, SCHEDULER
 
     llm = make_llm(fixtures_dir / "verifier", disable_log_stats=False,
                    speculative_config={"method": "hyco", "node_budget": 32})

@@ -27,9 +27,9 @@ import torch
 from kernel_support import DEVICE, TRITON_OK, needs_triton, random_tree
 from tolerances import tol
 
-from vllm_hyco.engine.kv_view import BlockMajorKVView, slots_for_positions
-from vllm_hyco.engine.runner_mixin import HycoRunnerMixin
-from vllm_hyco.engine.tree_plan import CapturedKV, TreeRows, TreeStep
+from vllm_hyco.vllm_adapter.kv_view import BlockMajorKVView, slots_for_positions
+from vllm_hyco.vllm_adapter.runner_mixin import HycoRunnerMixin
+from vllm_hyco.vllm_adapter.tree_plan import CapturedKV, TreeRows, TreeStep
 from vllm_hyco.errors import HardwareUnsupportedError
 from vllm_hyco.kernels import (
     KernelInputError,
@@ -91,7 +91,7 @@ class PagedRequests:
             1 / math.sqrt(self.dim), window, softcap, backend=backend)
 
     def cpu_override(self, r, window, softcap):
-        """The CPU_ATTN override's computation (engine/cpu_attention.py), on this layout."""
+        """The CPU_ATTN override's computation (vllm_adapter/cpu_attention.py), on this layout."""
         t = self.context_lens[r]
         lo = 0 if not window else max(0, t - window + 1)
         k_pre, v_pre = self.view.gather(self.kv, self.slots(r, torch.arange(lo, t)))

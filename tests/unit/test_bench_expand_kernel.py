@@ -1,5 +1,5 @@
 """The benchmark checks which ``expand_kernel`` each engine's rejection sampler runs (vLLM 0.32's CPU
-fallback runs sampled spec decode at temperature 0; vllm_hyco/patches/cpu_expand_kernel.py fixes it): the
+fallback runs sampled spec decode at temperature 0; vllm_hyco/vllm_adapter/patches/cpu_expand_kernel.py fixes it): the
 engine's timing snapshots carry it, the harness refuses sampled Cloud+MTP on the stock fallback, and the
 ``cloud-mtp-prob`` configuration asks vLLM for probabilistic drafts."""
 
@@ -11,7 +11,7 @@ import json
 import pytest
 
 from hyco_lab.bench import configs
-from vllm_hyco.patches import step_timing as timing
+from vllm_hyco.vllm_adapter.patches import step_timing as timing
 from vllm_hyco.errors import ConfigError
 
 

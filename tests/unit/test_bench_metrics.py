@@ -8,7 +8,7 @@ import json
 import pytest
 
 from hyco_lab.bench import configs, metrics, report
-from vllm_hyco.patches import step_timing as timing
+from vllm_hyco.vllm_adapter.patches import step_timing as timing
 from hyco_lab.bench.metrics import RequestRecord, RoundRecord, RunRecord
 from vllm_hyco.errors import ConfigError
 

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 
 from vllm_hyco.config import ADDITIONAL_CONFIG_KEY, HycoConfig
-from vllm_hyco.engine import CPU_WORKER, GPU_WORKER, NULL_PROPOSER, SCHEDULER
-from vllm_hyco.engine.expansion import expand_engine_args
+from vllm_hyco.vllm_adapter import CPU_WORKER, GPU_WORKER, NULL_PROPOSER, SCHEDULER
+from vllm_hyco.vllm_adapter.expansion import expand_engine_args
 from vllm_hyco.errors import ConfigError
 
 

@@ -8,14 +8,14 @@ import json
 
 import pytest
 
-from vllm_hyco import plugin
-from vllm_hyco.cli import plugins_env
-from vllm_hyco.endpoint import error_body, unsupported_field
+from vllm_hyco.vllm_adapter import plugin
+from vllm_hyco.vllm_adapter.cli import plugins_env
+from vllm_hyco.vllm_adapter.endpoint import error_body, unsupported_field
 from vllm_hyco.errors import VllmVersionError
-from vllm_hyco.patches import Patch
-from vllm_hyco.patches.cpu_version_lookup import _make as make_version_lookup
-from vllm_hyco.patches.engine_config import plugins_gate_error
-from vllm_hyco.patches.speculative_config_arg import install_on
+from vllm_hyco.vllm_adapter.patches import Patch
+from vllm_hyco.vllm_adapter.patches.cpu_version_lookup import _make as make_version_lookup
+from vllm_hyco.vllm_adapter.patches.engine_config import plugins_gate_error
+from vllm_hyco.vllm_adapter.patches.speculative_config_arg import install_on
 
 
 @pytest.mark.parametrize("version, ok", [

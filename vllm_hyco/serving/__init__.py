@@ -13,7 +13,7 @@ from typing import Any
 
 def create_service(engine_client: Any, hyco_config: Any, model_name: str | None = None):
     """The HycoService of a running server (called once from the endpoint plugin's ``init_state``)."""
-    from vllm_hyco.serving.bridge import EngineBridge
+    from vllm_hyco.vllm_adapter.bridge import EngineBridge
     from vllm_hyco.serving.handoffs import ServerModel
     from vllm_hyco.serving.service import HycoService
 

@@ -1,6 +1,6 @@
 """The server's hand-off side: the model's HandoffSpec and scales, and wire payloads from engine verdicts.
 
-The engine's raw verdict (``vllm_hyco.engine``, docs/engine.md) carries float tensors: ``e_bonus`` and
+The engine's raw verdict (``vllm_hyco.vllm_adapter``, docs/engine.md) carries float tensors: ``e_bonus`` and
 ``h`` ``[hidden]``, ``{kind}_k``/``{kind}_v`` ``[d + 1, kv_heads, head_dim]`` for positions
 ``start .. position`` (the root and the accepted path), and in round 0 a ``seed`` with the last W
 positions. The wire hand-off (docs/protocol.md section 5) covers ``[a, t')`` with ``t' = position + 1``.

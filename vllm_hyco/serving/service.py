@@ -23,7 +23,7 @@ import time
 import uuid
 from typing import Any
 
-from vllm_hyco.engine.api import resolve_session_eps
+from vllm_hyco.vllm_adapter.api import resolve_session_eps
 from vllm_hyco.errors import FrameError, HycoError, RequestFieldError, SessionError, TreeValidationError
 from vllm_hyco.handoff.chunks import plan_handoff
 from vllm_hyco.handoff.client_frames import StartFrame, TreeFrame
@@ -32,7 +32,7 @@ from vllm_hyco.handoff.limits import DEFAULT_LIMITS, WireLimits
 from vllm_hyco.handoff.schema import HANDOFF_SCHEMA_VERSION
 from vllm_hyco.handoff.server_frames import FinalFrame, VerdictFrame, openai_chunk
 from vllm_hyco.serving import metrics as _metrics
-from vllm_hyco.serving.bridge import BridgeError, EngineBridge, RoundResult
+from vllm_hyco.vllm_adapter.bridge import BridgeError, EngineBridge, RoundResult
 from vllm_hyco.serving.handoffs import KvRing, ServerModel
 from vllm_hyco.serving.table import HeldSession, SessionTable
 

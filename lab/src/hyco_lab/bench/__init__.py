@@ -6,7 +6,7 @@ Modules (none imports vLLM at import time; the harness starts servers as subproc
 | --- | --- |
 | ``configs.py`` | the configurations by name (cloud-mtp, specedge, ..., hyco, slm-only) and the device model (D8) |
 | ``linkproxy.py`` | an asyncio TCP proxy on 127.0.0.1 applying RTT and up/down bandwidth to the real frames |
-| (engine-side timing lives in the plugin: ``vllm_hyco.patches.step_timing``) | |
+| (engine-side timing lives in the plugin: ``vllm_hyco.vllm_adapter.patches.step_timing``) | |
 | ``server.py`` | start / stop one ``vllm-hyco serve`` per configuration, scrape ``/metrics`` |
 | ``phones.py`` | simulated phones: drafters per configuration, recording sessions |
 | ``drive.py`` | drive a configuration's requests (openai client or phone sessions) into records |

@@ -50,7 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192,
                    help="every server's token budget per step; large enough that no prefill is chunked "
                         "(unpatched vLLM 0.32 CPU crashes on a seeded request whose prefill is chunked; "
-                        "vllm_hyco/patches/cpu_seeded_discard.py)")
+                        "vllm_hyco/vllm_adapter/patches/cpu_seeded_discard.py)")
     p.add_argument("--machine", default=None, help="how to describe this machine in the report")
     p.add_argument("--engine-threads", type=int, default=1,
                    help="CPU engine: OpenMP threads (passive waits, no binding); 0: vLLM's default binding")
@@ -155,7 +155,7 @@ class Bench:
 
     def check_expand_kernel(self, srv: BenchServer, cfgs: list[C.BenchConfig]) -> None:
         """Sampled Cloud+MTP needs the plugin's fix of vLLM 0.32's CPU ``expand_kernel`` fallback in the
-        engine process (vllm_hyco/patches/cpu_expand_kernel.py); without it every T > 0 request runs at
+        engine process (vllm_hyco/vllm_adapter/patches/cpu_expand_kernel.py); without it every T > 0 request runs at
         temperature 0. The engine reports which kernel it runs through the timing snapshot."""
         kernel = str(srv.timing().get("expand_kernel", "not-loaded"))
         names = ", ".join(c.name for c in cfgs)
@@ -193,7 +193,7 @@ class Bench:
 
 
 def M_delta(a: dict, b: dict) -> dict:
-    from vllm_hyco.patches.step_timing import delta
+    from vllm_hyco.vllm_adapter.patches.step_timing import delta
 
     return delta(a, b)
 

@@ -2,7 +2,7 @@
 
 A *request record* is one request (a phone session, or one ``openai`` request for Cloud+MTP); a *run
 record* is one configuration's pass over the prompts on one server, with the engine's compute time for
-that pass (``vllm_hyco.patches.step_timing``) and, for Cloud+MTP, the server's own spec-decode counters.
+that pass (``vllm_hyco.vllm_adapter.patches.step_timing``) and, for Cloud+MTP, the server's own spec-decode counters.
 
 Metrics per run (``run_metrics``), every ratio pooled (numerators and denominators summed first, as the
 paper's Appendix G does):

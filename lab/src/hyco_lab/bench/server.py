@@ -2,7 +2,7 @@
 
 Every server (HyCo or plain vLLM with ``--speculative-config mtp``) is started through the ``vllm-hyco``
 console script, so the plugin loads in every process and ``VLLM_HYCO_BENCH_TIMING=1`` turns on the
-engine-side compute timer (``vllm_hyco.patches.step_timing``), which writes to this server's own folder. Prefix
+engine-side compute timer (``vllm_hyco.vllm_adapter.patches.step_timing``), which writes to this server's own folder. Prefix
 caching is off on every server, so a configuration that runs the same prompts again (or after another
 one on a shared server) pays the same prefill.
 
@@ -24,7 +24,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Self
 
-from vllm_hyco.patches import step_timing as timing
+from vllm_hyco.vllm_adapter.patches import step_timing as timing
 from vllm_hyco.errors import ConfigError
 
 MODEL_NAME = "tiny"
@@ -40,7 +40,7 @@ def free_port() -> int:
 
 def cli() -> list[str]:
     script = Path(sys.executable).parent / "vllm-hyco"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "vllm_hyco.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "vllm_hyco.vllm_adapter.cli"]
 
 
 def stop_process(proc: subprocess.Popen) -> None:

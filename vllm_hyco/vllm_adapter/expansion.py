@@ -5,11 +5,11 @@ alias (vllm-integration.md §3) that expands, on the ``EngineArgs`` object befor
 to::
 
     speculative_config = {"method": "custom_class", "model": NULL_PROPOSER, "num_speculative_tokens": node_budget}
-    scheduler_cls      = "vllm_hyco.engine.scheduler.HycoScheduler"
+    scheduler_cls      = "vllm_hyco.vllm_adapter.scheduler.HycoScheduler"
     worker_cls         = HycoWorker (GPU) or HycoCPUWorker (CPU build)
     async_scheduling   = False
     additional_config["hyco"] = HycoConfig.to_dict()     # reaches engine core and workers (pickled VllmConfig)
-    attention_backend  = "CUSTOM"   (GPU only: HyCo's tree-attention backend, engine/gpu_attention.py)
+    attention_backend  = "CUSTOM"   (GPU only: HyCo's tree-attention backend, vllm_adapter/gpu_attention.py)
 
 On GPU the tree rows need HyCo's backend, registered over the static ``CUSTOM`` member by the worker
 (a new enum name could not be unpickled in a spawned engine core). It subclasses vLLM's Triton backend,
@@ -37,7 +37,7 @@ import logging
 from typing import Any
 
 from vllm_hyco.config import ADDITIONAL_CONFIG_KEY, HycoConfig
-from vllm_hyco.engine import CPU_WORKER, GPU_WORKER, NULL_PROPOSER, SCHEDULER
+from vllm_hyco.vllm_adapter import CPU_WORKER, GPU_WORKER, NULL_PROPOSER, SCHEDULER
 from vllm_hyco.errors import ConfigError
 
 logger = logging.getLogger("vllm.hyco")  # a child of vLLM's logger: same handler and format

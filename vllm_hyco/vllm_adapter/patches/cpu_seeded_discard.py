@@ -26,7 +26,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from vllm_hyco.patches import Patch
+from vllm_hyco.vllm_adapter.patches import Patch
 
 TARGET = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
 _STATES = "_hyco_discarded_generator_states"

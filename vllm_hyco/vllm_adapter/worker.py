@@ -3,9 +3,9 @@
 ``custom_class`` forces the V1 runner, so ``_make_model_runner`` (the hook vLLM documents for
 subclasses) returns HycoModelRunner, which carries ``HycoRunnerMixin`` (tree positions, tree decision,
 compaction and hand-off through ``kv_view.BlockMajorKVView``). ``HycoWorker.__init__`` registers the tree
-attention backend over the static ``CUSTOM`` member (``engine/gpu_attention.py``) before anything builds
+attention backend over the static ``CUSTOM`` member (``vllm_adapter/gpu_attention.py``) before anything builds
 attention layers; ``--speculative-config hyco`` selects it (``attention_config.backend = CUSTOM``,
-``engine/expansion.py``). After the model is loaded the runner checks that every attention layer runs it,
+``vllm_adapter/expansion.py``). After the model is loaded the runner checks that every attention layer runs it,
 so a backend override that slipped past the expansion fails at start-up with HardwareUnsupportedError
 rather than verifying trees with a causal mask. Requests without a tree run exactly as in vLLM.
 
@@ -18,8 +18,8 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import Worker
 
 from vllm_hyco.config import HycoConfig
-from vllm_hyco.engine import gpu_attention
-from vllm_hyco.engine.runner_mixin import HycoRunnerMixin
+from vllm_hyco.vllm_adapter import gpu_attention
+from vllm_hyco.vllm_adapter.runner_mixin import HycoRunnerMixin
 from vllm_hyco.errors import HardwareUnsupportedError
 
 

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from vllm_hyco.config import HycoConfig
 from vllm_hyco.errors import ConfigError
-from vllm_hyco.patches import Patch
+from vllm_hyco.vllm_adapter.patches import Patch
 
 FLAG = "--speculative-config"
 

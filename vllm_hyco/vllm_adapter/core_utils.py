@@ -4,7 +4,7 @@ Why: the route runs in the API-server process and reaches the engine core only t
 ``engine_client.engine_core.call_utility_async(name, *args)``, which vLLM dispatches by
 ``getattr(engine_core, name)``. An exception raised by a utility reaches the caller as a plain
 ``Exception`` with the message only, so the stable ``code`` of a typed error would be lost; these wrappers
-around the engine's ``hyco_*`` methods (``vllm_hyco.engine.core_ext``) never raise a HycoError: they return
+around the engine's ``hyco_*`` methods (``vllm_hyco.vllm_adapter.core_ext``) never raise a HycoError: they return
 ``{"error": code, "message": ...}`` instead. What it replaces: nothing (adds attributes to EngineCore).
 Installed by :func:`install` from the plugin's ``register()`` (every process; idempotent).
 

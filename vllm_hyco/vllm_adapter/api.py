@@ -1,7 +1,7 @@
 """In-process engine API for HyCo sessions: what the HTTP/WebSocket layer calls (matches vLLM 0.32).
 
 It drives a vLLM ``LLMEngine`` (``LLM(...).llm_engine``) built with the HyCo scheduler/worker, and talks to
-the engine core through the utility methods of :mod:`vllm_hyco.engine.core_ext` (called directly when the
+the engine core through the utility methods of :mod:`vllm_hyco.vllm_adapter.core_ext` (called directly when the
 core is in-process, through ``call_utility`` otherwise). The server runs no MTP head for sessions.
 
 Example (greedy, a chain tree that plants the model's own continuation)::
@@ -103,7 +103,7 @@ class HycoEngine:
 
     # -- core access ------------------------------------------------------------------------------
     def _call(self, name: str, *args):
-        from vllm_hyco.engine.core_ext import raise_if_error
+        from vllm_hyco.vllm_adapter.core_ext import raise_if_error
 
         client = self.engine.engine_core
         core = getattr(client, "engine_core", None)

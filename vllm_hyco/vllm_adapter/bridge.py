@@ -3,7 +3,7 @@
 A session is one long-lived request added with ``engine_client.generate`` (``SamplingParams.extra_args
 ["hyco"] = {"sid", "eps", "seed"}``, output kind DELTA); a task pumps its RequestOutputs (committed ids and
 detokenized text, stop strings applied by vLLM's frontend) into a queue. Rounds go through the utility
-methods of :mod:`vllm_hyco.serving.core_utils` (``call_utility_async``), which run in the engine core
+methods of :mod:`vllm_hyco.vllm_adapter.core_utils` (``call_utility_async``), which run in the engine core
 between steps: submit the tree, wait for the round's output, take the raw verdict.
 
 Example (inside the server's event loop)::
@@ -24,7 +24,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_hyco.engine.api import check_fields
+from vllm_hyco.vllm_adapter.api import check_fields
 from vllm_hyco.errors import FrameError, HycoError, RequestFieldError, SessionError
 
 # OpenAI body keys that do not change generation (or are checked elsewhere) and are simply accepted

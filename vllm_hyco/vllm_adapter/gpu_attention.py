@@ -10,7 +10,7 @@ is how the hook below is unit-tested without a GPU).
 * What it replaces: the backend class of the **static** enum member ``AttentionBackendEnum.CUSTOM``
   (a new enum name cannot be unpickled in a spawned engine core; memo §9, registration caveat), selected
   by ``attention_config.backend = CUSTOM``, which ``--speculative-config hyco`` sets on GPU
-  (``engine/expansion.py``). The classes subclass the Triton ones:
+  (``vllm_adapter/expansion.py``). The classes subclass the Triton ones:
 
   - ``forward``: the stock Triton forward for the whole batch, then the rows of every tree request
     (published by the runner, ``tree_plan.active_step``) are recomputed in **one launch** of
@@ -46,9 +46,9 @@ from vllm.v1.attention.backends.triton_attn import (
     TritonAttentionMetadataBuilder,
 )
 
-from vllm_hyco.engine import tree_plan
-from vllm_hyco.engine.kv_view import BlockMajorKVView
-from vllm_hyco.engine.tree_plan import CapturedKV
+from vllm_hyco.vllm_adapter import tree_plan
+from vllm_hyco.vllm_adapter.kv_view import BlockMajorKVView
+from vllm_hyco.vllm_adapter.tree_plan import CapturedKV
 from vllm_hyco.errors import HardwareUnsupportedError
 from vllm_hyco.kernels.tree_rows import block_major_views, paged_tree_rows_attention
 

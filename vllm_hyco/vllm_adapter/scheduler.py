@@ -1,10 +1,10 @@
 """HycoScheduler (adapter, vLLM 0.32 ``vllm.v1.core.sched.scheduler.Scheduler``).
 
-Sessions come from ``HycoSchedulerMixin`` (vllm_hyco/engine/sched_mixin.py): a phone's tree goes into
+Sessions come from ``HycoSchedulerMixin`` (vllm_hyco/vllm_adapter/sched_mixin.py): a phone's tree goes into
 ``request.spec_token_ids``, the parents travel on ``SchedulerOutput.hyco_trees``, and the request is
 parked between rounds (vllm-integration.md §5.2, §12). Requests without ``extra_args["hyco"]`` are
 scheduled exactly as by vLLM's scheduler. Constructing it adds the ``hyco_*`` utility methods to
-EngineCore (vllm_hyco/engine/core_ext.py) in the engine-core process.
+EngineCore (vllm_hyco/vllm_adapter/core_ext.py) in the engine-core process.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from __future__ import annotations
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from vllm_hyco.config import HycoConfig
-from vllm_hyco.engine import core_ext
-from vllm_hyco.engine.sched_mixin import HycoSchedulerMixin
+from vllm_hyco.vllm_adapter import core_ext
+from vllm_hyco.vllm_adapter.sched_mixin import HycoSchedulerMixin
 
 
 class HycoScheduler(HycoSchedulerMixin, Scheduler):

@@ -18,7 +18,7 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError
 from typing import Callable
 
-from vllm_hyco.patches import Patch
+from vllm_hyco.vllm_adapter.patches import Patch
 
 
 def _make(original: Callable[[str], str]) -> Callable[[str], str]:

@@ -89,7 +89,7 @@ TIMER = EngineTimer()
 
 def expand_kernel_status() -> str:
     """Which ``expand_kernel`` this process's rejection sampler launches: ``patched`` (the plugin's fix,
-    ``vllm_hyco.patches.cpu_expand_kernel``), ``stock-cpu-fallback`` (vLLM 0.32's CPU fallback, which
+    ``vllm_hyco.vllm_adapter.patches.cpu_expand_kernel``), ``stock-cpu-fallback`` (vLLM 0.32's CPU fallback, which
     leaves float/int32 outputs uninitialised: sampled spec decode runs at temperature 0), ``triton``, or
     ``not-loaded`` (no rejection sampler in this process).
 
@@ -101,7 +101,7 @@ def expand_kernel_status() -> str:
     rs = sys.modules.get("vllm.v1.sample.rejection_sampler")
     if rs is None:
         return "not-loaded"
-    from vllm_hyco.patches import cpu_expand_kernel
+    from vllm_hyco.vllm_adapter.patches import cpu_expand_kernel
 
     impl = getattr(rs.expand_kernel, "func", None)
     if impl is cpu_expand_kernel.expand_rows:

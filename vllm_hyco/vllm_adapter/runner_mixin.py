@@ -35,9 +35,9 @@ from typing import Any
 
 import torch
 
-from vllm_hyco.engine import tree_plan
-from vllm_hyco.engine.kv_view import cpu_kv_view, slots_for_positions
-from vllm_hyco.engine.tree_plan import CapturedKV, TreeRows
+from vllm_hyco.vllm_adapter import tree_plan
+from vllm_hyco.vllm_adapter.kv_view import cpu_kv_view, slots_for_positions
+from vllm_hyco.vllm_adapter.tree_plan import CapturedKV, TreeRows
 
 PLACEHOLDER = -1
 
@@ -100,7 +100,7 @@ class HycoRunnerMixin:
         """Trees on a GPU runner need our tree-attention backend on every layer (checked once)."""
         st = self._hyco_state()
         if not st.get("gpu_backend_ok"):
-            from vllm_hyco.engine import gpu_attention
+            from vllm_hyco.vllm_adapter import gpu_attention
 
             gpu_attention.check_tree_backends(self.vllm_config.compilation_config.static_forward_context)
             st["gpu_backend_ok"] = True

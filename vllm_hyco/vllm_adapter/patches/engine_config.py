@@ -7,7 +7,7 @@ Why:      ``hyco`` is not a vLLM speculative method. Whatever path the value cam
           it must become ``custom_class`` + NullProposer + HycoScheduler + Hyco worker + synchronous
           scheduling, and unsupported topologies must be refused, before ``VllmConfig`` exists.
 How:      wrap ``EngineArgs.create_engine_config`` (runs once, in the API / LLM process): if the value
-          asks for HyCo, call ``vllm_hyco.engine.expansion.expand_engine_args`` on ``self`` and go on. The
+          asks for HyCo, call ``vllm_hyco.vllm_adapter.expansion.expand_engine_args`` on ``self`` and go on. The
           resulting VllmConfig (with ``additional_config["hyco"]``) is pickled to the engine core and
           workers, which need no translation. A ``vllm serve`` started without the hyco endpoint plugin
           (``VLLM_PLUGINS`` not naming it) is refused here with the exact variable to set.
@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from vllm_hyco.config import HycoConfig
 from vllm_hyco.errors import ConfigError
-from vllm_hyco.patches import Patch
+from vllm_hyco.vllm_adapter.patches import Patch
 
 PLUGIN_NAME = "hyco"
 
@@ -58,7 +58,7 @@ def _make(original: Callable) -> Callable:
                 raise ConfigError(message)
             from vllm.platforms import current_platform
 
-            from vllm_hyco.engine.expansion import expand_engine_args
+            from vllm_hyco.vllm_adapter.expansion import expand_engine_args
 
             expand_engine_args(self, is_cpu=current_platform.is_cpu())
         return original(self, *args, **kwargs)

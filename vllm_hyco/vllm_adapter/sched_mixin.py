@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_hyco.engine.session import RoundTree, Session, SessionRegistry, SessionState
+from vllm_hyco.vllm_adapter.session import RoundTree, Session, SessionRegistry, SessionState
 from vllm_hyco.errors import SessionError, TreeValidationError
 from vllm_hyco.spec_decode.tree import DEFAULT_BUDGET, validate_tree
 

@@ -47,7 +47,7 @@ def _installed_general_plugins() -> list[str]:
 def prepare_environment() -> None:
     """Steps 1 and 2 above; safe to call more than once."""
     os.environ["VLLM_PLUGINS"] = plugins_env(os.environ.get("VLLM_PLUGINS"), _installed_general_plugins())
-    from vllm_hyco.patches import cpu_version_lookup
+    from vllm_hyco.vllm_adapter.patches import cpu_version_lookup
 
     cpu_version_lookup.PATCH.apply()
 

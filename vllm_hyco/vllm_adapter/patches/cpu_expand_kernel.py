@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from vllm_hyco.patches import Patch
+from vllm_hyco.vllm_adapter.patches import Patch
 
 TARGET = "vllm.utils.cpu_triton_utils"
 

@@ -3,7 +3,7 @@
 ``CPUWorker.init_device`` builds its runner inline (no ``_make_model_runner`` hook), so the worker swaps
 in HycoCPUModelRunner right after it; the runner holds no weights yet, so building it twice costs only
 its input buffers. The runner gets ``HycoRunnerMixin`` (tree positions, tree decision, compaction,
-hand-off) and the worker registers the CPU_ATTN override (vllm_hyco/engine/cpu_attention.py) before the
+hand-off) and the worker registers the CPU_ATTN override (vllm_hyco/vllm_adapter/cpu_attention.py) before the
 model is built; requests without a tree run exactly as in vLLM.
 """
 
@@ -14,8 +14,8 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from vllm_hyco.config import HycoConfig
-from vllm_hyco.engine import cpu_attention
-from vllm_hyco.engine.runner_mixin import HycoRunnerMixin
+from vllm_hyco.vllm_adapter import cpu_attention
+from vllm_hyco.vllm_adapter.runner_mixin import HycoRunnerMixin
 
 
 class HycoCPUModelRunner(HycoRunnerMixin, CPUModelRunner):

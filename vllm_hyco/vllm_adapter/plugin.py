@@ -10,11 +10,11 @@ more than once. It is:
   ``VLLM_HYCO_SKIP_VERSION_CHECK=1``;
 * lazy: nothing of vLLM is imported before vLLM itself calls ``register()``.
 
-What it installs (see ``vllm_hyco/patches``): the ``--speculative-config hyco`` parser, the
+What it installs (see ``vllm_hyco/vllm_adapter/patches``): the ``--speculative-config hyco`` parser, the
 engine-argument expansion and, on the CPU build, the fix of its ``expand_kernel`` fallback (sampled
 speculative decoding, ours and vLLM's own MTP alike) and of its generator rewind for seeded requests whose
-chunked-prefill samples are discarded (``patches/cpu_seeded_discard.py``). The HTTP side is the separate
-``vllm.endpoint_plugins`` entry point (``vllm_hyco.endpoint``), which vLLM loads only when ``VLLM_PLUGINS``
+chunked-prefill samples are discarded (``vllm_adapter/patches/cpu_seeded_discard.py``). The HTTP side is the separate
+``vllm.endpoint_plugins`` entry point (``vllm_hyco.vllm_adapter.endpoint``), which vLLM loads only when ``VLLM_PLUGINS``
 names ``hyco``.
 """
 
@@ -73,17 +73,17 @@ def register() -> None:
     if _REGISTERED or envs.VLLM_HYCO_DISABLE:
         return
     check_vllm_version()
-    from vllm_hyco.patches import cpu_expand_kernel, cpu_seeded_discard, engine_config, speculative_config_arg
+    from vllm_hyco.vllm_adapter.patches import cpu_expand_kernel, cpu_seeded_discard, engine_config, speculative_config_arg
 
     speculative_config_arg.PATCH.apply()
     engine_config.PATCH.apply()
     cpu_expand_kernel.apply_if_present()  # vLLM 0.32 CPU sampled spec decode (fixes plain vLLM too)
     cpu_seeded_discard.apply_if_cpu()  # vLLM 0.32 CPU: seeded requests under chunked prefill (plain vLLM too)
-    from vllm_hyco.serving import core_utils
+    from vllm_hyco.vllm_adapter import core_utils
 
     core_utils.install()  # the phone route's engine-core utility methods (vllm_hyco.serving)
-    if envs.VLLM_HYCO_BENCH_TIMING:  # benchmarks only: engine-side g (vllm_hyco/patches/step_timing.py)
-        from vllm_hyco.patches import step_timing as timing
+    if envs.VLLM_HYCO_BENCH_TIMING:  # benchmarks only: engine-side g (vllm_hyco/vllm_adapter/patches/step_timing.py)
+        from vllm_hyco.vllm_adapter.patches import step_timing as timing
 
         timing.install()
     _REGISTERED = True

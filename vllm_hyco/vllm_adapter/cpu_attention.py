@@ -23,9 +23,9 @@ from __future__ import annotations
 import torch
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
-from vllm_hyco.engine import tree_plan
-from vllm_hyco.engine.kv_view import cpu_kv_view, slots_for_positions
-from vllm_hyco.engine.tree_plan import CapturedKV
+from vllm_hyco.vllm_adapter import tree_plan
+from vllm_hyco.vllm_adapter.kv_view import cpu_kv_view, slots_for_positions
+from vllm_hyco.vllm_adapter.tree_plan import CapturedKV
 from vllm_hyco.kernels.tree_attention import tree_attention_dense_ref
 
 

@@ -34,7 +34,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_hyco.errors import ConfigError
+from vllm_hyco.errors import ConfigError, RequestFieldError
 
 METHOD = "hyco"
 MAX_NODE_BUDGET = 32  # decisions.md D3: n <= 32 real nodes plus the root
@@ -181,6 +181,27 @@ class HycoConfig:
         return (f"HyCo: verification {mode}, node_budget {self.node_budget}, window {window}, "
                 f"max_sessions {self.max_sessions}, session_idle_timeout_s {self.session_idle_timeout_s}, "
                 f"max_parked_blocks {'none' if self.max_parked_blocks is None else self.max_parked_blocks}")
+
+
+def resolve_session_eps(server_eps: float | None, requested: float | str | None) -> float | None:
+    """The session's ε (None = exact) under D4: the server's by default; a session may be stricter.
+
+    Stricter means a larger ε (fewer ε-accepts); ``"exact"`` or any value >= 1 asks for exact mode.
+
+    >>> resolve_session_eps(0.005, None), resolve_session_eps(0.005, 0.01), resolve_session_eps(0.005, "exact")
+    (0.005, 0.01, None)
+    """
+    if requested is None:
+        return server_eps
+    if requested == "exact" or (isinstance(requested, (int, float)) and requested >= 1.0):
+        return None
+    if not isinstance(requested, (int, float)) or not 0.0 < requested < 1.0:
+        raise RequestFieldError("eps", f"eps must be in (0, 1), >= 1 or 'exact', got {requested!r}")
+    if server_eps is None or requested < server_eps:
+        raise RequestFieldError("eps", f"eps {requested} is laxer than the server's "
+                                       f"({'exact' if server_eps is None else server_eps}); a session may only "
+                                       f"ask for a stricter eps or exact (decisions.md D4)")
+    return float(requested)
 
 
 def _check_epsilon(value: Any) -> None:

@@ -23,7 +23,7 @@ import time
 import uuid
 from typing import Any
 
-from vllm_hyco.vllm_adapter.api import resolve_session_eps
+from vllm_hyco.config import resolve_session_eps
 from vllm_hyco.errors import FrameError, HycoError, RequestFieldError, SessionError, TreeValidationError
 from vllm_hyco.handoff.chunks import plan_handoff
 from vllm_hyco.handoff.client_frames import StartFrame, TreeFrame
@@ -32,7 +32,7 @@ from vllm_hyco.handoff.limits import DEFAULT_LIMITS, WireLimits
 from vllm_hyco.handoff.schema import HANDOFF_SCHEMA_VERSION
 from vllm_hyco.handoff.server_frames import FinalFrame, VerdictFrame, openai_chunk
 from vllm_hyco.serving import metrics as _metrics
-from vllm_hyco.vllm_adapter.bridge import BridgeError, EngineBridge, RoundResult
+from vllm_hyco.serving.engine_port import EngineClient, RoundResult
 from vllm_hyco.serving.handoffs import KvRing, ServerModel
 from vllm_hyco.serving.table import HeldSession, SessionTable
 
@@ -59,7 +59,7 @@ class WireError(HycoError):
 
 
 class HycoService:
-    def __init__(self, bridge: EngineBridge, model: ServerModel, *, node_budget: int = 32,
+    def __init__(self, bridge: EngineClient, model: ServerModel, *, node_budget: int = 32,
                  server_eps: float | None = None, max_sessions: int = 16, idle_timeout_s: float = 60.0,
                  limits: WireLimits = DEFAULT_LIMITS):
         self.bridge, self.model, self.limits = bridge, model, limits
@@ -189,12 +189,10 @@ class HycoService:
             s.touch()
             try:
                 r = await self.bridge.round(s.engine, t.round, list(t.tokens), list(t.parents))
-            except BridgeError as e:
+            except HycoError as e:  # the engine's refusal, with its code (serving.engine_port)
                 if e.code == "server_busy":
                     self.metrics.rejected.labels(code="server_busy").inc()
                     raise WireError(str(e), code="server_busy", fatal=False, round=t.round) from None
-                await self._engine_lost(s, e, t.round)
-            except SessionError as e:
                 await self._engine_lost(s, e, t.round)
             frames = self._verdict_frames(s, t, r)
             s.touch()

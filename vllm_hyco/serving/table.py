@@ -19,7 +19,7 @@ from typing import Any
 
 from vllm_hyco.handoff.client_frames import ClientCapabilities
 from vllm_hyco.handoff.server_frames import VerdictFrame
-from vllm_hyco.vllm_adapter.bridge import EngineSession
+from vllm_hyco.serving.engine_port import EngineSession
 from vllm_hyco.serving.handoffs import KvRing
 
 

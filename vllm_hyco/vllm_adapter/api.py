@@ -26,6 +26,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_hyco.config import resolve_session_eps
 from vllm_hyco.errors import HycoError, RequestFieldError, SessionError
 
 ALLOWED_FIELDS = ("temperature", "top_k", "top_p", "seed", "max_tokens", "stop", "ignore_eos", "min_tokens")
@@ -65,27 +66,6 @@ def check_fields(fields: dict[str, Any]) -> None:
         if name not in ALLOWED_FIELDS and value not in (None, False, [], {}):
             raise RequestFieldError(name, f"field {name!r} is not supported for HyCo sessions; "
                                           f"allowed: {', '.join(ALLOWED_FIELDS)}")
-
-
-def resolve_session_eps(server_eps: float | None, requested: float | str | None) -> float | None:
-    """The session's ε (None = exact) under D4: the server's by default; a session may be stricter.
-
-    Stricter means a larger ε (fewer ε-accepts); ``"exact"`` or any value >= 1 asks for exact mode.
-
-    >>> resolve_session_eps(0.005, None), resolve_session_eps(0.005, 0.01), resolve_session_eps(0.005, "exact")
-    (0.005, 0.01, None)
-    """
-    if requested is None:
-        return server_eps
-    if requested == "exact" or (isinstance(requested, (int, float)) and requested >= 1.0):
-        return None
-    if not isinstance(requested, (int, float)) or not 0.0 < requested < 1.0:
-        raise RequestFieldError("eps", f"eps must be in (0, 1), >= 1 or 'exact', got {requested!r}")
-    if server_eps is None or requested < server_eps:
-        raise RequestFieldError("eps", f"eps {requested} is laxer than the server's "
-                                       f"({'exact' if server_eps is None else server_eps}); a session may only "
-                                       f"ask for a stricter eps or exact (decisions.md D4)")
-    return float(requested)
 
 
 class HycoEngine:

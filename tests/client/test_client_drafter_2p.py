@@ -18,7 +18,7 @@ from mobile_client.drafters.slm import SlmDrafter
 from mobile_client.drafters.spec import random_slm_state_dict, toy_slm_spec
 from mobile_client.tree import DraftTree, Source, frontier_plan, grow_tree, plant_tree
 
-from mobile_client import cli
+from mobile_client import bundle as bundle_mod
 from vllm_hyco.errors import ConfigError
 
 validate_tree = pytest.importorskip("vllm_hyco.spec_decode.tree").validate_tree
@@ -103,12 +103,12 @@ def test_one_pass_drafter_and_compiled_backend_refuse_two_pass(monkeypatch, tmp_
     from test_client_loop_cli import ROPE, _save  # a bundle folder with an SLM only
 
     _save(tmp_path / "slm", {**slm_hf_config(SPEC), "rope_parameters": ROPE}, SD)
-    monkeypatch.setattr(cli, "_compiled_step", lambda ctx, notes, name: (lambda feeds: None))
+    monkeypatch.setattr(bundle_mod, "compiled_step", lambda ctx, notes, name: (lambda feeds: None))
     (tmp_path / "build").mkdir()
     (tmp_path / "build" / "slm_ctx.onnx").write_bytes(b"")  # a compiled SLM step (never loaded here)
     with pytest.raises(ConfigError, match="--slm-passes 2"):
-        cli.load_bundle(tmp_path, "compiled", slm_passes=2)
+        bundle_mod.load_bundle(tmp_path, "compiled", slm_passes=2)
     with pytest.raises(ConfigError, match="--slm-passes"):
-        cli.load_bundle(tmp_path, "torch", slm_passes=3)
-    bundle = cli.load_bundle(tmp_path, "torch", slm_passes=2)  # torch: HyCo-2P (SLM-only without scales)
+        bundle_mod.load_bundle(tmp_path, "torch", slm_passes=3)
+    bundle = bundle_mod.load_bundle(tmp_path, "torch", slm_passes=2)  # torch: HyCo-2P (SLM-only without scales)
     assert bundle.drafter.drafter.two_pass and isinstance(bundle.drafter.drafter.row_drafter, MultiPassSlm)

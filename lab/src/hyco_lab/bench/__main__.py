@@ -24,7 +24,7 @@ from hyco_lab.bench import configs as C
 from hyco_lab.bench import metrics as M
 from hyco_lab.bench.drive import Sampling, run_cloud, run_phones
 from hyco_lab.bench.linkproxy import LinkModel
-from hyco_lab.bench.report import build_results, write_report
+from hyco_lab.bench.report import build_results, fixture_weights, handoff_values, phone_notes, write_report
 from hyco_lab.bench.server import BenchServer, counters_delta, spec_counters
 from vllm_hyco.errors import ConfigError, HycoError
 
@@ -221,48 +221,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     env: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                            "machine": args.machine or machine(), "fixtures": str(bench.fx),
-                           "weights": _weights(bench.fx), "link": bench.link.to_dict(), "prompts": len(bench.prompts),
+                           "weights": fixture_weights(bench.fx), "link": bench.link.to_dict(), "prompts": len(bench.prompts),
                            "prompt_set": args.prompt_set, "runs": args.runs, "phones": args.phones,
                            "max_tokens": args.max_tokens, "temperature": args.temperature, "top_k": args.top_k,
                            "top_p": args.top_p, "engine_threads": args.engine_threads,
                            "max_num_batched_tokens": args.max_num_batched_tokens,
                            "slm_only": any(c.name == "slm-only" for c in selected),
-                           "argv": sys.argv[1:] if argv is None else argv, "phone_notes": _phone_notes(bench.fx),
-                           "handoff_values": _handoff_values(bench.fx), "expand_kernel": bench.expand_kernels}
+                           "argv": sys.argv[1:] if argv is None else argv, "phone_notes": phone_notes(bench.fx),
+                           "handoff_values": handoff_values(bench.fx), "expand_kernel": bench.expand_kernels}
     results = build_results(per_run, env, sweep, ordinary)
     (bench.out / "records.json").write_text(json.dumps(bench.records, default=str))
     paths = write_report(bench.out, results)
     print(paths["markdown"].read_text())
     _log(f"wrote {', '.join(str(p) for p in paths.values())}")
     return 0
-
-
-def _handoff_values(fx: Path) -> dict[str, int] | None:
-    """The fixture verifier's hand-off size in the paper's terms (Algorithm 4 line 14)."""
-    try:
-        from vllm_hyco.handoff.sizes import spec_from_hf_config
-
-        spec = spec_from_hf_config(json.loads((fx / "verifier" / "config.json").read_text()))
-        return {"header": 44, "per_round": spec.values_per_round, "per_position": spec.values_per_position}
-    except Exception:  # noqa: BLE001 - a report note, never fatal
-        return None
-
-
-def _phone_notes(fx: Path) -> list[str]:
-    """What the bundle lets the HyCo phone do (e.g. no hand-off scales: SLM-only trees)."""
-    from hyco_lab.bench.phones import load_phone
-
-    try:
-        return load_phone(fx, C.CONFIGS["hyco"])[4]
-    except Exception as e:  # noqa: BLE001 - a report note, never fatal
-        return [f"could not load the phone bundle: {e}"]
-
-
-def _weights(fx: Path) -> str:
-    try:
-        return json.loads((fx / "fixtures.json").read_text()).get("options", {}).get("weights", "?")
-    except (OSError, ValueError):
-        return "?"
 
 
 if __name__ == "__main__":

@@ -36,26 +36,26 @@ WINDOW = 1024
 def load_phone(bundle: Path, config: BenchConfig, *, window: int = WINDOW):
     """(drafter, handoff spec or None, SessionOptions kwargs, notes) for one phone of ``config``."""
     from mobile_client.baselines import proactive_draft
-    from mobile_client.cli import _handoff_spec, _hf_dir, _keep_ids, _mtp_drafter
+    from mobile_client.bundle import handoff_spec, keep_ids, mtp_drafter, read_hf_dir
     from mobile_client.drafters.base import HybridDrafter, SpecEdgeDrafter
     from mobile_client.drafters.slm import SlmDrafter
     from mobile_client.drafters.spec import SlmSpec
     from mobile_client.session import HycoPhoneDrafter
 
     bundle, notes = Path(bundle), []
-    scfg, ssd = _hf_dir(bundle / "slm")
+    scfg, ssd = read_hf_dir(bundle / "slm")
     sspec = SlmSpec.from_hf_config(scfg)
-    keep = _keep_ids(bundle, sspec.vocab, None)
+    keep = keep_ids(bundle, sspec.vocab, None)
     slm = SlmDrafter(sspec, ssd, keep, window=window, rows=ROWS)
     rows = MultiPassSlm(slm)
     options: dict[str, Any] = {"mode": config.mode}
     spec, mtp, scales = None, None, None
     if config.drafter in ("hybrid", "hybrid-2p"):
-        spec, scales = _handoff_spec(bundle)
+        spec, scales = handoff_spec(bundle)
         if scales is None:
             notes.append("no handoff_scales.npz in the bundle: SLM-only trees (no MTP chain)")
         else:
-            mtp = _mtp_drafter(bundle, keep, "torch", bundle / "build", window, notes)
+            mtp = mtp_drafter(bundle, keep, "torch", bundle / "build", window, notes)
         inner = HybridDrafter(mtp, rows, two_pass=config.drafter == "hybrid-2p")
     else:
         inner = SpecEdgeDrafter(rows, passes=4, keep_ids=np.asarray(keep))

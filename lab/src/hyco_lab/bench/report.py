@@ -211,6 +211,36 @@ def write_report(out_dir: str | Path, results: dict[str, Any]) -> dict[str, Path
     return paths
 
 
+# -- notes on the fixture bundle (the bench's environment block) ----------------------------------------
+def handoff_values(fx: Path) -> dict[str, int] | None:
+    """The fixture verifier's hand-off size in the paper's terms (Algorithm 4 line 14)."""
+    try:
+        from vllm_hyco.handoff.sizes import spec_from_hf_config
+
+        spec = spec_from_hf_config(json.loads((fx / "verifier" / "config.json").read_text()))
+        return {"header": 44, "per_round": spec.values_per_round, "per_position": spec.values_per_position}
+    except Exception:  # noqa: BLE001 - a report note, never fatal
+        return None
+
+
+def phone_notes(fx: Path) -> list[str]:
+    """What the bundle lets the HyCo phone do (e.g. no hand-off scales: SLM-only trees)."""
+    from hyco_lab.bench.phones import load_phone
+
+    try:
+        return load_phone(fx, CONFIGS["hyco"])[4]
+    except Exception as e:  # noqa: BLE001 - a report note, never fatal
+        return [f"could not load the phone bundle: {e}"]
+
+
+def fixture_weights(fx: Path) -> str:
+    """The fixtures' weights label (``fixtures.json`` options), ``?`` when unknown."""
+    try:
+        return json.loads((fx / "fixtures.json").read_text()).get("options", {}).get("weights", "?")
+    except (OSError, ValueError):
+        return "?"
+
+
 def rebuild(out_dir: str | Path, env_updates: dict[str, Any] | None = None) -> dict[str, Path]:
     """Recompute every metric from ``records.json`` (keeping ``results.json``'s environment) and rewrite
     the report: ``python -m hyco_lab.bench.report DIR``."""
@@ -224,10 +254,8 @@ def rebuild(out_dir: str | Path, env_updates: dict[str, Any] | None = None) -> d
     sweep = [run_metrics(r) for r in runs if r.run >= 100]
     env = {**old["env"], **(env_updates or {})}
     if env.get("fixtures"):
-        from hyco_lab.bench.__main__ import _handoff_values, _phone_notes
-
-        env.setdefault("phone_notes", _phone_notes(Path(env["fixtures"])))
-        env.setdefault("handoff_values", _handoff_values(Path(env["fixtures"])))
+        env.setdefault("phone_notes", phone_notes(Path(env["fixtures"])))
+        env.setdefault("handoff_values", handoff_values(Path(env["fixtures"])))
     return write_report(out, build_results(per_run, env, sweep or old.get("sweep"), old.get("ordinary")))
 
 

@@ -146,3 +146,24 @@ def run_ladder(
             sessions["htp"] = qnn.htp_session(art.ctx_onnx)
         out["htp_emulator"] = qnn.run(sessions["htp"], feeds)[0]
     return Ladder(out)
+
+
+def write_golden(path: Path, float_m, quant_m, art: StepArtifacts, feeds, names, emulate: bool) -> dict:
+    """Save inputs and per-rung outputs of the golden feeds to ``path`` (npz); return the ladder comparisons.
+
+    Shared by both drafters' builds (``export.build`` for the MTP step, ``export.slm_build`` for the SLM step).
+    """
+    sessions: dict = {}
+    arrays, stats = {}, []
+    for i, f in enumerate(feeds):
+        lad = run_ladder(float_m, quant_m, art, f, names, htp=emulate, sessions=sessions)
+        for n in names:
+            arrays[f"{i}/in/{n}"] = f[n]
+        for rung, v in lad.outputs.items():
+            arrays[f"{i}/out/{rung}"] = v
+        pairs = [("float", "fake_quant"), ("fake_quant", "ort_cpu_qdq")]
+        if emulate:
+            pairs.append(("ort_cpu_qdq", "htp_emulator"))
+        stats.append({f"{a}->{b}": lad.compare(a, b) for a, b in pairs})
+    np.savez(path, **arrays)
+    return {"feeds": len(feeds), "per_feed": stats}

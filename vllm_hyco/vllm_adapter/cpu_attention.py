@@ -12,6 +12,8 @@ Matches vLLM 0.32 (``v1/attention/backends/cpu_attn.py``).
   K/V gathered through the KV view (only the window's tail for sliding layers; visibility depends on
   position differences only, so the tail is passed as a shorter prefix) plus the fresh tree K/V. ``do_kv_cache_update`` writes as stock and also captures the tree
   rows' K/V (for compaction and the hand-off). Batches without trees are untouched.
+* Overrides: ``CPUAttentionBackendImpl.forward`` and ``do_kv_cache_update`` (above);
+  ``CPUAttentionBackend.get_impl_cls`` (returns the HyCo impl). tests/unit/test_vllm_surface.py checks them.
 * When it can go: when vLLM's CPU op takes a per-sequence tree mask and per-row positions.
 
 The runner publishes the step's trees with ``tree_plan.set_active_trees`` before the forward and clears

@@ -26,7 +26,11 @@ is how the hook below is unit-tested without a GPU).
     causal attention without calling the hook. Asking for ``cudagraph_mode=FULL`` fails at start-up
     (vLLM's own check) instead of verifying trees wrongly.
   - ``get_name`` is ``"CUSTOM"``, so ``AttentionBackendEnum[get_name()]`` (what vLLM stores on each layer)
-    points back at this registration.
+    points back at this registration; ``get_impl_cls`` and ``get_builder_cls`` return the two classes above.
+
+  Overrides, all of them (tests/unit/test_vllm_surface.py checks them): ``TritonAttentionImpl.forward``,
+  ``do_kv_cache_update``; ``TritonAttentionMetadataBuilder._cudagraph_support`` (a class attribute);
+  ``TritonAttentionBackend.get_name``, ``get_impl_cls``, ``get_builder_cls``.
 
 * Refused (``HardwareUnsupportedError`` when a tree arrives): quantized KV caches, attention sinks,
   ALiBi, encoder attention. A layer on another backend is refused by :func:`check_tree_backends`, which

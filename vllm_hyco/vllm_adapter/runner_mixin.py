@@ -1,8 +1,13 @@
 """HycoRunnerMixin: tree positions, tree attention plan, tree decision, KV compaction, hand-off capture.
 
 Matches vLLM 0.32 (V1 ``GPUModelRunner`` / ``CPUModelRunner``). Mix it in front of the runner class:
-``class HycoCPUModelRunner(HycoRunnerMixin, CPUModelRunner)``. It overrides three private methods, each
-calling ``super()`` first so non-HyCo requests keep vLLM's behaviour:
+``class HycoCPUModelRunner(HycoRunnerMixin, CPUModelRunner)``. It overrides four ``GPUModelRunner`` methods
+(``_update_states``, ``_prepare_inputs``, ``_sample``, ``sample_tokens``; tests/unit/test_vllm_surface.py
+checks they still exist with these signatures), each calling ``super()`` first so non-HyCo requests keep
+vLLM's behaviour:
+
+* ``_update_states``: frees the per-request generators of finished requests (finished ids arrive also in
+  steps that schedule no tokens, which skip ``_prepare_inputs``).
 
 * ``_prepare_inputs``: after vLLM computed sequential positions **and the slot mapping from them** (so
   the 33 rows are written to the sequential slots t..t+32), overwrite each tree row's position with

@@ -4,7 +4,11 @@ Matches vLLM 0.32 (``v1/core/sched/scheduler.py``). Mix it in front of the sched
 ``class HycoScheduler(HycoSchedulerMixin, Scheduler)``. A HyCo request is recognised by
 ``sampling_params.extra_args["hyco"] = {"sid": str, "eps": float | None}``; other requests are untouched.
 
-Overrides (each calls ``super()``; internals this leans on are listed so a vLLM bump knows where to look):
+Overrides of ``Scheduler`` methods, all seven (each calls ``super()``; internals this leans on are listed so
+a vLLM bump knows where to look; tests/unit/test_vllm_surface.py checks they still exist with these
+signatures): ``add_request``, ``_reserve_prefill_lookahead``, ``_get_local_prefix_cache_hit``, ``schedule``,
+``update_from_output``, ``update_draft_token_ids``, ``finish_requests``. The ``hyco_*`` methods are new
+(called by the engine-core extension).
 
 * ``add_request``: registers the session (``SessionRegistry``).
 * ``_reserve_prefill_lookahead`` (a per-request hook both scheduling paths call): caps a session's
@@ -12,6 +16,9 @@ Overrides (each calls ``super()``; internals this leans on are listed so a vLLM 
   same cap re-applies, chunk by chunk, if the request is preempted and re-prefilled (only the chunk
   that starts at the root of a submitted tree may go past it). Replaces nothing (super's value is
   only lowered). Can go when vLLM has a per-request prefill limit.
+* ``_get_local_prefix_cache_hit``: a session never takes a prefix-cache hit that covers its whole prompt
+  but the root (it would leave a zero-token chunk that stalls vLLM's waiting loop); the lookup is redone
+  one token shorter. Other requests unchanged.
 * ``update_from_output``: records the runner's verdict (``ModelRunnerOutput.hyco_verdicts``) and *parks*
   the request: it leaves ``self.running`` but keeps status RUNNING and its KV blocks, so it holds no batch
   slot and the engine does not run ahead. Parked requests are not in ``running``/``waiting``, so
@@ -27,6 +34,8 @@ Overrides (each calls ``super()``; internals this leans on are listed so a vLLM 
   preempted before its round ran, and attaches ``scheduler_output.hyco_trees``
   (``{req_id: (round, tokens, parents, eps)}``) for the runner.
 * ``update_draft_token_ids``: drafts from the (null) proposer never reach session requests.
+* ``finish_requests``: after vLLM finished them (abort, close), marks their sessions finished in the
+  registry (``aborted`` unless a finish code was set).
 """
 
 from __future__ import annotations

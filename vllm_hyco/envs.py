@@ -1,4 +1,4 @@
-"""Process-level switches of vllm_hyco, read lazily from the environment (style guide 9).
+"""Process-level switches of vllm_hyco, read lazily from the environment (docs/decisions.md D16).
 
 Only process-wide switches live here; everything about *how* HyCo runs is a HycoConfig option.
 

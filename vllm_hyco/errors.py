@@ -1,6 +1,6 @@
 """Typed errors for every boundary of vllm_hyco (and, through the shared wire format, mobile_client).
 
-Audience split (style guide 10): ``assert`` guards internal invariants; everything a user, an operator
+Audience split (docs/decisions.md D17): ``assert`` guards internal invariants; everything a user, an operator
 or a phone can get wrong raises one of these, with a message that says what to fix. Each class carries a
 stable machine-readable ``code`` that the wire protocol puts in its error frames (docs/protocol.md).
 """

@@ -1,7 +1,7 @@
 """Our two drafters behind the tree builder's contracts (real: float torch on CPU).
 
 ``MtpDrafter`` as the ``ChainDrafter`` and ``SlmDrafter`` as the ``RowDrafter`` of
-``mobile_client.drafters.base.HybridDrafter``: the first round is SLM-only (decisions.md D2), later rounds
+``mobile_client.drafters.base.HybridDrafter``: the first round is SLM-only (docs/decisions.md D2), later rounds
 plant the MTP chain; the tree passes the server's validation; accepting a path moves the SLM's KV so that
 the next round's logits equal a fresh drafter's that prefilled the committed text.
 """

@@ -1,4 +1,4 @@
-"""Golden files, phone direction (decisions.md D6): what mobile_client decodes and encodes.
+"""Golden files, phone direction (docs/decisions.md D6): what mobile_client decodes and encodes.
 
 The phone loads the shipped scales file, derives its HandoffSpec, decodes every server frame with it
 (inline hand-offs checked against its model), reassembles the chunked seed, and builds its own client

@@ -4,7 +4,7 @@ Each class has ``to_wire()`` (the frame's fields, without the ``type``/``v`` env
 ``frames.encode_frame`` adds) and ``from_wire(fields, limits)``. Validation here is structural; the
 semantic tree rules (duplicate siblings, vocabulary) belong to ``vllm_hyco.spec_decode.tree``.
 
-The tree frame (decisions.md D3): rows in insertion order, row 0 is the root, no padding::
+The tree frame (docs/decisions.md D3): rows in insertion order, row 0 is the root, no padding::
 
     tokens  = bin[(n+1) * 4]   uint32 little-endian token ids
     parents = bin[n+1]         uint8 row of each parent, 0xFF for the root; 0 <= parents[i] < i

@@ -1,6 +1,6 @@
 """The hand-off H = (t', a, x_hat, R) of Algorithms 2 and 4 on the wire: a versioned, self-describing map.
 
-A hand-off carries what the phone's MTP head reads (decisions.md D1): the bonus token id, e(bonus) and the
+A hand-off carries what the phone's MTP head reads (docs/decisions.md D1): the bonus token id, e(bonus) and the
 verifier's last hidden state h as int8 [hidden] each, and for every hand-off layer the K (and V) rows of
 positions [a, t') as int8 [positions, kv_heads, head_dim], quantized with the model's fixed per-channel
 scales (``quant.py``). The next tree's root (the bonus) sits at position t' = ``root_position``.

@@ -3,7 +3,7 @@
 A verdict answers tree round r: the accepted path (rows of that tree, root excluded), the committed
 token ids (the path's tokens, then the bonus), the bonus (the next root), the hand-off for the next
 round (inline, or ``handoff_ref`` plus ``handoff_chunk`` frames when it is bigger than one chunk), the
-node budget granted for round r + 1 (decisions.md D3) and the new text as an OpenAI streaming chunk.
+node budget granted for round r + 1 (docs/decisions.md D3) and the new text as an OpenAI streaming chunk.
 When the request finishes (the chunk's ``finish_reason`` is set) the verdict carries no bonus, no
 hand-off and budget 0, and its tokens may stop early (EOS, stop string, max_tokens).
 """

@@ -23,7 +23,7 @@ from vllm_hyco.handoff.server_frames import VerdictFrame, openai_chunk
 
 PAPER_HEADER_BYTES = 44
 
-# Gemma 4 26B-A4B. No config file is available offline: decisions.md ("What is known") gives hidden 2,816,
+# Gemma 4 26B-A4B. No config file is available offline: docs/decisions.md ("Gemma 4 26B-A4B") gives hidden 2,816,
 # 30 layers (5 sliding : 1 full), window 1,024, full layers head dim 512 with unified K/V; the KV head
 # counts (8 sliding, 2 global) are inferred: they are the split for which both layers' K and V make the
 # paper's 6,144 values per position (8*256*2 + 2*512*2), and transformers' Gemma-4 EP plan comment

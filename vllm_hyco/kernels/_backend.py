@@ -1,6 +1,6 @@
 """Backend choice for every kernel: Triton on CUDA tensors (or when forced), the torch twin elsewhere.
 
-Triton is imported directly, never through ``vllm.triton_utils`` (cpu-recipe.md P10: vLLM replaces it by a
+Triton is imported directly, never through ``vllm.triton_utils`` (docs/vllm-notes.md P10: vLLM replaces it by a
 placeholder on CPU). The import is guarded, so this package imports on a machine without Triton.
 ``TRITON_INTERPRET=1`` must be set before the first ``import triton`` for the interpreter to run kernels on
 CPU tensors; :func:`interpreting` reports it.
@@ -57,7 +57,7 @@ def use_triton(backend: str, ref: torch.Tensor) -> bool:
 
 
 def upcast_dot(dtype: torch.dtype) -> bool:
-    """bf16 ``tl.dot`` is wrong in the Triton interpreter (cpu-recipe.md P11): upcast its operands there."""
+    """bf16 ``tl.dot`` is wrong in the Triton interpreter (docs/vllm-notes.md P11): upcast its operands there."""
     return dtype == torch.bfloat16 and interpreting()
 
 

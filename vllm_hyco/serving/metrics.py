@@ -2,7 +2,7 @@
 
 The WebSocket route runs in the API-server process, so these live in that process's
 ``prometheus_client`` registry, which vLLM's ``/metrics`` exposes. Multiprocess caveat: with several API
-servers (``--api-server-count > 1``, refused for HyCo by decisions.md D7) vLLM switches prometheus_client to
+servers (``--api-server-count > 1``, refused for HyCo by docs/decisions.md D7) vLLM switches prometheus_client to
 multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``); counters would then aggregate across processes and the
 gauge would need a ``multiprocess_mode``. Created once per process (idempotent :func:`get`).
 

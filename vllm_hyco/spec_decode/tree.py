@@ -21,7 +21,7 @@ Row j takes position ``t + depth[j]`` and attends to the committed prefix, its a
 ``[0b00001, 0b00011, 0b00111, 0b01001, 0b10011]``.
 
 Resolved ambiguities (docs/acceptance.md): two children of one node with the same token are *rejected*
-(decisions.md D3), not silently deduplicated; a root-only tree (n = 0) is valid, it verifies to just a
+(docs/decisions.md D3), not silently deduplicated; a root-only tree (n = 0) is valid, it verifies to just a
 bonus token; a tree with no rows at all is ``tree_empty``.
 """
 

@@ -4,7 +4,7 @@ Matches vLLM 0.32 (``v1/attention/backends/cpu_attn.py``).
 
 * Why: the CPU build always selects CPU_ATTN (``CpuPlatform.get_attn_backend_cls``), whose op has no
   arbitrary mask; tree rows need "ancestors + itself + committed prefix, window from the row's own
-  position" (vllm-integration.md §9).
+  position" (docs/vllm-notes.md §5).
 * What it replaces: the backend class registered for the **static** enum member
   ``AttentionBackendEnum.CPU_ATTN`` (never a new enum name: a dynamic member cannot be unpickled in a
   spawned engine core). ``forward`` runs the stock op for the whole batch, then overwrites the output of

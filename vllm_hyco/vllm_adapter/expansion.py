@@ -1,7 +1,7 @@
 """``--speculative-config hyco`` -> the engine arguments that run HyCo (no vLLM import; vLLM 0.32 fields).
 
 vLLM has no ``hyco`` speculative method and its method name is a validated Literal, so the word is an
-alias (vllm-integration.md §3) that expands, on the ``EngineArgs`` object before ``VllmConfig`` is built,
+alias (docs/vllm-notes.md §2) that expands, on the ``EngineArgs`` object before ``VllmConfig`` is built,
 to::
 
     speculative_config = {"method": "custom_class", "model": NULL_PROPOSER, "num_speculative_tokens": node_budget}
@@ -13,12 +13,12 @@ to::
 
 On GPU the tree rows need HyCo's backend, registered over the static ``CUSTOM`` member by the worker
 (a new enum name could not be unpickled in a spawned engine core). It subclasses vLLM's Triton backend,
-so Gemma-4's FA4 default is replaced by Triton attention on every layer (vllm-integration.md §12). Its
+so Gemma-4's FA4 default is replaced by Triton attention on every layer (docs/vllm-notes.md §5). Its
 metadata builder declares no full-CUDA-graph support, so vLLM itself resolves the default
 FULL_AND_PIECEWISE to PIECEWISE (attention and the KV write run eagerly, where the tree hooks are); no
 compilation option is set here. Another backend asked for on the command line is refused.
 
-Topologies v1 does not support (decisions.md D7) are refused here, with the flag to change.
+Topologies v1 does not support (docs/decisions.md D7) are refused here, with the flag to change.
 
 Example::
 
@@ -53,7 +53,7 @@ def check_topology(args: Any) -> None:
         value = getattr(args, name, 1) or 1
         if value > 1:
             raise ConfigError(f"--speculative-config hyco runs on one engine process in v1: {flag} {value} "
-                              f"is not supported; use {flag} 1 (scale-out is future work, decisions.md D7)")
+                              f"is not supported; use {flag} 1 (scale-out is future work, docs/decisions.md D7)")
     api_servers = getattr(args, "_api_process_count", 1) or 1
     if api_servers > 1:
         raise ConfigError(f"--speculative-config hyco needs a single API server (its sessions live in one "
@@ -101,5 +101,5 @@ def expand_engine_args(args: Any, *, is_cpu: bool) -> HycoConfig:
     logger.info("%s", cfg.describe())
     if not cfg.exact:
         logger.warning("HyCo LOSSY verification is ON (epsilon=%s): accepted tokens may differ from the "
-                       "verifier's own sampling; omit epsilon for exact mode (decisions.md D4)", cfg.epsilon)
+                       "verifier's own sampling; omit epsilon for exact mode (docs/decisions.md D4)", cfg.epsilon)
     return cfg

@@ -5,10 +5,10 @@ Matches vLLM 0.32 (``v1/attention/backends/triton_attn.py``: ``TritonAttentionBa
 is how the hook below is unit-tested without a GPU).
 
 * Why: vLLM's unified Triton kernel has no per-sequence tree mask and computes the sliding window from the
-  row index, not the row's tree depth (vllm-integration.md §9); tree rows need "prefix + ancestors +
+  row index, not the row's tree depth (docs/vllm-notes.md §5); tree rows need "prefix + ancestors +
   itself, window from the row's own position ``t + depth``".
 * What it replaces: the backend class of the **static** enum member ``AttentionBackendEnum.CUSTOM``
-  (a new enum name cannot be unpickled in a spawned engine core; memo §9, registration caveat), selected
+  (a new enum name cannot be unpickled in a spawned engine core; docs/vllm-notes.md §5, registration), selected
   by ``attention_config.backend = CUSTOM``, which ``--speculative-config hyco`` sets on GPU
   (``vllm_adapter/expansion.py``). The classes subclass the Triton ones:
 

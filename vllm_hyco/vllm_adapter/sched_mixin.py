@@ -169,7 +169,7 @@ class HycoSchedulerMixin:
             raise TreeValidationError(f"root token {tokens[0]} is not the last committed token "
                                       f"{request.all_token_ids[-1]}", code="bad_root")
         if eps is not None and eps != s.eps:
-            raise SessionError("ε is fixed per session (decisions.md D4); a round cannot change it",
+            raise SessionError("ε is fixed per session (docs/decisions.md D4); a round cannot change it",
                                code="eps_mismatch")
         assert request.num_computed_tokens == request.num_tokens - 1, "parked session not at its root"
         if request not in self.running and len(self.running) >= self.max_num_running_reqs:

@@ -1,6 +1,6 @@
 """The baselines' tree builders (paper Table 5): SpecEdge-style trees and proactive drafting (PD).
 
-SpecEdge-style (SpecExec-style beam growth, as kaist-ina/specedge drafts on the edge; anchors.md §1):
+SpecEdge-style (SpecExec-style beam growth, as kaist-ina/specedge drafts on the edge):
 the SLM alone grows a tree in ``passes`` (4) sequential forwards. Each pass expands the best ``beams``
 (32) not-yet-expanded nodes, ranked by score, ties to the earlier row. Each expanded node v proposes its
 ``width`` (16) most likely tokens c with score ``(s(v) + ln q(c|v)) + decay`` (decay = ln 0.9, s(root) =

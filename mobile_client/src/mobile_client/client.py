@@ -96,7 +96,7 @@ class HycoClient:
     ``max_retries`` bounds the reconnects in a row without progress (any applied verdict resets the
     count); waits between them back off from ``retry_delay_s`` up to ``max_retry_delay_s``.
     ``offload`` runs drafting in a worker thread so several simulated phones share one event loop.
-    Simulated phones (benchmarks, decisions.md D8): ``sim_draft_ms`` pads each new tree's drafting to a
+    Simulated phones (benchmarks, docs/decisions.md D8): ``sim_draft_ms`` pads each new tree's drafting to a
     modelled device time (the paper: 52.9 ms per round); ``sim_rtt_ms`` adds a modelled link round trip
     (half before each tree, half after each verdict). Both only delay; ``RoundStats`` keeps the measured
     draft time, and its wait time includes the modelled link.

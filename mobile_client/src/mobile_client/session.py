@@ -13,7 +13,7 @@ ring keeps the rows of the root and of the path; the rest become the next forwar
 applies the hand-off (the MTP ring and the MTP head's first input ``x_hat``). A verdict is applied whole
 or not at all, so a connection lost mid-verdict loses nothing: the client resumes and the server replays.
 
-Round 0 follows decisions.md D2: the root is the prompt's last token, the drafter's SLM is prefilled with
+Round 0 follows docs/decisions.md D2: the root is the prompt's last token, the drafter's SLM is prefilled with
 the tokens before it, and the tree is the SLM's alone (no ``x_hat`` yet); verdict 0 carries the seed.
 
 Positions: the prompt holds positions 0..L-1, so round 0's root sits at L-1. After a round that accepts

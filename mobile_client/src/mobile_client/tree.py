@@ -1,4 +1,4 @@
-"""The phone's hybrid draft tree: paper Algorithm 3 (BuildTree) with decisions.md D3 and D5.
+"""The phone's hybrid draft tree: paper Algorithm 3 (BuildTree) with docs/decisions.md D3 and D5.
 
 A tree is a list of rows in insertion order. Row 0 is the root (the last committed token, the previous
 round's bonus token); every other row is a drafted node whose parent is an earlier row:

@@ -1,4 +1,4 @@
-"""Explicit, recorded patches of upstream vLLM (style guide 3). Nothing here runs at import time.
+"""Explicit, recorded patches of upstream vLLM (docs/decisions.md D11). Nothing here runs at import time.
 
 Each patch is one :class:`Patch` object per upstream target, with its **Why / How / Upstream /
 Removal** notes next to the code. ``apply()`` is idempotent (a second call is a no-op), remembers the

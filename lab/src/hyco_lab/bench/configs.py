@@ -13,7 +13,7 @@
 | ``server-head`` | dropped (``DROPPED``): the engine runs no MTP head for phone sessions | | |
 | ``slm-only`` | none: modelled from the paper's device numbers (no server) | | |
 
-Phone compute is **modelled** (decisions.md D8) from the paper's device numbers unless a phone measured
+Phone compute is **modelled** (docs/decisions.md D8) from the paper's device numbers unless a phone measured
 it: one SLM pass over 32 rows 15.7 ms; a HyCo round 52.9 ms of device time (MTP head K steps, one SLM
 pass, the tree); the on-device head is about 20 ms of that. So: SpecEdge-style 4 x 15.7 ms, HyCo-2P
 52.9 + 15.7 ms, the first round (SLM only, D2) 15.7 ms for every configuration.
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from vllm_hyco.errors import ConfigError
 
-#: the paper's device numbers (decisions.md D8), milliseconds
+#: the paper's device numbers (docs/decisions.md D8), milliseconds
 SLM_PASS_MS = 15.7
 HYCO_ROUND_MS = 52.9
 HEAD_ON_DEVICE_MS = 20.0
@@ -98,7 +98,7 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
 #: configurations the harness knows but does not run, and why
 DROPPED = {
     "server-head": "HyCo server head (paper Table 5) is not run: the HyCo engine runs no MTP head for phone "
-                   "sessions (NullProposer, decisions.md D1), so a server-side head drafting into the "
+                   "sessions (NullProposer, docs/decisions.md D1), so a server-side head drafting into the "
                    "phone's tree would need a server drafter that does not exist; its cost would be "
                    "cloud-mtp's head steps plus a 33-row verify, reported by neither.",
 }

@@ -25,7 +25,7 @@ from hyco_lab.bench.server import MODEL_NAME
 
 @dataclass(frozen=True)
 class Sampling:
-    """The requests' sampling (decisions.md D4: the paper's T = 1, top-k 64, top-p 0.95 by default)."""
+    """The requests' sampling (docs/decisions.md D4: the paper's T = 1, top-k 64, top-p 0.95 by default)."""
 
     max_tokens: int = 64
     temperature: float = 1.0

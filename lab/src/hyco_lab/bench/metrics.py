@@ -50,7 +50,7 @@ class RoundRecord:
     nodes: int  # drafted nodes sent (root excluded)
     accepted: int  # |P|
     committed: int  # path + bonus (fewer on a finishing round)
-    device_ms: float = 0.0  # modelled device time of this round (decisions.md D8)
+    device_ms: float = 0.0  # modelled device time of this round (docs/decisions.md D8)
     draft_ms: float = 0.0  # CPU-measured drafting on this machine
     wait_ms: float = 0.0  # tree sent -> verdict in (link + server)
     bytes_up: int = 0
@@ -247,13 +247,13 @@ def summarize(per_run: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
-# -- a GPU-modelled g (physics.md: a memory-bound H200, batch 1, independent expert routing) ---------------
-#: rows per forward -> ms per forward at the memory-bound limit (physics.md table, H200 column)
+# -- a GPU-modelled g (docs/vllm-notes.md §9: a memory-bound H200, batch 1, independent expert routing) --
+#: rows per forward -> ms per forward at the memory-bound limit (docs/vllm-notes.md §9 table, H200 column)
 PHYSICS_H200_MS = ((1, 0.59), (5, 1.11), (33, 2.60))
 
 
 def physics_forward_ms(rows: float) -> float:
-    """Piecewise-linear interpolation of physics.md's H200 bound over rows per forward.
+    """Piecewise-linear interpolation of docs/vllm-notes.md §9's H200 bound over rows per forward.
 
     >>> physics_forward_ms(5), physics_forward_ms(19)
     (1.11, 1.855)
@@ -267,6 +267,6 @@ def physics_forward_ms(rows: float) -> float:
 
 
 def gpu_model_g(rows_per_round: float, mat: float | None) -> float | None:
-    """Modelled decode g (ms/token) on an H200 at physics.md's limit: one verify forward per round / MAT.
+    """Modelled decode g (ms/token) on an H200 at docs/vllm-notes.md §9's limit: one verify forward per round / MAT.
     Prefill and the server head's own steps (Cloud+MTP) are not in it."""
     return round(physics_forward_ms(rows_per_round) / mat, 4) if mat else None

@@ -2,7 +2,7 @@
 the metrics need (sources of the accepted nodes, modelled device time, time to first token).
 
 Drafters come from the fixture bundle (``python -m hyco_lab.fixtures DIR``; docs/phone-loop.md's bundle
-layout) and run on this machine's CPU; their *timing* is modelled (decisions.md D8): the client pads each
+layout) and run on this machine's CPU; their *timing* is modelled (docs/decisions.md D8): the client pads each
 round's drafting to the configuration's device time (``BenchClient``), 15.7 ms for the SLM-only first
 round (D2), and nothing when a proactive tree is reused (SpecEdge + PD).
 

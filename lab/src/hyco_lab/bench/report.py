@@ -17,7 +17,7 @@ from hyco_lab.bench.metrics import disjoint, summarize, with_ratios
 
 LABELS = {
     "g": "CPU-measured (engine process CPU seconds in the model calls, prefill included, / output tokens; compare only as ratios in one run)",
-    "gpu_model_g": "modelled: physics.md H200 memory-bound verify forward / MAT (no prefill, no server head)",
+    "gpu_model_g": "modelled: docs/vllm-notes.md §9 H200 memory-bound verify forward / MAT (no prefill, no server head)",
     "tok_s": "simulated: CPU-measured server + modelled link (proxy) + modelled device time (D8)",
     "draft": "modelled from the paper's device numbers (D8); CPU-measured drafting in the JSON",
     "bytes": "measured: whole WebSocket frames (msgpack) per round after the first",

@@ -1,7 +1,7 @@
 """One drafter step from torch to a QNN context binary: export -> encodings -> QDQ -> compile.
 
 ``build_step`` is shared by both drafters and by the tests; it returns the paths, the encodings and the
-compile report that the manifest records. Every stage is labelled as in mobile-qnn.md section 10:
+compile report that the manifest records. Every stage is labelled as in docs/phone-build.md, "The agreement ladder":
 float and fake-quant are *simulated* (torch), ORT-CPU on the QDQ graph is *simulated(cpu-qdq)*, the
 context binary run on x86 is *emulated(x86-HTP)*; nothing here is a phone measurement.
 """

@@ -7,7 +7,6 @@ from vllm_hyco.errors import ConfigError, FrameError, HandoffSchemaError
 from vllm_hyco.handoff.client_frames import (
     ClientCapabilities,
     HycoOptions,
-    NodeLabel,
     ResumeRequest,
     StartFrame,
     TreeFrame,
@@ -23,6 +22,7 @@ from vllm_hyco.handoff.server_frames import (
     VerdictFrame,
     openai_chunk,
 )
+from vllm_hyco.handoff.tree_contract import NodeLabel
 
 SID = bytes(range(16))
 SPEC = HandoffSpec(

@@ -2,15 +2,15 @@
 
 Modules: ``quant`` (fixed-scale int8 and the scales file), ``schema`` (the hand-off), ``client_frames``
 (start, tree), ``server_frames`` (verdict, handoff_chunk, error, final), ``frames`` (envelope, encode,
-decode), ``chunks`` (seed chunking and reassembly), ``limits`` (WireLimits, error codes), ``sizes``
-(byte counts), ``golden`` (``python -m vllm_hyco.handoff.golden DIR``). docs/protocol.md is the spec.
+decode), ``chunks`` (seed chunking and reassembly), ``limits`` (WireLimits, error codes), ``tree_contract``
+(what a tree is: labels, depth, ancestor masks, padding, ``validate_tree``), ``sizes`` (byte counts),
+``golden`` (``python -m vllm_hyco.handoff.golden DIR``). docs/protocol.md is the spec.
 """
 
 from vllm_hyco.handoff.chunks import HandoffAssembler, plan_handoff, split_handoff
 from vllm_hyco.handoff.client_frames import (
     ClientCapabilities,
     HycoOptions,
-    NodeLabel,
     ResumeRequest,
     StartFrame,
     TreeFrame,
@@ -36,6 +36,7 @@ from vllm_hyco.handoff.server_frames import (
     VerdictFrame,
     openai_chunk,
 )
+from vllm_hyco.handoff.tree_contract import NodeLabel
 
 __all__ = [
     "ClientCapabilities",

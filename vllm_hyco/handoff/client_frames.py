@@ -2,7 +2,7 @@
 
 Each class has ``to_wire()`` (the frame's fields, without the ``type``/``v`` envelope that
 ``frames.encode_frame`` adds) and ``from_wire(fields, limits)``. Validation here is structural; the
-semantic tree rules (duplicate siblings, vocabulary) belong to ``vllm_hyco.spec_decode.tree``.
+semantic tree rules (duplicate siblings, vocabulary) belong to ``tree_contract.validate_tree``.
 
 The tree frame (decisions.md D3): rows in insertion order, row 0 is the root, no padding::
 
@@ -18,7 +18,6 @@ b'\\xff\\x00\\x00'
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import IntEnum
 
 import numpy as np
 
@@ -26,6 +25,7 @@ from vllm_hyco.errors import FrameError
 from vllm_hyco.handoff._fields import Fields, pack
 from vllm_hyco.handoff.limits import AIOHTTP_DEFAULT_MAX_MSG, WireLimits
 from vllm_hyco.handoff.schema import FINGERPRINT_BYTES
+from vllm_hyco.handoff.tree_contract import DEFAULT_NODE_BUDGET, NodeLabel
 
 SESSION_ID_BYTES = 16
 ROOT_PARENT = 0xFF
@@ -35,19 +35,9 @@ MIN_CLIENT_MESSAGE_BYTES = 64 << 10
 _E = FrameError
 
 
-class NodeLabel(IntEnum):
-    """Where a tree node came from (optional per-node labels; statistics only, never acceptance)."""
-
-    ROOT = 0
-    CHAIN = 1
-    RUNNER_UP = 2
-    SLM = 3
-    OTHER = 4
-
-
 @dataclass(frozen=True)
 class ClientCapabilities:
-    max_nodes: int = 32  # the most draft nodes this phone can build per tree
+    max_nodes: int = DEFAULT_NODE_BUDGET  # the most draft nodes this phone can build per tree
     labels: bool = True  # the phone sends per-node source labels
     handoff_schemas: tuple[int, ...] = (1,)  # hand-off schema versions it decodes
     max_message_bytes: int = AIOHTTP_DEFAULT_MAX_MSG  # its WebSocket receive limit
@@ -242,7 +232,7 @@ class TreeFrame:
 
     def tree_dict(self) -> dict:
         """``{"tokens", "parents", "labels"}`` as lists (labels None if absent), the form
-        ``vllm_hyco.spec_decode.tree.TokenTree.from_wire`` validates semantically."""
+        ``tree_contract.validate_tree`` (and ``vllm_hyco.spec_decode.tree.TokenTree.from_wire``) checks."""
         labels = None if self.labels is None else list(self.labels)
         return {"tokens": list(self.tokens), "parents": list(self.parents), "labels": labels}
 

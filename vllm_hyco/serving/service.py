@@ -31,6 +31,7 @@ from vllm_hyco.handoff.frames import encode_frame
 from vllm_hyco.handoff.limits import DEFAULT_LIMITS, WireLimits
 from vllm_hyco.handoff.schema import HANDOFF_SCHEMA_VERSION
 from vllm_hyco.handoff.server_frames import FinalFrame, VerdictFrame, openai_chunk
+from vllm_hyco.handoff.tree_contract import DEFAULT_NODE_BUDGET, validate_tree
 from vllm_hyco.serving import metrics as _metrics
 from vllm_hyco.vllm_adapter.bridge import BridgeError, EngineBridge, RoundResult
 from vllm_hyco.serving.handoffs import KvRing, ServerModel
@@ -59,7 +60,7 @@ class WireError(HycoError):
 
 
 class HycoService:
-    def __init__(self, bridge: EngineBridge, model: ServerModel, *, node_budget: int = 32,
+    def __init__(self, bridge: EngineBridge, model: ServerModel, *, node_budget: int = DEFAULT_NODE_BUDGET,
                  server_eps: float | None = None, max_sessions: int = 16, idle_timeout_s: float = 60.0,
                  limits: WireLimits = DEFAULT_LIMITS):
         self.bridge, self.model, self.limits = bridge, model, limits
@@ -162,8 +163,6 @@ class HycoService:
         return WireError(message, code=code, fatal=False, round=round_)
 
     def check_tree(self, s: HeldSession, t: TreeFrame) -> None:
-        from vllm_hyco.spec_decode.tree import validate_tree
-
         if s.finished:
             raise self._reject("the session is finished; send a new start", "bad_round", t.round)
         if t.round != s.expected_round:

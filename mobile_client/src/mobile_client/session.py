@@ -52,6 +52,7 @@ from vllm_hyco.handoff.frames import encode_frame
 from vllm_hyco.handoff.limits import AIOHTTP_DEFAULT_MAX_MSG
 from vllm_hyco.handoff.quant import HandoffScales, dequantize
 from vllm_hyco.handoff.schema import HandoffPayload, HandoffSpec
+from vllm_hyco.handoff.tree_contract import DEFAULT_NODE_BUDGET
 
 # tree [, catch_up=tokens] -> mobile_client.baselines.ProactiveDraft; ``catch_up`` (when the function takes
 # it): committed tokens before the tree's root that the drafter has not seen yet
@@ -64,7 +65,7 @@ class SessionOptions:
 
     mode: str = "exact"  # "exact" (lossless, the default) or "epsilon" (only if the operator enabled it)
     epsilon: float | None = None  # with "epsilon": a stricter ε than the operator's; None = the operator's
-    max_nodes: int = 32  # the largest tree this phone builds (capabilities.max_nodes)
+    max_nodes: int = DEFAULT_NODE_BUDGET  # the largest tree this phone builds (capabilities.max_nodes)
     labels: bool = True  # send per-node source labels (statistics only)
     max_message_bytes: int = AIOHTTP_DEFAULT_MAX_MSG  # the client's WebSocket receive limit
     keep_set_hash: bytes | None = None

@@ -41,8 +41,8 @@ PROTOCOL_VERSION = 2
 SUPPORTED_PROTOCOL_VERSIONS = (2,)
 ERROR_FRAME_VERSIONS = (1, 2)  # versions whose `error` frame has this layout (type, v, code, message, ...)
 UPGRADE_HINT = (
-    "upgrade the phone app to a release that speaks HyCo protocol version 2 (mobile_client 0.2 or later; "
-    "the spec is docs/protocol.md)"
+    "upgrade the phone app (hyco-mobile-client, or an app following docs/protocol.md) to a release that "
+    "speaks HyCo protocol version 2"
 )
 
 ClientFrame = StartFrame | TreeFrame

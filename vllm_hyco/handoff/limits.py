@@ -81,6 +81,7 @@ ERROR_CODES: dict[str, tuple[bool, str]] = {
         True,
         "server and phone run different models or scales; update the model bundle",
     ),
+    "schema_mismatch": (True, "the tree's `schema` (or a resume's) is not this session's schema_hash"),
     "layout_mismatch": (True, "the hand-off's layer layout differs from the phone's model"),
     "scales_mismatch": (True, "the hand-off was quantized with other scales than the phone ships"),
     "bad_scales": (True, "a scales file or scale array is malformed"),

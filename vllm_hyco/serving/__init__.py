@@ -13,6 +13,7 @@ from typing import Any
 
 def create_service(engine_client: Any, hyco_config: Any, model_name: str | None = None):
     """The HycoService of a running server (called once from the endpoint plugin's ``init_state``)."""
+    from vllm_hyco import envs
     from vllm_hyco.vllm_adapter.bridge import EngineBridge
     from vllm_hyco.serving.handoffs import ServerModel
     from vllm_hyco.serving.service import HycoService
@@ -22,4 +23,5 @@ def create_service(engine_client: Any, hyco_config: Any, model_name: str | None 
     bridge = EngineBridge(engine_client, name, int(mc.max_model_len), int(mc.get_vocab_size()))
     model = ServerModel.load(mc.model, hyco_config.window)
     return HycoService(bridge, model, node_budget=hyco_config.node_budget, server_eps=hyco_config.epsilon,
-                       max_sessions=hyco_config.max_sessions, idle_timeout_s=hyco_config.session_idle_timeout_s)
+                       max_sessions=hyco_config.max_sessions, idle_timeout_s=hyco_config.session_idle_timeout_s,
+                       route_key=envs.VLLM_HYCO_ROUTE_KEY)

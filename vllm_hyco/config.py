@@ -35,9 +35,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_hyco.errors import ConfigError, RequestFieldError
+from vllm_hyco.handoff.tree_contract import DEFAULT_NODE_BUDGET
 
 METHOD = "hyco"
-MAX_NODE_BUDGET = 32  # docs/decisions.md D3: n <= 32 real nodes plus the root
+# The operator may lower the node budget, not raise it past the paper's B (n <= 32 nodes plus the root).
+MAX_NODE_BUDGET = DEFAULT_NODE_BUDGET
 ADDITIONAL_CONFIG_KEY = "hyco"  # VllmConfig.additional_config[ADDITIONAL_CONFIG_KEY] = HycoConfig.to_dict()
 
 
@@ -61,7 +63,7 @@ class HycoConfig:
     """
 
     epsilon: float | None = None
-    node_budget: int = MAX_NODE_BUDGET
+    node_budget: int = DEFAULT_NODE_BUDGET
     window: int | None = None
     max_sessions: int = 16
     session_idle_timeout_s: float = 60.0

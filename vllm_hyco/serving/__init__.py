@@ -19,9 +19,11 @@ def create_service(engine: Any, model_path: str, hyco_config: Any):
     ``engine`` implements :class:`vllm_hyco.serving.engine_port.EngineClient`; ``model_path`` is the
     verifier's folder (its hand-off scales and spec are read from it).
     """
+    from vllm_hyco import envs
     from vllm_hyco.serving.handoffs import ServerModel
     from vllm_hyco.serving.service import HycoService
 
     model = ServerModel.load(model_path, hyco_config.window)
     return HycoService(engine, model, node_budget=hyco_config.node_budget, server_eps=hyco_config.epsilon,
-                       max_sessions=hyco_config.max_sessions, idle_timeout_s=hyco_config.session_idle_timeout_s)
+                       max_sessions=hyco_config.max_sessions, idle_timeout_s=hyco_config.session_idle_timeout_s,
+                       route_key=envs.VLLM_HYCO_ROUTE_KEY)

@@ -82,6 +82,8 @@ EXPECTED: dict[str, str | None] = {
     "vllm.v1.worker.cpu_worker:CPUWorker.sample_tokens": "self, grammar_output",
     "vllm.v1.worker.cpu_worker:CPUWorker.take_draft_token_ids": "self",
 }
+# Adapter modules outside patches/ that may hold Patch objects (the engine-core extensions).
+PATCHING_MODULES = ("core_ext", "core_utils")
 # Targets that exist only in vLLM's CPU build (skipped, not failed, on another platform).
 CPU_ONLY_MODULES = ("vllm.utils.cpu_triton_utils", "vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner",
                     "vllm.v1.attention.backends.cpu_attn", "vllm_hyco.vllm_adapter.cpu_worker",
@@ -155,8 +157,10 @@ def overrides() -> dict[str, tuple[object, object]]:
 def registered_patches() -> list[Patch]:
     """Every Patch object of the registry (module attributes ``PATCH``/``PATCHES`` and friends)."""
     out: list[Patch] = []
-    for info in pkgutil.iter_modules(patches_pkg.__path__):
-        mod = importlib.import_module(f"{patches_pkg.__name__}.{info.name}")
+    names = [f"{patches_pkg.__name__}.{info.name}" for info in pkgutil.iter_modules(patches_pkg.__path__)]
+    names += [f"vllm_hyco.vllm_adapter.{m}" for m in PATCHING_MODULES]
+    for name in names:
+        mod = importlib.import_module(name)
         for value in vars(mod).values():
             items = value if isinstance(value, (list, tuple)) else [value]
             out.extend(p for p in items if isinstance(p, Patch) and p not in out)

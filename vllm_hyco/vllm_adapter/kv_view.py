@@ -69,6 +69,16 @@ class CpuAttnKVView:
         v = planes[:, :, 1].view(num_blocks, num_kv_heads, block_size, head_size)  # [B, Hkv, bs, D]
         return k, v, block_size
 
+    def kv_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V as ``[num_blocks, block_size, num_kv_heads, head_size]`` views (no copy; K's last dim is
+        strided: the plane is transposed). What the hand-off gather and the compaction twin index."""
+        k_planes, v_planes, _ = self._split(kv_cache)
+        return k_planes.permute(0, 3, 1, 2), v_planes.transpose(1, 2)
+
+    def move_views(self, kv_cache: torch.Tensor) -> list[torch.Tensor]:
+        """The caches a slot move must copy (``kernels.compact_kv``): K and V separately here."""
+        return list(self.kv_views(kv_cache))
+
     def gather(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of ``slots``: each [n, num_kv_heads, head_size] (copies)."""
         k_planes, v_planes, block_size = self._split(kv_cache)
@@ -106,6 +116,16 @@ class BlockMajorKVView:
         head_size = kv_cache.shape[-1] // 2
         k, v = kv_cache.transpose(1, 2).split(head_size, dim=-1)  # [B, bs, Hkv, D] each
         return k, v, kv_cache.shape[2]
+
+    def kv_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ``[num_blocks, block_size, num_kv_heads, head_size]`` views (contiguous last dim)."""
+        k, v, _ = self._split(kv_cache)
+        return k, v
+
+    def move_views(self, kv_cache: torch.Tensor) -> list[torch.Tensor]:
+        """One ``[num_blocks, block_size, num_kv_heads, 2 * head_size]`` view: a slot row holds K and V
+        side by side, so one move copies both (``kernels.compact_kv``, one Triton launch for all layers)."""
+        return [kv_cache.transpose(1, 2)]
 
     def gather(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of ``slots``: each [n, num_kv_heads, head_size] (copies)."""

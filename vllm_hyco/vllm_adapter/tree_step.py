@@ -1,0 +1,295 @@
+"""One step's tree decision, KV compaction and hand-off gather, on the runner's device, for all trees at once.
+
+Matches vLLM 0.32 (V1 runner: ``input_batch.block_table[g]`` with its ``slot_mapping``/``block_table``
+buffers, ``kv_cache_config.kv_cache_groups``, ``compilation_config.static_forward_context``). The runner
+mixin's ``_sample`` calls, once per step with trees:
+
+1. :meth:`StepTrees.build`: the step's index tensors (packed rows, their rows in the flattened batch,
+   each tree's first row), built on the host from the trees' lists and moved to the device once.
+2. :func:`decide`: the core's ``verify_batch_with_uniforms`` on the trees' logits rows, on the device: the
+   candidate cut, p̃ on it and the samples for every sampled row in one batch, greedy rows by argmax,
+   the acceptance rule for every tree. Uniforms: one float64 per row of a sampled tree, drawn on the host
+   from the session's own ``torch.Generator`` (seeded from ``extra_args["hyco"]["seed"]``), in row order
+   (docs/acceptance.md); they are the only host-to-device data of the decision besides the indices.
+   What comes back to the host is one int64 tensor of ``O(rows)`` values (paths, bonuses, hits, samples).
+3. :func:`compact`: every cache-owning layer's accepted rows moved from the slots of ``t + r_i`` to those
+   of ``t + i`` by ``kernels.compact_kv`` (one Triton launch for all layers on a GPU; the torch twin on
+   CPU_ATTN's transposed layout), slots read from vLLM's per-group slot mapping of this step.
+4. :func:`handoff`: the two hand-off layers' K/V rows (root + path, after compaction), h at v* and
+   e(bonus), gathered and quantized to int8 on the device with the model's fixed scales
+   (``kernels.handoff_gather``), then copied to the host as int8 in one transfer. Round 0's seed (the last
+   W positions) is gathered and quantized the same way.
+
+The layer list: attention layers of every KV-cache group that own their cache (``kv_sharing_target``
+unset). :func:`warm_up` compiles the Triton variants the engine launches at load (GPU only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from vllm_hyco.kernels import compact_kv, gather_quantize_kv, quantize_int8
+from vllm_hyco.spec_decode.sampling import SAMPLING_EPS, SamplingSpec, draw_uniforms
+from vllm_hyco.spec_decode.verify import BatchVerdict, PackedTrees, verify_batch_with_uniforms
+from vllm_hyco.vllm_adapter.kv_view import BlockMajorKVView, cpu_kv_view, slots_for_positions
+from vllm_hyco.vllm_adapter.tree_plan import TreeRows
+
+ROOT_LABEL, OTHER_LABEL = 0, 4  # spec_decode.tree.NodeSource ROOT / OTHER (the engine has no labels)
+
+
+@dataclass
+class StepTrees:
+    """The step's trees and their index tensors (built once per step)."""
+
+    trees: list[TreeRows]
+    packed: PackedTrees  # on the device
+    # [N] int64 row of each packed row in the step's logits
+    logit_rows: torch.Tensor
+    # [B] int64 first row (the root) of each tree in the flattened batch (hidden states, slot mappings)
+    q_start: torch.Tensor
+    max_depth: int
+    offsets: list[int]  # [B + 1] host row offsets
+
+    @classmethod
+    def build(cls, trees: list[TreeRows], logit_starts: list[int], device: torch.device | str) -> StepTrees:
+        """``logit_starts[b]``: tree b's first row in the step's logits (vLLM keeps one logits row per
+        request without drafts, so it differs from the batch row ``q_start`` behind a prefill)."""
+        tokens, parent, depth, req, labels, flat, offsets = [], [], [], [], [], [], [0]
+        for b, (tr, lo) in enumerate(zip(trees, logit_starts)):
+            base = offsets[-1]
+            tokens += tr.tokens
+            parent += [base] + [base + p for p in tr.parents[1:]]
+            depth += tr.depths.tolist()
+            req += [b] * tr.num_rows
+            labels += [ROOT_LABEL] + [OTHER_LABEL] * (tr.num_rows - 1)
+            flat += range(lo, lo + tr.num_rows)
+            offsets.append(base + tr.num_rows)
+        as64 = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+        host = torch.stack([as64(tokens), as64(parent), as64(depth), as64(req), as64(labels), as64(flat)])
+        dev = host.to(device, non_blocking=True)  # one host-to-device copy for the step's row indices
+        small = as64(offsets + [tr.num_rows for tr in trees] + [tr.q_start for tr in trees]).to(device)
+        num = len(trees)
+        packed = PackedTrees(tokens=dev[0], parent=dev[1], depth=dev[2], req=dev[3],
+                             valid=torch.ones_like(dev[0], dtype=torch.bool), labels=dev[4],
+                             row_offsets=small[: num + 1], num_real=small[num + 1: 2 * num + 1])
+        return cls(trees=list(trees), packed=packed, logit_rows=dev[5], q_start=small[2 * num + 1:],
+                   max_depth=max(max(depth, default=0), 0), offsets=offsets)
+
+
+@dataclass
+class StepDecision:
+    verdict: BatchVerdict  # on the device
+    path_rows: list[list[int]]
+    bonus: list[int]
+    hits: list[int]
+    samples: list[list[int]]
+
+
+def _sampling(params) -> SamplingSpec:
+    if params is None:
+        return SamplingSpec(temperature=0.0)
+    return SamplingSpec(temperature=float(params.temperature), top_k=int(params.top_k or -1),
+                        top_p=float(params.top_p))
+
+
+def _min_tokens_rows(runner, step: StepTrees, params_list) -> tuple[list[int], list[int]]:
+    """(packed row, stop id) pairs masked by vLLM's min_tokens rule: row j samples output token
+    n_out + depth_j, so while that index is below ``min_tokens`` the stop tokens (EOS included) are
+    masked in row j, as plain decoding does."""
+    rows, cols = [], []
+    for b, (tr, params) in enumerate(zip(step.trees, params_list)):
+        min_tokens = int(getattr(params, "min_tokens", 0) or 0)
+        stop_ids = sorted(getattr(params, "all_stop_token_ids", None) or ())
+        if not min_tokens or not stop_ids:
+            continue
+        n_out = len(runner.requests[tr.req_id].output_token_ids)
+        for j, d in enumerate(tr.depths.tolist()):
+            if n_out + d < min_tokens:
+                rows += [step.offsets[b] + j] * len(stop_ids)
+                cols += stop_ids
+    return rows, cols
+
+
+def decide(runner, step: StepTrees, logits: torch.Tensor, generator) -> StepDecision:
+    """Every tree's decision on the device; ``generator(req_id, params)`` gives the session's generator.
+
+    Shape: logits [num_tokens, V] (the step's, on the device); only ``O(rows)`` values come back.
+    """
+    params_list = [runner.requests[tr.req_id].sampling_params for tr in step.trees]
+    specs = [_sampling(p) for p in params_list]
+    eps = [None if s.temperature < SAMPLING_EPS else tr.eps for s, tr in zip(specs, step.trees)]
+    rows_logits = logits[step.logit_rows]  # [N, V] (a copy on the device)
+    mrows, mcols = _min_tokens_rows(runner, step, params_list)
+    if mrows:
+        idx = torch.tensor([mrows, mcols], dtype=torch.int64).to(rows_logits.device)
+        rows_logits[idx[0], idx[1]] = float("-inf")
+    uniforms = torch.zeros(step.offsets[-1], dtype=torch.float64)
+    for b, (tr, s, params) in enumerate(zip(step.trees, specs, params_list)):
+        if s.temperature >= SAMPLING_EPS:  # greedy trees consume no randomness
+            gen = generator(tr.req_id, params)
+            uniforms[step.offsets[b]: step.offsets[b + 1]] = draw_uniforms(tr.num_rows, gen)
+    verdict = verify_batch_with_uniforms(step.packed, rows_logits, specs, eps, uniforms, step.offsets)
+    num = len(step.trees)
+    flat = torch.cat([verdict.path_rows.flatten(), verdict.bonus, verdict.num_hits, verdict.samples])
+    host = flat.cpu().tolist()  # the decision's one device-to-host copy: O(rows) int64 values
+    width = verdict.path_rows.shape[1]
+    paths = [[r for r in host[b * width: (b + 1) * width] if r >= 0] for b in range(num)]
+    at = num * width
+    bonus, hits = host[at: at + num], host[at + num: at + 2 * num]
+    smp = host[at + 2 * num:]
+    samples = [smp[step.offsets[b]: step.offsets[b + 1]] for b in range(num)]
+    return StepDecision(verdict=verdict, path_rows=paths, bonus=bonus, hits=hits, samples=samples)
+
+
+# -- layers -----------------------------------------------------------------------------------------
+@dataclass
+class CacheLayer:
+    name: str
+    group: int
+    layer: object
+    view: object  # kv_view.CpuAttnKVView or BlockMajorKVView
+
+
+def cache_layers(runner) -> list[CacheLayer]:
+    """Every attention layer that owns its KV cache, with its KV-cache group (cached on the runner)."""
+    st = runner._hyco_state()
+    if st.get("cache_layers") is None:
+        ctx = runner.compilation_config.static_forward_context
+        out = []
+        for g, group in enumerate(runner.kv_cache_config.kv_cache_groups):
+            for name in group.layer_names:
+                layer = ctx.get(name)
+                cache = getattr(layer, "kv_cache", None)
+                if not isinstance(cache, torch.Tensor) or getattr(layer, "kv_sharing_target_layer_name", None):
+                    continue
+                if hasattr(layer, "isa"):  # CPU_ATTN sets it on its layers
+                    view = cpu_kv_view(layer.isa, cache, getattr(layer, "kv_cache_dtype", "auto"))
+                else:
+                    view = BlockMajorKVView(getattr(layer, "kv_cache_dtype", "auto"))
+                out.append(CacheLayer(name, g, layer, view))
+        st["cache_layers"] = out
+    return st["cache_layers"]
+
+
+def _slot_mapping(runner, group: int) -> torch.Tensor:
+    """[max_tokens] int64 slots of this step's flattened rows in a KV group (vLLM's, sequential positions)."""
+    return runner.input_batch.block_table[group].slot_mapping.gpu
+
+
+# -- compaction -------------------------------------------------------------------------------------
+def compact(runner, step: StepTrees, verdict: BatchVerdict) -> None:
+    """Move row r_i's K/V (slot of t + r_i) to the slot of t + i in every cache-owning layer, in place."""
+    depth = verdict.path_rows.shape[1]
+    if depth == 0:
+        return
+    layers = cache_layers(runner)
+    path = verdict.path_rows  # [B, D] local rows, -1 past the end
+    on = path >= 0
+    src_flat = step.q_start.unsqueeze(1) + path.clamp(min=0)
+    dst_flat = step.q_start.unsqueeze(1) + torch.arange(1, depth + 1, device=path.device)
+    groups = sorted({lay.group for lay in layers})
+    src, dst = [], []
+    for g in groups:
+        sm = _slot_mapping(runner, g).to(path.device)
+        src.append(torch.where(on, sm[src_flat], -1).flatten())
+        dst.append(torch.where(on, sm[dst_flat], -1).flatten())
+    caches, layer_groups = [], []
+    for lay in layers:
+        for c in lay.view.move_views(lay.layer.kv_cache):
+            caches.append(c)
+            layer_groups.append(groups.index(lay.group))
+    num = path.shape[0]
+    loc = torch.arange(0, (num + 1) * depth, depth, dtype=torch.int32, device=path.device)
+    compact_kv(caches, torch.stack(src), torch.stack(dst), loc, layer_groups)
+
+
+# -- hand-off ---------------------------------------------------------------------------------------
+def handoff_scales(runner) -> dict:
+    """The model's fixed int8 scales on the device: ``{"e", "h", kind: (k, v)}`` (loaded once)."""
+    st = runner._hyco_state()
+    if st.get("scales") is None:
+        from vllm_hyco.serving.handoffs import ServerModel
+
+        model = ServerModel.load(runner.model_config.model, runner._hyco_window())
+        dev = runner.device
+        as_t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dev)  # noqa: E731
+        out = {"e": as_t(model.scales.e), "h": as_t(model.scales.h)}
+        for spec in model.spec.layers:
+            k, v = model.scales.layer(spec.layer_id)
+            out[spec.kind] = (as_t(k), as_t(v) if v is not None else as_t(k))
+        st["scales"] = out
+    return st["scales"]
+
+
+def _layer(runner, name: str) -> CacheLayer | None:
+    return next((lay for lay in cache_layers(runner) if lay.name == name), None)
+
+
+def handoff(runner, step: StepTrees, dec: StepDecision, hidden: torch.Tensor | None) -> list[dict]:
+    """Per tree: the int8 hand-off (D1) gathered after compaction, see the module docstring."""
+    scales = handoff_scales(runner)
+    verdict, num = dec.verdict, len(step.trees)
+    dev = verdict.bonus.device
+    width = step.max_depth + 1
+    acc = verdict.num_accepted  # [B]
+    path = verdict.path_rows
+    end_local = torch.zeros_like(acc)
+    if path.shape[1]:
+        end_local = torch.where(acc > 0, path.gather(1, (acc - 1).clamp(min=0).unsqueeze(1)).squeeze(1), 0)
+    parts, names = [], []
+    with torch.no_grad():
+        parts.append(quantize_int8(runner.model.embed_input_ids(verdict.bonus).float(), scales["e"]))
+    names.append("e_bonus")
+    if hidden is not None:
+        parts.append(quantize_int8(hidden[step.q_start + end_local].float(), scales["h"]))
+        names.append("h")
+    # positions t .. t + d: the root and the compacted path (padding repeats the endpoint)
+    pos = step.q_start.unsqueeze(1) + torch.minimum(torch.arange(width, device=dev), acc.unsqueeze(1))
+    layers = {}
+    for kind, name in runner._hyco_handoff_layers().items():
+        lay = _layer(runner, name)
+        if lay is None:
+            continue
+        layers[kind] = name
+        slots = _slot_mapping(runner, lay.group).to(dev)[pos.flatten()]
+        k_view, v_view = lay.view.kv_views(lay.layer.kv_cache)
+        k_scale, v_scale = scales[kind]
+        parts += [gather_quantize_kv(k_view, slots, k_scale), gather_quantize_kv(v_view, slots, v_scale)]
+        names += [f"{kind}_k", f"{kind}_v"]
+    sizes = [p.numel() for p in parts]
+    host = torch.cat([p.flatten() for p in parts]).cpu() if parts else torch.empty(0, dtype=torch.int8)
+    pieces = dict(zip(names, torch.split(host, sizes)))
+    out = []
+    for b, tr in enumerate(step.trees):
+        d = len(dec.path_rows[b])
+        h = {"position": tr.context_len + d, "start": tr.context_len, "layers": dict(layers)}
+        h["e_bonus"] = pieces["e_bonus"].view(num, -1)[b]
+        if "h" in pieces:
+            h["h"] = pieces["h"].view(num, -1)[b]
+        for kind in layers:
+            for kv in ("k", "v"):
+                rows = pieces[f"{kind}_{kv}"].view(num, width, *parts[names.index(f"{kind}_{kv}")].shape[1:])
+                h[f"{kind}_{kv}"] = rows[b, : d + 1]
+        if tr.round == 0:
+            h["seed"] = _seed(runner, tr, layers, scales, tr.context_len + d + 1)
+        out.append(h)
+    return out
+
+
+def _seed(runner, tr: TreeRows, layers: dict, scales: dict, num_committed: int) -> dict:
+    """int8 K/V of positions [max(0, T - W), T) of the two hand-off layers, read from the paged cache."""
+    lo = max(0, num_committed - runner._hyco_window())
+    positions = torch.arange(lo, num_committed, dtype=torch.int64)
+    seed = {"start": lo, "end": num_committed}
+    for kind, name in layers.items():
+        lay = _layer(runner, name)
+        table = runner.input_batch.block_table[lay.group]
+        slots = slots_for_positions(table.block_table.gpu[tr.batch_idx], positions, table.block_size)
+        k_view, v_view = lay.view.kv_views(lay.layer.kv_cache)
+        k_scale, v_scale = scales[kind]
+        seed[f"{kind}_k"] = gather_quantize_kv(k_view, slots, k_scale).cpu()
+        seed[f"{kind}_v"] = gather_quantize_kv(v_view, slots, v_scale).cpu()
+    return seed

@@ -27,9 +27,6 @@ import torch
 from kernel_support import DEVICE, TRITON_OK, needs_triton, random_tree
 from tolerances import tol
 
-from vllm_hyco.vllm_adapter.kv_view import BlockMajorKVView, slots_for_positions
-from vllm_hyco.vllm_adapter import tree_step
-from vllm_hyco.vllm_adapter.tree_plan import TreeRows, TreeStep
 from vllm_hyco.errors import HardwareUnsupportedError
 from vllm_hyco.kernels import (
     KernelInputError,
@@ -40,6 +37,9 @@ from vllm_hyco.kernels import (
 )
 from vllm_hyco.kernels.tree_attention import first_visible_key
 from vllm_hyco.kernels.tree_rows import block_major_views, paged_tree_rows_attention, tree_rows_attention
+from vllm_hyco.vllm_adapter import tree_step
+from vllm_hyco.vllm_adapter.kv_view import BlockMajorKVView, slots_for_positions
+from vllm_hyco.vllm_adapter.tree_plan import TreeRows, TreeStep
 
 
 class PagedRequests:

@@ -270,7 +270,7 @@ def verify_batch_with_uniforms(
         every = len(sub) == num_rows
         rows = None if every else torch.tensor(sub, dtype=torch.int64).to(dev, non_blocking=True)
         req = packed.req if every else packed.req[rows]
-        pick = lambda vals: vals[req]  # noqa: E731  (per-request values to the sampled rows)
+        pick = lambda vals: vals[req]  # per-request values to the sampled rows
         temp = pick(torch.tensor([s.temperature for s in sampling], dtype=torch.float32).to(dev))
         top_k = pick(torch.tensor([s.top_k for s in sampling], dtype=torch.int64).to(dev))
         top_p = pick(torch.tensor([s.top_p for s in sampling], dtype=torch.float32).to(dev))

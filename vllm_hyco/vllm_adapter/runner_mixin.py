@@ -8,9 +8,10 @@ calling ``super()`` first so non-HyCo requests keep vLLM's behaviour:
   the 33 rows are written to the sequential slots t..t+32), overwrite each tree row's position with
   ``t + depth`` and publish the step's :class:`TreeRows` to the attention override. Replaces nothing;
   can go with a runner hook for per-row positions (V2 ``ModelState.prepare_inputs`` has one).
-* ``_sample``: vLLM's rejection sampler runs for the whole batch (it is chain-only); the rows of tree
-  requests are then overwritten with ``[path..., bonus, -1...]`` decided on the same logits, and the
-  accepted rows' K/V are moved to positions t+1..t+d in every layer that owns a cache (compaction).
+* ``_sample``: vLLM's plain sampler runs on one row per request; the rows of tree requests are then
+  overwritten with ``[path..., bonus, -1...]`` decided on the same logits, for all trees of the step at
+  once on the device (``tree_step``), and the accepted rows' K/V are moved to positions t+1..t+d in every
+  layer that owns a cache (compaction, ``kernels.compact_kv``).
   vLLM's bookkeeping then appends path + bonus and the scheduler rolls back the rejected rows
   (``num_computed_tokens -= num_rejected``), which is exactly t' = t + 1 + d. Can go with a pluggable
   rejection sampler on V1 (V2: ``ModelState.custom_sampler``).
@@ -22,16 +23,16 @@ The scheduler passes trees as ``scheduler_output.hyco_trees = {req_id: (round, t
 Devices: the same code runs on the CPU runner (attention: ``cpu_attention``, CPU_ATTN override) and on the
 GPU runner (attention: ``gpu_attention``, the Triton backend registered over CUSTOM; a tree on a GPU
 runner whose layers run another backend raises HardwareUnsupportedError). The step's trees are published
-to both through ``tree_plan.set_active_trees``. KV reads and
-writes go through the view each captured layer carries (``kv_view``: CPU_ATTN's or block-major). The
-tree decision runs on the host on CPU copies of the rows' logits, so its draws come from the session's
-CPU generator on either device. Hand-off tensors are returned on the CPU.
+to both through ``tree_plan.set_active_trees``. The decision, compaction and hand-off gather run on the
+runner's device for all trees of the step (``tree_step``); the uniforms come from each session's CPU
+generator (one per row of a sampled tree), the hand-off leaves as int8 quantized on the device, and only
+``O(rows)`` values of the decision are copied to the host. ``initialize_kv_cache`` compiles the tree
+step's Triton variants (``tree_step.warm_up``, GPU only).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import torch
 
@@ -50,6 +51,15 @@ class HycoRunnerMixin:
             st = {"trees": None, "verdicts": {}, "hidden": None, "gens": {}}
             self.__dict__["_hyco"] = st
         return st
+
+    # -- load -------------------------------------------------------------------------------------
+    def initialize_kv_cache(self, *args, **kwargs):
+        # The tree step's Triton variants are compiled here, once the caches exist (GPU only; see
+        # ``tree_step.warm_up``), not in the first rounds.
+        result = super().initialize_kv_cache(*args, **kwargs)
+        if self.device.type == "cuda" and not kwargs.get("is_profiling"):
+            self._hyco_state()["warmed"] = tree_step.warm_up(self)
+        return result
 
     # -- inputs -----------------------------------------------------------------------------------
     def _update_states(self, scheduler_output):

@@ -59,7 +59,7 @@ def _logits(gen: torch.Generator, n: int, kind: str) -> torch.Tensor:
     return x
 
 
-def _case(seed: int, num_trees: int):
+def _case(seed: int, num_trees: int, gaps: bool = True):
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     trees, requests, blocks, logit_starts, q = [], {}, [], [], 0
     for b in range(num_trees):
@@ -72,7 +72,7 @@ def _case(seed: int, num_trees: int):
         params = SimpleNamespace(temperature=temp, top_k=top_k, top_p=top_p, min_tokens=min_tokens,
                                  all_stop_token_ids={0, 1} if min_tokens else set())
         requests[req] = SimpleNamespace(sampling_params=params, output_token_ids=[7] * rng.randrange(3))
-        q += rng.randrange(3)  # other requests' rows between trees
+        q += rng.randrange(3) if gaps else 0  # other requests' rows between trees (or none: one slice)
         trees.append(TreeRows.build(req_id=req, batch_idx=b, q_start=q, num_rows=n, context_len=10, round=1,
                                     tokens=tokens, parents=parents, eps=eps))
         logit_starts.append(q)
@@ -86,7 +86,8 @@ def _case(seed: int, num_trees: int):
 
 @pytest.mark.parametrize("seed", range(12))
 def test_batched_device_decision_equals_the_per_tree_host_decision(seed):
-    trees, requests, starts, logits = _case(seed, num_trees=9)
+    trees, requests, starts, logits = _case(seed, num_trees=9, gaps=seed % 2 == 0)
+    before = logits.clone()
     runner = SimpleNamespace(requests=requests)
     gens = {}
 
@@ -94,7 +95,9 @@ def test_batched_device_decision_equals_the_per_tree_host_decision(seed):
         return gens.setdefault(req_id, torch.Generator().manual_seed(1000 + int(req_id[1:])))
 
     step = tree_step.StepTrees.build(trees, starts, "cpu")
+    assert (step.logit_slice is not None) == (seed % 2 == 1 or starts == [starts[0] + o for o in step.offsets[:-1]])
     dec = tree_step.decide(runner, step, logits, generator)
+    assert torch.equal(logits, before)  # min_tokens masks a copy, never the engine's logits
     for b, (tr, lo) in enumerate(zip(trees, starts)):
         p = requests[tr.req_id].sampling_params
         n_out = len(requests[tr.req_id].output_token_ids)

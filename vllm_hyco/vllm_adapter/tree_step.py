@@ -35,7 +35,7 @@ from vllm_hyco.kernels import compact_kv, gather_quantize_kv, quantize_int8
 from vllm_hyco.spec_decode.sampling import SAMPLING_EPS, SamplingSpec, draw_uniforms
 from vllm_hyco.spec_decode.verify import BatchVerdict, PackedTrees, verify_batch_with_uniforms
 from vllm_hyco.vllm_adapter.kv_view import BlockMajorKVView, cpu_kv_view, slots_for_positions
-from vllm_hyco.vllm_adapter.tree_plan import TreeRows
+from vllm_hyco.vllm_adapter.tree_plan import TreeRows, depths_from_parents
 
 ROOT_LABEL, OTHER_LABEL = 0, 4  # spec_decode.tree.NodeSource ROOT / OTHER (the engine has no labels)
 
@@ -52,6 +52,8 @@ class StepTrees:
     q_start: torch.Tensor
     max_depth: int
     offsets: list[int]  # [B + 1] host row offsets
+    # the trees' logits rows as one slice when they are back to back (no copy of [N, V] then)
+    logit_slice: slice | None = None
 
     @classmethod
     def build(cls, trees: list[TreeRows], logit_starts: list[int], device: torch.device | str) -> StepTrees:
@@ -62,7 +64,7 @@ class StepTrees:
             base = offsets[-1]
             tokens += tr.tokens
             parent += [base] + [base + p for p in tr.parents[1:]]
-            depth += tr.depths.tolist()
+            depth += depths_from_parents(tr.parents)
             req += [b] * tr.num_rows
             labels += [ROOT_LABEL] + [OTHER_LABEL] * (tr.num_rows - 1)
             flat += range(lo, lo + tr.num_rows)
@@ -75,8 +77,10 @@ class StepTrees:
         packed = PackedTrees(tokens=dev[0], parent=dev[1], depth=dev[2], req=dev[3],
                              valid=torch.ones_like(dev[0], dtype=torch.bool), labels=dev[4],
                              row_offsets=small[: num + 1], num_real=small[num + 1: 2 * num + 1])
+        together = all(lo == logit_starts[0] + off for lo, off in zip(logit_starts, offsets))
         return cls(trees=list(trees), packed=packed, logit_rows=dev[5], q_start=small[2 * num + 1:],
-                   max_depth=max(max(depth, default=0), 0), offsets=offsets)
+                   max_depth=max(max(depth, default=0), 0), offsets=offsets,
+                   logit_slice=slice(logit_starts[0], logit_starts[0] + offsets[-1]) if together and num else None)
 
 
 @dataclass
@@ -106,7 +110,7 @@ def _min_tokens_rows(runner, step: StepTrees, params_list) -> tuple[list[int], l
         if not min_tokens or not stop_ids:
             continue
         n_out = len(runner.requests[tr.req_id].output_token_ids)
-        for j, d in enumerate(tr.depths.tolist()):
+        for j, d in enumerate(depths_from_parents(tr.parents)):
             if n_out + d < min_tokens:
                 rows += [step.offsets[b] + j] * len(stop_ids)
                 cols += stop_ids
@@ -121,8 +125,11 @@ def decide(runner, step: StepTrees, logits: torch.Tensor, generator) -> StepDeci
     params_list = [runner.requests[tr.req_id].sampling_params for tr in step.trees]
     specs = [_sampling(p) for p in params_list]
     eps = [None if s.temperature < SAMPLING_EPS else tr.eps for s, tr in zip(specs, step.trees)]
-    rows_logits = logits[step.logit_rows]  # [N, V] (a copy on the device)
     mrows, mcols = _min_tokens_rows(runner, step, params_list)
+    if step.logit_slice is not None:  # [N, V]: a view, copied only when min_tokens masks some of it
+        rows_logits = logits[step.logit_slice].clone() if mrows else logits[step.logit_slice]
+    else:
+        rows_logits = logits[step.logit_rows]  # a copy
     if mrows:
         idx = torch.tensor([mrows, mcols], dtype=torch.int64).to(rows_logits.device)
         rows_logits[idx[0], idx[1]] = float("-inf")
@@ -233,28 +240,27 @@ def handoff(runner, step: StepTrees, dec: StepDecision, hidden: torch.Tensor | N
     scales = handoff_scales(runner)
     verdict, num = dec.verdict, len(step.trees)
     dev = verdict.bonus.device
-    width = step.max_depth + 1
-    acc = verdict.num_accepted  # [B]
-    path = verdict.path_rows
-    end_local = torch.zeros_like(acc)
-    if path.shape[1]:
-        end_local = torch.where(acc > 0, path.gather(1, (acc - 1).clamp(min=0).unsqueeze(1)).squeeze(1), 0)
+    # batch rows of positions t .. t + d of every tree (the root and the compacted path: exactly the rows
+    # that leave), then each tree's v* (h); one host-to-device copy
+    lengths = [len(p) + 1 for p in dec.path_rows]
+    rows = [tr.q_start + i for tr, n in zip(step.trees, lengths) for i in range(n)]
+    ends = [tr.q_start + (p[-1] if p else 0) for tr, p in zip(step.trees, dec.path_rows)]
+    idx = torch.tensor(rows + ends, dtype=torch.int64).to(dev, non_blocking=True)
+    pos, end_rows = idx[: len(rows)], idx[len(rows):]
     parts, names = [], []
     with torch.no_grad():
         parts.append(quantize_int8(runner.model.embed_input_ids(verdict.bonus).float(), scales["e"]))
     names.append("e_bonus")
     if hidden is not None:
-        parts.append(quantize_int8(hidden[step.q_start + end_local].float(), scales["h"]))
+        parts.append(quantize_int8(hidden[end_rows].float(), scales["h"]))
         names.append("h")
-    # positions t .. t + d: the root and the compacted path (padding repeats the endpoint)
-    pos = step.q_start.unsqueeze(1) + torch.minimum(torch.arange(width, device=dev), acc.unsqueeze(1))
     layers = {}
     for kind, name in runner._hyco_handoff_layers().items():
         lay = _layer(runner, name)
         if lay is None:
             continue
         layers[kind] = name
-        slots = _slot_mapping(runner, lay.group).to(dev)[pos.flatten()]
+        slots = _slot_mapping(runner, lay.group).to(dev)[pos]
         k_view, v_view = lay.view.kv_views(lay.layer.kv_cache)
         k_scale, v_scale = scales[kind]
         parts += [gather_quantize_kv(k_view, slots, k_scale), gather_quantize_kv(v_view, slots, v_scale)]
@@ -262,6 +268,7 @@ def handoff(runner, step: StepTrees, dec: StepDecision, hidden: torch.Tensor | N
     sizes = [p.numel() for p in parts]
     host = torch.cat([p.flatten() for p in parts]).cpu() if parts else torch.empty(0, dtype=torch.int8)
     pieces = dict(zip(names, torch.split(host, sizes)))
+    starts = [sum(lengths[:b]) for b in range(num)]
     out = []
     for b, tr in enumerate(step.trees):
         d = len(dec.path_rows[b])
@@ -271,8 +278,8 @@ def handoff(runner, step: StepTrees, dec: StepDecision, hidden: torch.Tensor | N
             h["h"] = pieces["h"].view(num, -1)[b]
         for kind in layers:
             for kv in ("k", "v"):
-                rows = pieces[f"{kind}_{kv}"].view(num, width, *parts[names.index(f"{kind}_{kv}")].shape[1:])
-                h[f"{kind}_{kv}"] = rows[b, : d + 1]
+                kv_rows = pieces[f"{kind}_{kv}"].view(-1, *parts[names.index(f"{kind}_{kv}")].shape[1:])
+                h[f"{kind}_{kv}"] = kv_rows[starts[b]: starts[b] + d + 1]
         if tr.round == 0:
             h["seed"] = _seed(runner, tr, layers, scales, tr.context_len + d + 1)
         out.append(h)

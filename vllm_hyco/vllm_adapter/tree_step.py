@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vllm_hyco.kernels import compact_kv, gather_quantize_kv, quantize_int8
+from vllm_hyco.kernels import compact_kv, gather_quantize_kv, handoff_gather_quantize, quantize_int8
 from vllm_hyco.spec_decode.sampling import SAMPLING_EPS, SamplingSpec, draw_uniforms
 from vllm_hyco.spec_decode.verify import BatchVerdict, PackedTrees, verify_batch_with_uniforms
 from vllm_hyco.vllm_adapter.kv_view import BlockMajorKVView, cpu_kv_view, slots_for_positions
@@ -236,7 +236,8 @@ def _layer(runner, name: str) -> CacheLayer | None:
 
 
 def handoff(runner, step: StepTrees, dec: StepDecision, hidden: torch.Tensor | None) -> list[dict]:
-    """Per tree: the int8 hand-off (D1) gathered after compaction, see the module docstring."""
+    """Per tree: the int8 hand-off (D1) gathered after compaction (``kernels.handoff_gather_quantize``: K and
+    V rows of both hand-off layers, h at v* and e(bonus), quantized on the device), one copy to the host."""
     scales = handoff_scales(runner)
     verdict, num = dec.verdict, len(step.trees)
     dev = verdict.bonus.device
@@ -247,23 +248,24 @@ def handoff(runner, step: StepTrees, dec: StepDecision, hidden: torch.Tensor | N
     ends = [tr.q_start + (p[-1] if p else 0) for tr, p in zip(step.trees, dec.path_rows)]
     idx = torch.tensor(rows + ends, dtype=torch.int64).to(dev, non_blocking=True)
     pos, end_rows = idx[: len(rows)], idx[len(rows):]
-    parts, names = [], []
     with torch.no_grad():
-        parts.append(quantize_int8(runner.model.embed_input_ids(verdict.bonus).float(), scales["e"]))
-    names.append("e_bonus")
-    if hidden is not None:
-        parts.append(quantize_int8(hidden[end_rows].float(), scales["h"]))
-        names.append("h")
-    layers = {}
+        e = runner.model.embed_input_ids(verdict.bonus).float()  # [B, hidden]
+    h = hidden[end_rows].float() if hidden is not None else torch.zeros_like(e)
+    layers, lays = {}, []
     for kind, name in runner._hyco_handoff_layers().items():
         lay = _layer(runner, name)
-        if lay is None:
-            continue
-        layers[kind] = name
-        slots = _slot_mapping(runner, lay.group).to(dev)[pos]
-        k_view, v_view = lay.view.kv_views(lay.layer.kv_cache)
-        k_scale, v_scale = scales[kind]
-        parts += [gather_quantize_kv(k_view, slots, k_scale), gather_quantize_kv(v_view, slots, v_scale)]
+        if lay is not None:
+            layers[kind] = name
+            lays.append((kind, lay))
+    views = [lay.view.kv_views(lay.layer.kv_cache) for _, lay in lays]
+    q = handoff_gather_quantize(
+        [k for k, _ in views], [v for _, v in views],
+        [_slot_mapping(runner, lay.group).to(dev)[pos] for _, lay in lays],
+        [scales[kind][0] for kind, _ in lays], [scales[kind][1] for kind, _ in lays], h, e, scales["h"],
+        scales["e"])
+    parts, names = [q.e, q.h], ["e_bonus", "h"]
+    for (kind, _), k_rows, v_rows in zip(lays, q.k, q.v):
+        parts += [k_rows, v_rows if v_rows is not None else k_rows]
         names += [f"{kind}_k", f"{kind}_v"]
     sizes = [p.numel() for p in parts]
     host = torch.cat([p.flatten() for p in parts]).cpu() if parts else torch.empty(0, dtype=torch.int8)
@@ -272,17 +274,16 @@ def handoff(runner, step: StepTrees, dec: StepDecision, hidden: torch.Tensor | N
     out = []
     for b, tr in enumerate(step.trees):
         d = len(dec.path_rows[b])
-        h = {"position": tr.context_len + d, "start": tr.context_len, "layers": dict(layers)}
-        h["e_bonus"] = pieces["e_bonus"].view(num, -1)[b]
-        if "h" in pieces:
-            h["h"] = pieces["h"].view(num, -1)[b]
+        ho = {"position": tr.context_len + d, "start": tr.context_len, "layers": dict(layers)}
+        ho["e_bonus"] = pieces["e_bonus"].view(num, -1)[b]
+        ho["h"] = pieces["h"].view(num, -1)[b]
         for kind in layers:
             for kv in ("k", "v"):
                 kv_rows = pieces[f"{kind}_{kv}"].view(-1, *parts[names.index(f"{kind}_{kv}")].shape[1:])
-                h[f"{kind}_{kv}"] = kv_rows[starts[b]: starts[b] + d + 1]
+                ho[f"{kind}_{kv}"] = kv_rows[starts[b]: starts[b] + d + 1]
         if tr.round == 0:
-            h["seed"] = _seed(runner, tr, layers, scales, tr.context_len + d + 1)
-        out.append(h)
+            ho["seed"] = _seed(runner, tr, layers, scales, tr.context_len + d + 1)
+        out.append(ho)
     return out
 
 

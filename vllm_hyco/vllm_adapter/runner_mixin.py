@@ -136,8 +136,12 @@ class HycoRunnerMixin:
         if spec_decode_metadata is None:
             bounds = [(b, b + 1) for b in range(num_reqs)]
         else:
-            cu = spec_decode_metadata.cu_num_sampled_tokens.tolist()
-            bounds = [(cu[b] - spec_decode_metadata.num_draft_tokens[b] - 1, cu[b]) for b in range(num_reqs)]
+            # from the host list vLLM keeps (cu_num_sampled_tokens is its device copy: no sync needed)
+            bounds, lo = [], 0
+            for b in range(num_reqs):
+                hi = lo + int(spec_decode_metadata.num_draft_tokens[b]) + 1
+                bounds.append((lo, hi))
+                lo = hi
         for b, (lo, hi) in enumerate(bounds):
             assert b in trees or hi - lo == 1, "only tree requests carry draft rows in a HyCo engine"
         # vLLM's plain sampler for everyone on one row each (a tree request's sample is overwritten). The

@@ -66,8 +66,9 @@ def hyco_srv_take(self, sid: str, round_: int) -> Any:
 def plain(obj: Any) -> Any:
     """Tensors and arrays as ``{"__nd__": dtype, "shape", "data": bytes}`` (vLLM's utility-result encoder
     does not restore their types on the other side); dicts and lists recursively; logits dropped."""
-    if hasattr(obj, "detach"):
-        obj = obj.detach().float().cpu().contiguous().numpy()
+    if hasattr(obj, "detach"):  # int8 hand-off stays int8; bf16/fp16 become float32
+        obj = obj.detach()
+        obj = (obj.float() if obj.is_floating_point() else obj).cpu().contiguous().numpy()
     if hasattr(obj, "dtype") and hasattr(obj, "tobytes") and hasattr(obj, "shape"):
         return {"__nd__": str(obj.dtype), "shape": list(obj.shape), "data": obj.tobytes()}
     if isinstance(obj, dict):

@@ -10,8 +10,8 @@ Matches vLLM 0.32 (``v1/attention/backends/cpu_attn.py``).
   spawned engine core). ``forward`` runs the stock op for the whole batch, then overwrites the output of
   each tree request's rows with the kernels' torch twin (``tree_attention_dense_ref``) over the prefix
   K/V gathered through the KV view (only the window's tail for sliding layers; visibility depends on
-  position differences only, so the tail is passed as a shorter prefix) plus the fresh tree K/V. ``do_kv_cache_update`` writes as stock and also captures the tree
-  rows' K/V (for compaction and the hand-off). Batches without trees are untouched.
+  position differences only, so the tail is passed as a shorter prefix) plus the fresh tree K/V. ``do_kv_cache_update`` writes as stock and records that the layer
+  was written this step (compaction and the hand-off read the paged cache afterwards). Batches without trees are untouched.
 * Overrides: ``CPUAttentionBackendImpl.forward`` and ``do_kv_cache_update`` (above);
   ``CPUAttentionBackend.get_impl_cls`` (returns the HyCo impl). tests/unit/test_vllm_surface.py checks them.
 * When it can go: when vLLM's CPU op takes a per-sequence tree mask and per-row positions.
@@ -27,7 +27,6 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentio
 
 from vllm_hyco.vllm_adapter import tree_plan
 from vllm_hyco.vllm_adapter.kv_view import cpu_kv_view, slots_for_positions
-from vllm_hyco.vllm_adapter.tree_plan import CapturedKV
 from vllm_hyco.kernels.tree_attention import tree_attention_dense_ref
 
 
@@ -50,11 +49,7 @@ class HycoCPUAttentionImpl(CPUAttentionBackendImpl):
         trees = tree_plan.active_trees()
         if not trees:
             return
-        name = getattr(layer, "layer_name", None) or str(id(layer))
-        for tr in trees:
-            rows = slice(tr.q_start, tr.q_start + tr.num_rows)
-            tr.captured[name] = CapturedKV(key=key[rows].clone(), value=value[rows].clone(),
-                                           slots=slot_mapping[rows].clone(), layer=layer, kv_cache=kv_cache)
+        tree_plan.note_layer_written(getattr(layer, "layer_name", None) or str(id(layer)))
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
@@ -66,11 +61,9 @@ class HycoCPUAttentionImpl(CPUAttentionBackendImpl):
         assert self.sinks is None and self.alibi_slopes is None, "tree rows: sinks/alibi not supported"
         view = cpu_kv_view(layer.isa, kv_cache, self.kv_cache_dtype)
         block_size = kv_cache.shape[2]
-        name = getattr(layer, "layer_name", None) or str(id(layer))
         for tr in trees:
             rows = slice(tr.q_start, tr.q_start + tr.num_rows)
             t = tr.context_len
-            tr.block_rows[name] = attn_metadata.block_table[tr.batch_idx].clone()
             lo = 0 if self.sliding_window <= 0 else max(0, t - self.sliding_window + 1)
             prefix_pos = torch.arange(lo, t, dtype=torch.int64)  # [L]
             slots = slots_for_positions(attn_metadata.block_table[tr.batch_idx], prefix_pos, block_size)

@@ -2,8 +2,9 @@
 
 For every HyCo request scheduled with a tree this step, the runner builds one :class:`TreeRows`: where
 its rows sit in the flattened batch, the committed context length ``t`` (the root's position), each
-row's depth and its ancestor mask. The attention override reads it to mask tree rows; the runner reads
-the K/V rows the override captured to compact the accepted path and to build the hand-off.
+row's depth and its ancestor mask. The attention override reads it to mask tree rows and records, once
+per layer and step, that it wrote the step's K/V (:func:`note_layer_written`; no copy of the rows: the
+compaction and the hand-off read the paged cache, ``vllm_adapter/tree_step.py``).
 
 The runner publishes the step's trees with :func:`set_active_trees` and clears them after sampling. The
 CPU override reads the list (:func:`active_trees`); the GPU backend reads :func:`active_step`, a
@@ -27,27 +28,11 @@ Example (a root with two children, the second having one child)::
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from vllm_hyco.handoff import tree_contract
-
-
-@dataclass
-class CapturedKV:
-    """The K/V rows one layer wrote for one tree request this step, and the slots it wrote them to."""
-
-    # [n, num_kv_heads, head_size]
-    key: torch.Tensor
-    # [n, num_kv_heads, head_size]
-    value: torch.Tensor
-    # [n] sequential slots of positions t .. t+n-1 (where the rows were written)
-    slots: torch.Tensor
-    layer: object  # the vLLM attention layer (scales, isa)
-    kv_cache: torch.Tensor  # the layer's paged cache
-    # the KV view of that cache's layout (``kv_view.BlockMajorKVView`` on GPU); None = CPU_ATTN's view
-    view: object | None = None
 
 
 @dataclass
@@ -66,9 +51,6 @@ class TreeRows:
     depths: torch.Tensor  # [num_rows] int64
     anc: torch.Tensor  # [num_rows, num_rows] bool
     masks: torch.Tensor  # [num_rows] int64 ancestor bitmask (bit j: row j is an ancestor or the row)
-    captured: dict[str, CapturedKV] = field(default_factory=dict)
-    # layer name -> [max_blocks] block-table row of this request in that layer's KV group
-    block_rows: dict[str, torch.Tensor] = field(default_factory=dict)
     host_s: float = 0.0  # host time spent on this tree outside the model (plan, decision, compaction, hand-off)
 
     @classmethod
@@ -131,13 +113,24 @@ class TreeStep:
         )
 
 
-# This step's trees and the device they run on; the stacked TreeStep is built on first use.
-_ACTIVE: dict = {"trees": None, "device": "cpu", "step": None}
+# This step's trees and the device they run on; the stacked TreeStep is built on first use; the names of
+# the layers whose KV-cache write ran while the trees were active.
+_ACTIVE: dict = {"trees": None, "device": "cpu", "step": None, "written": set()}
 
 
 def set_active_trees(trees: list[TreeRows] | None, device: torch.device | str = "cpu") -> None:
     """Publish this step's trees (None or [] clears); everything runs in the worker process."""
-    _ACTIVE.update(trees=trees or None, device=device, step=None)
+    _ACTIVE.update(trees=trees or None, device=device, step=None, written=set())
+
+
+def note_layer_written(name: str) -> None:
+    """The attention override wrote this layer's K/V for the step's rows (tree rows at sequential slots)."""
+    _ACTIVE["written"].add(name)
+
+
+def layers_written() -> set[str]:
+    """Names of the layers whose K/V write ran in this step (empty without trees)."""
+    return set(_ACTIVE["written"])
 
 
 def active_trees() -> list[TreeRows] | None:

@@ -42,12 +42,12 @@ class FakeBridge:
         out = {}
         for layer in self.spec.layers:
             shape = (n, layer.kv_heads, layer.head_dim)
-            out[f"{layer.kind}_k"] = out[f"{layer.kind}_v"] = np.zeros(shape, np.float32)
+            out[f"{layer.kind}_k"] = out[f"{layer.kind}_v"] = np.zeros(shape, np.int8)  # the engine sends int8
         return out
 
     async def round(self, es, round_, tokens, parents):
         position = len(PROMPT) - 1 + round_  # the root's position (no node is ever accepted)
-        h = {"e_bonus": np.ones(self.spec.hidden_size, np.float32), "h": None, "position": position,
+        h = {"e_bonus": np.ones(self.spec.hidden_size, np.int8), "h": None, "position": position,
              "start": position, **self._rows(1)}
         if round_ == 0:
             h["seed"] = {"start": 0, **self._rows(position + 1)}

@@ -46,7 +46,11 @@ EXPECTED: dict[str, str | None] = {
     "vllm.v1.worker.gpu_model_runner:GPUModelRunner._sample": "self, logits, spec_decode_metadata",
     "vllm.v1.worker.gpu_model_runner:GPUModelRunner.sample_tokens": "self, grammar_output",
     "vllm.v1.worker.gpu_model_runner:GPUModelRunner.load_model": "self, load_dummy_weights=, *, model=",
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner.initialize_kv_cache":
+        "self, kv_cache_config, is_profiling=, kv_cache_allocation_context=",
     "vllm.v1.worker.cpu_model_runner:CPUModelRunner.__init__": "self, vllm_config, device",
+    "vllm.v1.worker.cpu_model_runner:CPUModelRunner.initialize_kv_cache":
+        "self, kv_cache_config, is_profiling=, kv_cache_allocation_context=",
     # workers (cpu_worker.py, worker.py)
     "vllm.v1.worker.cpu_worker:CPUWorker.init_device": "self",
     "vllm.v1.worker.gpu_worker:Worker.__init__":

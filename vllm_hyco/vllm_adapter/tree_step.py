@@ -35,9 +35,11 @@ from vllm_hyco.kernels import compact_kv, gather_quantize_kv, handoff_gather_qua
 from vllm_hyco.spec_decode.sampling import SAMPLING_EPS, SamplingSpec, draw_uniforms
 from vllm_hyco.spec_decode.verify import BatchVerdict, PackedTrees, verify_batch_with_uniforms
 from vllm_hyco.vllm_adapter.kv_view import BlockMajorKVView, cpu_kv_view, slots_for_positions
-from vllm_hyco.vllm_adapter.tree_plan import TreeRows, depths_from_parents
+from vllm_hyco.handoff.tree_contract import NodeLabel
+from vllm_hyco.handoff.tree_contract import depths as tree_depths
+from vllm_hyco.vllm_adapter.tree_plan import TreeRows
 
-ROOT_LABEL, OTHER_LABEL = 0, 4  # spec_decode.tree.NodeSource ROOT / OTHER (the engine has no labels)
+ROOT_LABEL, OTHER_LABEL = int(NodeLabel.ROOT), int(NodeLabel.OTHER)  # the engine has no labels
 
 
 @dataclass
@@ -64,7 +66,7 @@ class StepTrees:
             base = offsets[-1]
             tokens += tr.tokens
             parent += [base] + [base + p for p in tr.parents[1:]]
-            depth += depths_from_parents(tr.parents)
+            depth += tree_depths(tr.parents).tolist()
             req += [b] * tr.num_rows
             labels += [ROOT_LABEL] + [OTHER_LABEL] * (tr.num_rows - 1)
             flat += range(lo, lo + tr.num_rows)
@@ -110,7 +112,7 @@ def _min_tokens_rows(runner, step: StepTrees, params_list) -> tuple[list[int], l
         if not min_tokens or not stop_ids:
             continue
         n_out = len(runner.requests[tr.req_id].output_token_ids)
-        for j, d in enumerate(depths_from_parents(tr.parents)):
+        for j, d in enumerate(tree_depths(tr.parents).tolist()):
             if n_out + d < min_tokens:
                 rows += [step.offsets[b] + j] * len(stop_ids)
                 cols += stop_ids

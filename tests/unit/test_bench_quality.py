@@ -98,3 +98,81 @@ def test_exact_within_noise_and_eps_flagged_on_fixture_verifier(fixtures_dir):
         assert not ex["flagged"], ex
         assert max(ex["plain_vs_plain"]) <= ex["bound"]
         assert eps["flagged"] and min(eps["tv"]) > 2 * ex["bound"], eps
+
+
+def _records(config: str, answers: dict[str, str], run: int = 0) -> dict:
+    return {"config": config, "run": run,
+            "requests": [{"prompt_id": q, "text": t, "error": None} for q, t in answers.items()]}
+
+
+def test_quality_results_and_report(tmp_path):
+    from hyco_lab.bench import configs as C
+    from hyco_lab.bench import qreport
+
+    refs = {f"q{i}": f"verse number {i} of the book" for i in range(30)}
+    good = {q: r for q, r in refs.items()}
+    bad = {q: "and the lord and the lord and the lord" for q in refs}
+    records = [_records("cloud-mtp", good), _records("cloud-mtp", good, run=1), _records("hyco-exact", good),
+               _records("hyco-eps-0.001", bad), _records("specedge", good), _records("hyco", good, run=-1),
+               _records("hyco", bad, run=200)]
+    C.epsilon_config("hyco", 0.001)
+    qual = qreport.quality_results(records, refs)
+    assert set(qual) == {"cloud-mtp", "hyco-exact", "hyco-eps-0.001", "specedge"}  # no warm-up, no TV passes
+    assert qual["cloud-mtp"]["answers"] == 60 and qual["cloud-mtp"]["rouge_l"] == 1.0
+    assert qual["hyco-exact"]["delta_rouge_l"]["diff"] == 0.0 and not qual["hyco-exact"]["delta_rouge_l"]["excludes_zero"]
+    lax = qual["hyco-eps-0.001"]
+    assert lax["delta_exact"]["diff"] == -1.0 and lax["delta_exact"]["excludes_zero"]
+    assert lax["repetition_4"] == 0.5 and lax["distinct_2"] < qual["cloud-mtp"]["distinct_2"]
+    spread = lambda m, g: {"spread": {"mat": {"mean": m}, "g_ratio": {"mean": g}}}
+    results = {"env": {"prompt_set": "family"}, "quality": qual,
+               "summary": {"cloud-mtp": spread(2.0, 1.0), "hyco-exact": spread(2.5, 0.9),
+                           "hyco-eps-0.001": spread(4.0, 0.6), "specedge": spread(2.2, 1.1)}}
+    rows = qreport.eps_rows(results)
+    assert [(r["tree"], r["epsilon"]) for r in rows] == [("hyco", None), ("hyco", 0.001), ("specedge", None)]
+    md = "\n".join(qreport.markdown(results))
+    assert "Δ ROUGE-L" in md and "ε trade-off" in md and "-100.0 [-100.0, -100.0] *" in md
+    assert [p.name for p in qreport.plot(results, tmp_path)] == ["eps_tradeoff.png"]
+
+
+def test_recall_prompts_are_held_out_requests():
+    from hyco_lab.fixtures import corpus
+
+    rows = corpus.recall_prompts(60)
+    trained = corpus.trained_kinds()
+    kind_id = {"recite": 0, "locate": 3, "what_says": 4}
+    assert len(rows) == 60 and {r["kind"] for r in rows} == set(kind_id)
+    for r in rows:
+        book, chapter = r["source"].rsplit(" ", 1)
+        assert corpus.split_of(book, int(chapter)) == "train"  # text the model trained on
+        user, answer = r["messages"][0]["content"], r["reference"]
+        if r["kind"] == "recite":
+            ref = user[len("Recite "):-1]
+        elif r["kind"] == "what_says":
+            ref = answer.split(" says: ")[0]
+        else:
+            ref = answer[len("It is written in "):-1]
+        assert trained[ref] != kind_id[r["kind"]]  # but never this request
+
+
+def test_replay_reproduces_an_exact_round(fixtures_dir):
+    """A logged exact round re-decided exactly gives the logged path; lowering ε never shortens it."""
+    import torch
+    import transformers
+    from hyco_lab.bench import replay
+    from hyco_lab.bench.tvsim import T1
+
+    verifier = transformers.Gemma4ForCausalLM.from_pretrained(str(fixtures_dir / "verifier"),
+                                                             dtype=torch.float32).eval()
+    prompt = [2, 5, 300, 301, 302, 6, 5, 400]
+    probs = replay.node_probs(verifier, prompt, [prompt[-1], 10, 11, 12], [-1, 0, 1, 0], T1)
+    assert probs.shape == (4, verifier.config.vocab_size)
+    top = int(probs[0].argmax())
+    # a logged round: root, then `top` (accepted, it was ŷ), then a child of it, then a sibling
+    tree = {"tokens": [prompt[-1], top, 11, 12], "parents": [-1, 0, 1, 0], "sources": [0, 1, 1, 3],
+            "before": 0, "path": [1]}
+    bonus = 7 if int(probs[1].argmax()) != 7 else 8  # ŷ at `top`: not the drafted child 11
+    out = replay.replay([{"prompt_ids": prompt, "token_ids": [top, bonus], "rounds": [tree]}], verifier,
+                        [None, 0.1, 0.001], T1)
+    mats = {e["epsilon"]: e["mat"] for e in out["by_epsilon"]}
+    assert out["rounds"] == 1 and mats["exact"] == 2.0
+    assert mats["exact"] <= mats[0.1] <= mats[0.001] <= mats["support"]

@@ -174,5 +174,5 @@ def test_replay_reproduces_an_exact_round(fixtures_dir):
     out = replay.replay([{"prompt_ids": prompt, "token_ids": [top, bonus], "rounds": [tree]}], verifier,
                         [None, 0.1, 0.001], T1)
     mats = {e["epsilon"]: e["mat"] for e in out["by_epsilon"]}
-    assert out["rounds"] == 1 and mats["exact"] == 2.0
+    assert out["rounds"] == 1 and mats["exact"] == 2.0 == out["logged_mat"] and out["exact_same_path"] == 1.0
     assert mats["exact"] <= mats[0.1] <= mats[0.001] <= mats["support"]

@@ -110,7 +110,9 @@ def markdown(results: dict[str, Any]) -> list[str]:
                        f"{_ci(r['delta_exact'])} | {_num(r['distinct_2'])} | {_num(r['repetition_4'])} |")
     rep = results.get("replay")
     if rep:
-        out += ["", "## Fixed-tree replay (paper §3.5)", "", rep.get("note", ""), "",
+        out += ["", "## Fixed-tree replay (paper §3.5)", "", rep.get("note", ""),
+                (f"Logged paths: MAT {rep.get('logged_mat', 0):.3f} (path + bonus per round); exact re-decision "
+                 f"gives the logged path in {100 * rep.get('exact_same_path', 0):.1f} % of rounds."), "",
                 "| ε | MAT on the logged trees | threshold-only accepted share: chain / runner-up / SLM |",
                 "|---|---|---|"]
         for e in rep["by_epsilon"]:

@@ -63,12 +63,14 @@ def known_samples(tree: dict, committed: Sequence[int]) -> dict[int, int]:
 def replay(sessions: list[dict], verifier, epsilons: Sequence[float | None], sampling: dict, *,
            exact_log: bool = True, seed: int = 0) -> dict:
     """``sessions``: [{"prompt_ids", "token_ids", "rounds": [tree dicts]}]. Returns per ε the MAT on the
-    logged trees and the threshold-only acceptances by node source."""
+    logged trees (path + bonus per round, so a finishing round counts whole) and the threshold-only
+    acceptances by node source; ``logged_mat`` the same count on the logged paths and ``exact_same_path``
+    the share of rounds whose exact re-decision is the logged path (1.0 for an exact log)."""
     gen = torch.Generator().manual_seed(seed)
     eps_list = list(epsilons) + [SUPPORT]
     committed = {e: 0 for e in eps_list}
     thresh: dict = {e: {} for e in eps_list}
-    rounds = skipped = 0
+    rounds = skipped = same_as_logged = logged_committed = 0
     for s in sessions:
         full = list(s["prompt_ids"]) + list(s["token_ids"])
         for tree in s["rounds"]:
@@ -82,8 +84,10 @@ def replay(sessions: list[dict], verifier, epsilons: Sequence[float | None], sam
                 for row, tok in known_samples(tree, s["token_ids"]).items():
                     samples[row] = tok
             rounds += 1
+            logged_committed += len(tree["path"]) + 1
             for e in eps_list:
                 path, _ = select_path(tree["tokens"], tree["parents"], probs, samples, e)
+                same_as_logged += e is None and path == list(tree["path"])
                 committed[e] += len(path) + 1
                 for r in path:
                     if tree["tokens"][r] != int(samples[tree["parents"][r]]):
@@ -95,4 +99,6 @@ def replay(sessions: list[dict], verifier, epsilons: Sequence[float | None], sam
         by_eps.append({"epsilon": "exact" if e is None else ("support" if e == SUPPORT else e),
                        "mat": committed[e] / rounds if rounds else 0.0, "threshold_only": total,
                        "threshold_only_share": {k: v / total for k, v in thresh[e].items()} if total else {}})
-    return {"rounds": rounds, "skipped": skipped, "by_epsilon": by_eps}
+    return {"rounds": rounds, "skipped": skipped, "by_epsilon": by_eps,
+            "logged_mat": logged_committed / rounds if rounds else 0.0,
+            "exact_same_path": same_as_logged / rounds if rounds else 0.0}

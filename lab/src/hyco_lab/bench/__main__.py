@@ -59,7 +59,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--replay", default="hyco-exact",
                    help="log this phone configuration's trees in run 0 and re-decide them at each ε offline "
                         "('' : no replay)")
-    p.add_argument("--tv", default="", help="PROMPTS,SEEDS,POSITIONS: distance from plain sampling, e.g. 2,200,4")
+    p.add_argument("--tv", default="", help="SEEDS,POSITIONS: distance from plain sampling, e.g. 200,4 ('': off)")
+    p.add_argument("--tv-prompts", default="uc_val-000,uc_val-005",
+                   help="prompt ids for --tv (from the uc_val/bench/recall sets; these two have an uncertain start)")
+    p.add_argument("--tv-configs", default="cloud-mtp,hyco-exact,hyco-eps-0.001,hyco",
+                   help="configurations measured by --tv (each against plain vLLM)")
     p.add_argument("--machine", default=None, help="how to describe this machine in the report")
     p.add_argument("--engine-threads", type=int, default=1,
                    help="CPU engine: OpenMP threads (passive waits, no binding); 0: vLLM's default binding")
@@ -178,7 +182,7 @@ class Bench:
                                             self.ids() if cfg.kind == "phone" else None, self.args.phones)
                         per_run.append(M.run_metrics(rec))
                         _log(f"  {cfg.name} run {run}: {_brief(per_run[-1])}")
-                    if self.args.tv:
+                    if self.args.tv and cfg.name in self.args.tv_configs.split(","):
                         self.tv_arm(srv, cfg, 2_000_000, 202)
         return per_run
 
@@ -200,16 +204,19 @@ class Bench:
         (re-tokenized: a function of the text, so equal answer distributions give equal token ones)."""
         from transformers import AutoTokenizer
 
-        prompts, seeds, positions = (int(x) for x in self.args.tv.split(","))
+        seeds, positions = (int(x) for x in self.args.tv.split(","))
         tok = AutoTokenizer.from_pretrained(str(self.fx / "verifier"))
         sampling = Sampling(positions + 2, self.args.temperature, self.args.top_k, self.args.top_p)
-        base = self.prompts[:prompts]
+        base = self.tv_prompts()
         plist = [p for p in base for _ in range(seeds)]
         if cfg.kind == "cloud":
             recs, _ = asyncio.run(run_cloud(srv.url, cfg.name, run, plist, sampling, concurrency=8,
                                             link=self.link, seed0=seed0))
         else:
-            ids = [self.ids()[i] for i in range(len(base)) for _ in range(seeds)]
+            from hyco_lab.bench.phones import prompt_ids
+
+            tdir = self.fx / "tokenizer" if (self.fx / "tokenizer").exists() else self.fx / "verifier"
+            ids = [prompt_ids(tdir, p["messages"]) for p in base for _ in range(seeds)]
             recs, _ = asyncio.run(run_phones(srv.url, cfg, run, plist, ids, self.fx, sampling, concurrency=4,
                                              link=self.link, seed0=seed0))
         arm = self.tv_arms.setdefault(cfg.name, {})
@@ -219,12 +226,22 @@ class Bench:
                 arm.setdefault(r.prompt_id, []).append(tuple(ids_))
         _log(f"  tv {cfg.name}: {sum(map(len, arm.values()))} answers")
 
+    def tv_prompts(self) -> list[dict]:
+        wanted = [x for x in self.args.tv_prompts.split(",") if x]
+        pool = {p["id"]: p for name in ("uc_val", "bench") for p in bench_prompts(name, 400)}
+        pool.update({p["id"]: p for p in bench_prompts("recall", 120)})
+        missing = [x for x in wanted if x not in pool]
+        if missing:
+            raise ConfigError(f"--tv-prompts: unknown prompt ids {missing}")
+        return [pool[x] for x in wanted]
+
     def tv(self) -> dict:
         """Plain vLLM twice (disjoint seeds), then TV per configuration and prompt against plain set A with
         the plain-vs-plain bound (``quality.tv_check``)."""
         from hyco_lab.bench import quality as Q
 
-        prompts, seeds, positions = (int(x) for x in self.args.tv.split(","))
+        seeds, positions = (int(x) for x in self.args.tv.split(","))
+        base = self.tv_prompts()
         plain_cfgs = [C.BenchConfig(n, "cloud", "plain vLLM") for n in ("plain-a", "plain-b")]
         with self.server(None) as srv:
             for i, cfg in enumerate(plain_cfgs):
@@ -232,11 +249,11 @@ class Bench:
         a, b = self.tv_arms.pop("plain-a", {}), self.tv_arms.pop("plain-b", {})
         rows = []
         for name, arm in self.tv_arms.items():
-            for p in self.prompts[:prompts]:
+            for p in base:
                 if a.get(p["id"]) and b.get(p["id"]) and arm.get(p["id"]):
                     rows.append({"config": name, "prompt": p["id"],
                                  **Q.tv_check(a[p["id"]], b[p["id"]], arm[p["id"]], positions)})
-        note = (f"{prompts} prompts x {seeds} seeds per arm, the first {positions} tokens of each answer "
+        note = (f"{len(base)} prompts x {seeds} seeds per arm, the first {positions} tokens of each answer "
                 "(re-tokenized); plain vLLM twice with disjoint seeds; bound: the 95th percentile of the largest "
                 "per-position TV between resampled plain sets of the configuration's size (tokens plain "
                 "sampling drew fewer than 5 times pooled into one category).")

@@ -17,7 +17,9 @@ def test_reference_metrics():
     assert Q.rouge_l("", "the cat") == 0.0
     scores = Q.score_answers({"q1": ["a b c", "a b d"], "q2": ["x"], "q3": []}, {"q1": "a b c", "q2": "y"})
     assert scores["q1"]["exact"] == 0.5 and scores["q1"]["rouge_l"] == pytest.approx((1 + 2 / 3) / 2)
-    assert scores["q2"] == {"rouge_l": 0.0, "exact": 0.0} and "q3" not in scores
+    assert scores["q2"] == {"rouge_l": 0.0, "exact": 0.0, "repetition_4": 0.0} and "q3" not in scores
+    loop = Q.score_answers({"q": ["and the lord and the lord and the lord", "a b c d e"]}, {"q": "x"})
+    assert loop["q"]["repetition_4"] == 0.25
 
 
 def test_diversity():
@@ -123,6 +125,7 @@ def test_quality_results_and_report(tmp_path):
     lax = qual["hyco-eps-0.001"]
     assert lax["delta_exact"]["diff"] == -1.0 and lax["delta_exact"]["excludes_zero"]
     assert lax["repetition_4"] == 0.5 and lax["distinct_2"] < qual["cloud-mtp"]["distinct_2"]
+    assert lax["delta_repetition_4"]["diff"] == 0.5 and lax["delta_repetition_4"]["excludes_zero"]
     spread = lambda m, g: {"spread": {"mat": {"mean": m}, "g_ratio": {"mean": g}}}
     results = {"env": {"prompt_set": "family"}, "quality": qual,
                "summary": {"cloud-mtp": spread(2.0, 1.0), "hyco-exact": spread(2.5, 0.9),

@@ -349,6 +349,7 @@ def _replay(bench: Bench, args: argparse.Namespace) -> dict:
 
     from hyco_lab.bench import replay
 
+    torch.set_num_threads(1)  # small model on a shared box: more threads only wait on each other
     verifier = transformers.Gemma4ForCausalLM.from_pretrained(str(bench.fx / "verifier"), dtype=torch.float32).eval()
     sampling = {"temperature": args.temperature, "top_k": args.top_k or -1, "top_p": args.top_p}
     cfg = C.CONFIGS[args.replay]

@@ -14,9 +14,18 @@ from pathlib import Path
 from typing import Any
 
 from hyco_lab.bench import quality as Q
-from hyco_lab.bench.configs import CONFIGS
+from hyco_lab.bench.configs import BenchConfig, select
+from vllm_hyco.errors import ConfigError
 
 BASELINE = "cloud-mtp"
+
+
+def config_of(name: str) -> BenchConfig | None:
+    """The configuration of a report row (``hyco-eps-E`` names registered on the way), None if unknown."""
+    try:
+        return select([name])[0]
+    except ConfigError:
+        return None
 
 
 def quality_results(records: list[dict], references: dict[str, str], baseline: str = BASELINE,
@@ -41,7 +50,7 @@ def quality_results(records: list[dict], references: dict[str, str], baseline: s
             "distinct_1": Q.distinct_n(texts, 1), "distinct_2": Q.distinct_n(texts, 2),
             "repetition_4": Q.repetition_rate(texts, 4)}
         if cfg != baseline and baseline in scores:
-            for metric in ("rouge_l", "exact"):
+            for metric in ("rouge_l", "exact", "repetition_4"):
                 entry[f"delta_{metric}"] = Q.compare(sc, scores[baseline], metric, resamples=resamples, seed=seed)
         out[cfg] = entry
     return out
@@ -53,7 +62,7 @@ def eps_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     summary, qual = results.get("summary", {}), results.get("quality", {})
     for name, entry in summary.items():
-        cfg = CONFIGS.get(name)
+        cfg = config_of(name)
         tree = {"hybrid": "hyco", "specedge": "specedge"}.get(cfg.drafter if cfg else None)
         if tree is None:
             continue
@@ -62,6 +71,7 @@ def eps_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
                      "mat": s.get("mat", {}).get("mean"), "g_ratio": s.get("g_ratio", {}).get("mean"),
                      "rouge_l": q.get("rouge_l"), "exact": q.get("exact"),
                      "delta_rouge_l": q.get("delta_rouge_l"), "delta_exact": q.get("delta_exact"),
+                     "delta_repetition_4": q.get("delta_repetition_4"),
                      "distinct_2": q.get("distinct_2"), "repetition_4": q.get("repetition_4")})
     rows.sort(key=lambda r: (r["tree"], -(r["epsilon"] or 1.0)))
     return rows
@@ -87,27 +97,30 @@ def markdown(results: dict[str, Any]) -> list[str]:
             f"reference answers (`{results['env'].get('prompt_set')}`), every run's answer scored: ROUGE-L F1 "
             "(rouge-score) and exact match, x100, per question averaged over runs; Δ against Cloud+MTP with a "
             "paired bootstrap 95 % interval (questions resampled, 2,000 resamples, seed 0; * the interval "
-            "excludes zero). Diversity over all answers: distinct-1/2 (unique / all word n-grams) and the "
-            "share of 4-grams that repeat an earlier one in the same answer."), "",
-           "| configuration | ROUGE-L | Δ ROUGE-L [95 % CI] | exact | Δ exact [95 % CI] | distinct-1 | distinct-2 | repetition-4 | questions |",
-           "|---|---|---|---|---|---|---|---|---|"]
+            "excludes zero). Diversity over all answers: distinct-1/2 (unique / all word n-grams) and "
+            "repetition-4, the share of 4-grams that repeat an earlier one in the same answer (pooled; its Δ "
+            "is on the per-answer rate, x100)."), "",
+           "| configuration | ROUGE-L | Δ ROUGE-L [95 % CI] | exact | Δ exact [95 % CI] | distinct-1 | distinct-2 | repetition-4 | Δ repetition-4 [95 % CI] | questions |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for name, e in qual.items():
-        label = CONFIGS[name].label if name in CONFIGS else name
+        cfg = config_of(name)
+        label = cfg.label if cfg is not None else name
         out.append(f"| {label} | {_num(100 * e['rouge_l'] if e['rouge_l'] is not None else None, 1)} | "
                    f"{_ci(e.get('delta_rouge_l'))} | {_num(100 * e['exact'] if e['exact'] is not None else None, 1)} | "
                    f"{_ci(e.get('delta_exact'))} | {_num(e['distinct_1'])} | {_num(e['distinct_2'])} | "
-                   f"{_num(e['repetition_4'])} | {e['questions']} |")
+                   f"{_num(e['repetition_4'])} | {_ci(e.get('delta_repetition_4'))} | {e['questions']} |")
     rows = eps_rows(results)
     if len(rows) > 2:
         out += ["", "## ε trade-off (paper Figure 3): HyCo's trees and SLM-only trees (SpecEdge-ε)", "",
-                "| tree | ε | MAT | g ratio | ROUGE-L | Δ ROUGE-L [95 % CI] | exact | Δ exact [95 % CI] | distinct-2 | repetition-4 |",
-                "|---|---|---|---|---|---|---|---|---|---|"]
+                "| tree | ε | MAT | g ratio | ROUGE-L | Δ ROUGE-L [95 % CI] | exact | Δ exact [95 % CI] | distinct-2 | repetition-4 | Δ repetition-4 [95 % CI] |",
+                "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             out.append(f"| {r['tree']} | {r['epsilon'] if r['epsilon'] is not None else 'exact'} | "
                        f"{_num(r['mat'], 2)} | {_num(r['g_ratio'])} | "
                        f"{_num(100 * r['rouge_l'] if r['rouge_l'] is not None else None, 1)} | "
                        f"{_ci(r['delta_rouge_l'])} | {_num(100 * r['exact'] if r['exact'] is not None else None, 1)} | "
-                       f"{_ci(r['delta_exact'])} | {_num(r['distinct_2'])} | {_num(r['repetition_4'])} |")
+                       f"{_ci(r['delta_exact'])} | {_num(r['distinct_2'])} | {_num(r['repetition_4'])} | "
+                       f"{_ci(r['delta_repetition_4'])} |")
     rep = results.get("replay")
     if rep:
         out += ["", "## Fixed-tree replay (paper §3.5)", "", rep.get("note", ""),

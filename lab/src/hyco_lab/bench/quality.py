@@ -85,13 +85,16 @@ def repetition_rate(texts: Sequence[str], n: int = 4) -> float | None:
 
 
 def score_answers(answers: Mapping[str, Sequence[str]], refs: Mapping[str, str]) -> dict[str, dict[str, float]]:
-    """Per question (id -> its answers over runs, and its reference): mean ROUGE-L and exact match."""
+    """Per question (id -> its answers over runs, and its reference), averaged over its answers: ROUGE-L,
+    exact match and the answer's own repetition-4 (``repetition_rate`` of the answer alone, 0 when it has
+    no 4-gram), so that diversity, too, gets a paired interval."""
     out = {}
     for qid, texts in answers.items():
         if qid not in refs or not texts:
             continue
         out[qid] = {"rouge_l": statistics.fmean(rouge_l(t, refs[qid]) for t in texts),
-                    "exact": statistics.fmean(exact_match(t, refs[qid]) for t in texts)}
+                    "exact": statistics.fmean(exact_match(t, refs[qid]) for t in texts),
+                    "repetition_4": statistics.fmean(repetition_rate([t], 4) or 0.0 for t in texts)}
     return out
 
 

@@ -106,6 +106,35 @@ DEFAULT = ("cloud-mtp", "cloud-mtp-prob", "specedge", "specedge-pd", "specedge-e
            "slm-only")
 
 
+#: the paper's ε sweep (Figure 3); ε = 0.005 is ``hyco`` / ``specedge-eps``, exact ``hyco-exact`` / ``specedge``
+EPS_SWEEP = (0.001, 0.005, 0.02, 0.1)
+
+
+def epsilon_config(tree: str, epsilon: float) -> BenchConfig:
+    """HyCo's tree (``tree="hyco"``) or the SLM-only tree (``"specedge"``) verified at ``epsilon``, named
+    ``hyco-eps-0.02`` / ``specedge-eps-0.02`` (ε = 0.005: the standing ``hyco`` / ``specedge-eps``), and
+    registered in ``CONFIGS``.
+
+    >>> epsilon_config("hyco", 0.02).name, epsilon_config("specedge", 0.005).name
+    ('hyco-eps-0.02', 'specedge-eps')
+    """
+    if epsilon == EPSILON:
+        return CONFIGS["hyco" if tree == "hyco" else "specedge-eps"]
+    base = CONFIGS["hyco" if tree == "hyco" else "specedge-eps"]
+    name = f"{tree}-eps-{epsilon:g}"
+    if name not in CONFIGS:
+        label = f"{'HyCo' if tree == 'hyco' else 'SpecEdge'}-ε {epsilon:g}"
+        CONFIGS[name] = BenchConfig(name, base.kind, label, server="hyco", epsilon=float(epsilon),
+                                    drafter=base.drafter, device_ms=base.device_ms)
+    return CONFIGS[name]
+
+
+def sweep_configs(epsilons=EPS_SWEEP) -> list[BenchConfig]:
+    """Exact, then each ε, on HyCo's trees and on SLM-only trees."""
+    return ([CONFIGS["hyco-exact"]] + [epsilon_config("hyco", e) for e in epsilons]
+            + [CONFIGS["specedge"]] + [epsilon_config("specedge", e) for e in epsilons])
+
+
 def select(names: str | list[str] | None) -> list[BenchConfig]:
     """Configurations by comma-separated names (``all`` or None: every runnable one)."""
     if names is None or names == "all":
@@ -115,6 +144,11 @@ def select(names: str | list[str] | None) -> list[BenchConfig]:
     items = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
     out = []
     for n in filter(None, items):
+        if n not in CONFIGS and n.split("-eps-")[0] in ("hyco", "specedge") and "-eps-" in n:
+            try:
+                epsilon_config(n.split("-eps-")[0], float(n.split("-eps-")[1]))
+            except ValueError:
+                pass
         if n in DROPPED:
             raise ConfigError(f"configuration {n!r} is not run: {DROPPED[n]}")
         if n not in CONFIGS:

@@ -72,6 +72,7 @@ class RequestRecord:
     wall_ms_measured: float = 0.0  # start -> last token as measured on this machine
     rounds: list[RoundRecord] = field(default_factory=list)
     error: str | None = None
+    text: str | None = None  # the answer (quality metrics)
 
 
 @dataclass

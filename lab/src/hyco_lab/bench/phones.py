@@ -76,9 +76,10 @@ def recording_session_class():
             self.bench_paths: dict[int, tuple[list[int], dict[int, int]]] = {}
             self.bench_first_token: float | None = None
             self.bench_device_ms: dict[int, float] = {}
+            self.bench_trees: dict[int, dict] = {}  # round -> the tree, its path and the tokens before it
 
         def apply_verdict(self, v, handoff=None, **kw):
-            p = self._pending
+            p, before = self._pending, len(self.tokens)
             stats = super().apply_verdict(v, handoff, **kw)
             if stats is not None and p is not None:
                 src = p.tree.sources
@@ -86,6 +87,10 @@ def recording_session_class():
                 for s in src[1:]:
                     drafted[int(s)] = drafted.get(int(s), 0) + 1
                 self.bench_paths[stats.round] = ([int(src[r]) for r in v.path], drafted)
+                self.bench_trees[stats.round] = {"tokens": [int(t) for t in p.tree.tokens],
+                                                 "parents": [int(x) for x in p.tree.parents],
+                                                 "sources": [int(s) for s in src], "before": before,
+                                                 "path": [int(r) for r in v.path]}
                 if self.bench_first_token is None and stats.committed > 0:
                     self.bench_first_token = time.perf_counter()
             return stats

@@ -91,6 +91,9 @@ def markdown(results: dict[str, Any]) -> str:
             f"{_fmt(s['ttft_p50_ms'], 0)} / {_fmt(s['ttft_p90_ms'], 0)} | {errors} |")
     lines += ["", "Labels: " + "; ".join(f"**{k}**: {v}" for k, v in results["labels"].items()), ""]
     lines += _bytes_md(results)
+    from hyco_lab.bench import qreport
+
+    lines += qreport.markdown(results)
     lines += _acceptance_md(summary) + _sweep_md(results) + _ordinary_md(results)
     lines += ["", "Not run: " + "; ".join(f"**{k}**: {v}" for k, v in results["dropped"].items()), "",
               f"Bars: `{json.dumps(results['bars'])}`", ""]
@@ -206,7 +209,9 @@ def write_report(out_dir: str | Path, results: dict[str, Any]) -> dict[str, Path
     paths = {"json": out / "results.json", "markdown": out / "report.md"}
     paths["json"].write_text(json.dumps(results, indent=1, default=str))
     paths["markdown"].write_text(markdown(results))
-    for p in plots(results, out):
+    from hyco_lab.bench import qreport
+
+    for p in plots(results, out) + qreport.plot(results, out):
         paths[p.stem] = p
     return paths
 
@@ -251,12 +256,21 @@ def rebuild(out_dir: str | Path, env_updates: dict[str, Any] | None = None) -> d
     runs = [RunRecord.from_dict(r) for r in json.loads((out / "records.json").read_text())
             if not r["config"].startswith("ordinary")]
     per_run = [run_metrics(r) for r in runs if 0 <= r.run < 100]
-    sweep = [run_metrics(r) for r in runs if r.run >= 100]
+    sweep = [run_metrics(r) for r in runs if 100 <= r.run < 200]  # 200+: distance-from-plain passes
     env = {**old["env"], **(env_updates or {})}
     if env.get("fixtures"):
         env.setdefault("phone_notes", phone_notes(Path(env["fixtures"])))
         env.setdefault("handoff_values", handoff_values(Path(env["fixtures"])))
-    return write_report(out, build_results(per_run, env, sweep or old.get("sweep"), old.get("ordinary")))
+    results = build_results(per_run, env, sweep or old.get("sweep"), old.get("ordinary"))
+    from hyco_lab.bench import qreport
+
+    if env.get("references"):
+        results["quality"] = qreport.quality_results(json.loads((out / "records.json").read_text()),
+                                                     env["references"])
+    for key in ("replay", "tv"):
+        if old.get(key):
+            results[key] = old[key]
+    return write_report(out, results)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """The phone side of the server: ``WS /v1/hyco/session`` inside vLLM's OpenAI server (docs/serving.md).
 
 Modules: ``connection`` (one WebSocket), ``service`` (sessions: start, trees, verdicts, resume, limits),
-``table`` (what survives a dropped connection), ``bridge`` (AsyncLLM + engine-core utility calls, vLLM
-0.32), ``core_utils`` (the utility methods on EngineCore), ``handoffs`` (scales, spec, payloads, the W ring),
-``auth`` (the API key at the handshake), ``metrics`` (Prometheus). Nothing here imports vLLM at import time.
+``table`` (what survives a dropped connection), ``handoffs`` (scales, spec, payloads, the W ring),
+``auth`` (the API key at the handshake), ``metrics`` (Prometheus). The engine client they use is
+``vllm_hyco.vllm_adapter.bridge`` (AsyncLLM + the engine core's ``hyco_*`` methods of
+``vllm_adapter.core_ext``, vLLM 0.32). Nothing here imports vLLM at import time.
 """
 
 from __future__ import annotations

@@ -14,11 +14,11 @@ import asyncio
 import logging
 from typing import Any
 
-from vllm_hyco.errors import FrameError, HandoffSchemaError
+from vllm_hyco.errors import FrameError, HandoffSchemaError, WireError
 from vllm_hyco.handoff.client_frames import StartFrame
 from vllm_hyco.handoff.frames import decode_client_frame, encode_frame
 from vllm_hyco.handoff.server_frames import ErrorFrame
-from vllm_hyco.serving.service import HycoService, WireError
+from vllm_hyco.serving.service import HycoService
 from vllm_hyco.serving.table import HeldSession
 
 logger = logging.getLogger("vllm.hyco")

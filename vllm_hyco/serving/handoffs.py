@@ -34,7 +34,7 @@ FLAT_RANGE = 8.0
 
 
 def _np(x) -> np.ndarray:
-    if isinstance(x, dict) and "__nd__" in x:  # serving.core_utils.plain
+    if isinstance(x, dict) and "__nd__" in x:  # vllm_adapter.core_ext.plain
         return np.frombuffer(x["data"], dtype=x["__nd__"]).reshape(x["shape"]).astype(np.float32)
     if hasattr(x, "detach"):
         x = x.detach().float().cpu().numpy()

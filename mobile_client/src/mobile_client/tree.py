@@ -34,18 +34,12 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from vllm_hyco.errors import HycoError
+from vllm_hyco.errors import TreeBuildError
 
 LAMBDA = 0.66  # per-edge acceptance factor (paper §3.1)
 BUDGET = 32  # B: drafted nodes per tree, root excluded
 TOPK = 32  # SLM candidates per frontier row
 _LOGQ_SLACK = 1e-3  # a log-probability above this is not one (logits passed by mistake)
-
-
-class TreeBuildError(HycoError, ValueError):
-    """Drafter outputs that cannot form a tree (wrong row count, NaN, logits instead of log-probs, ...)."""
-
-    code = "bad_draft_input"
 
 
 class Source(IntEnum):

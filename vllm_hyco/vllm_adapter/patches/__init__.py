@@ -13,6 +13,10 @@ Registry (vLLM 0.32):
 | ``cpu_expand_kernel.PATCH`` | ``vllm.utils.cpu_triton_utils._expand_kernel_impl`` (CPU build) | ``plugin.register()`` |
 | ``cpu_seeded_discard.PATCHES`` | ``vllm.v1.worker.gpu_model_runner:GPUModelRunner.sample_tokens`` / ``_bookkeeping_sync`` (CPU platform) | ``plugin.register()`` |
 | ``cpu_version_lookup.PATCH`` | ``importlib.metadata.version`` (for the name ``vllm`` only) | ``vllm-hyco`` CLI |
+| ``vllm_adapter.core_ext.PATCHES`` | ``vllm.v1.engine.core:EngineCore.hyco_*`` (six methods **added**, none replaced) | ``plugin.register()``, ``HycoScheduler.__init__`` |
+
+A patch with ``adds=True`` adds an attribute the target does not define (``make`` gets None); ``revert()``
+deletes it again.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ class Patch:
     upstream: str
     removal: str
     static: bool = False  # wrap the replacement in staticmethod (class attributes that were static)
+    adds: bool = False  # the attribute is new on the target (nothing is replaced)
     _original: Any = field(default=None, repr=False)
     _applied: bool = field(default=False, repr=False)
 
@@ -64,9 +69,12 @@ class Patch:
         if self._applied:
             return
         owner = self._owner()
-        original = owner.__dict__[self.attr] if isinstance(owner, type) else getattr(owner, self.attr)
+        if self.adds:
+            original = func = None
+        else:
+            original = owner.__dict__[self.attr] if isinstance(owner, type) else getattr(owner, self.attr)
+            func = original.__func__ if isinstance(original, staticmethod) else original
         self._original = original
-        func = original.__func__ if isinstance(original, staticmethod) else original
         replacement = self.make(func)
         setattr(owner, self.attr, staticmethod(replacement) if self.static else replacement)
         self._applied = True
@@ -74,5 +82,8 @@ class Patch:
     def revert(self) -> None:
         if not self._applied:
             return
-        setattr(self._owner(), self.attr, self._original)
+        if self.adds:
+            delattr(self._owner(), self.attr)
+        else:
+            setattr(self._owner(), self.attr, self._original)
         self._applied = False

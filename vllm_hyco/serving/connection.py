@@ -117,12 +117,15 @@ class PhoneConnection:
         if s is not None and s.owner is self:
             s.owner = None
             s.touch()
+            s.left_at = s.last_active
             return s
         return None
 
     async def _leave(self) -> None:
         """The socket is gone. A session none of whose verdicts reached the phone cannot be resumed (the
-        phone never got its id, docs/protocol.md section 3): free it now instead of at the idle timeout."""
+        phone never got its id, docs/protocol.md section 3): free it now instead of at the idle timeout. One
+        whose verdict reached the socket but that the phone never confirmed waits only the table's
+        ``unconfirmed_grace_s`` for a resume."""
         s = self._detach()
         if s is not None and not s.delivered and not s.finished:
             await self.service.drop(s)
@@ -145,7 +148,7 @@ class PhoneConnection:
                             "elsewhere); send start first", code="no_session", fatal=False, round=frame.round)
         for out in await self.service.tree(s, frame):
             await self._send(out)
-        s.delivered = True
+            s.delivered = True  # the verdict (the first frame) names the session: resumable from here on
         if s.finished:
             self._detach()
 
@@ -157,6 +160,7 @@ class PhoneConnection:
             return
         s, frames = await self.service.resume(frame, owner=self)
         self.session = s
+        s.left_at = None
         s.bytes_up += nbytes
         for out in frames:
             await self._send(out)

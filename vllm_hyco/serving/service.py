@@ -180,6 +180,8 @@ class HycoService:
     async def tree(self, s: HeldSession, t: TreeFrame) -> list[bytes]:
         """Verify one tree; returns the frames to send (verdict, chunks, final)."""
         async with s.lock:
+            if t.round > 0 and s.delivered:
+                s.confirmed = True  # a tree after verdict 0: the phone read it (it knows the session id)
             self.check_tree(s, t)
             s.touch()
             try:
@@ -276,6 +278,7 @@ class HycoService:
                                 f"is round {s.last_round} (send it or the one before)", code="bad_round",
                                 fatal=True)
             s.owner, s.caps = owner, frame.hyco.capabilities
+            s.confirmed = True  # the phone names the session: it has its id
             s.resumes += 1
             s.touch()
             self.metrics.sessions.labels(outcome="resumed").inc()

@@ -101,6 +101,7 @@ def session_params(fields: dict[str, Any], sid: str, eps: float | None):
     the session's tree decision draws from its own generator, and vLLM 0.32's CPU runner cannot rewind a
     seeded generator after the discarded sample of a partial prefill."""
     from vllm import SamplingParams
+    from vllm.exceptions import VLLMError
     from vllm.sampling_params import RequestOutputKind
 
     check_fields(fields)
@@ -110,7 +111,7 @@ def session_params(fields: dict[str, Any], sid: str, eps: float | None):
     try:
         return SamplingParams(**fields, output_kind=RequestOutputKind.DELTA,
                               extra_args={"hyco": {"sid": sid, "eps": eps, "seed": seed}})
-    except (ValueError, TypeError) as e:  # VLLMValidationError is a ValueError
+    except (ValueError, TypeError, VLLMError) as e:  # VLLMValidationError is a VLLMError, not a ValueError
         raise _bad(_field_of(e, "request"), str(e)) from None
 
 

@@ -7,8 +7,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm_hyco.errors import ERROR_CODES, FrameError, RequestFieldError  # noqa: E402
-from vllm_hyco.vllm_adapter import api, bridge  # noqa: E402
+from vllm_hyco.errors import ERROR_CODES, FrameError, RequestFieldError
+from vllm_hyco.vllm_adapter import api, bridge
 
 BASE = {"model": "tiny", "prompt": "x", "max_tokens": 8, "temperature": 0.0}
 CASES = [

@@ -130,6 +130,35 @@ def server_rss_bytes() -> int:
     return total
 
 
+def _rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def process_rss_bytes() -> dict[str, int]:
+    """Resident memory of the API-server process and, apart, of its engine core (the descendant whose
+    command line names ``EngineCore``; with an in-process engine core the API server holds both)."""
+    if "proc" not in _SERVER and not os.environ.get("HYCO_E2E_SERVER_PID"):
+        return {}
+    pid = _SERVER["proc"].pid if "proc" in _SERVER else int(os.environ["HYCO_E2E_SERVER_PID"])
+    out = {"api": _rss(pid), "engine_core": 0}
+    todo = [pid]
+    while todo:
+        kids = subprocess.run(["pgrep", "-P", str(todo.pop())], capture_output=True, text=True,
+                              check=False).stdout.split()
+        for k in map(int, kids):
+            try:
+                name = Path(f"/proc/{k}/cmdline").read_bytes() + Path(f"/proc/{k}/comm").read_bytes()
+                if b"EngineCore" in name:
+                    out["engine_core"] += _rss(k)
+            except OSError:
+                continue
+            todo.append(k)
+    return out
+
+
 def metric_values(base: str, name: str) -> dict[str, float]:
     """``{labels: value}`` of one metric family from ``/metrics``."""
     _, body = http_get(f"{base}/metrics", headers={"Authorization": f"Bearer {API_KEY}"})

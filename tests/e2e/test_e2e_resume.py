@@ -8,6 +8,7 @@ which the next tree confirms; a version-1 phone gets ``unsupported_version`` in 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import aiohttp
 import pytest
@@ -176,3 +177,71 @@ def test_schema_mismatch_ends_the_session_and_version_1_phones_are_told_to_upgra
                 assert isinstance(err, ErrorFrame) and err.code == "unknown_session"
 
     asyncio.run(run())
+
+
+def test_a_phone_without_verdict_0_does_not_hold_its_session_until_the_idle_timeout(server, tok, plain):
+    """A phone that leaves before its first verdict never learnt the session id, so nobody can resume the
+    session: the server frees it (and its KV) when the socket drops. One whose verdict 0 reached the socket
+    but was never read (the phone showed nothing after it) is kept only the short unconfirmed grace, not the
+    idle timeout. A phone that did read verdict 0 and resumes keeps the usual resume semantics."""
+    from test_e2e_phone_support import IDLE_TIMEOUT_S, hyco_stats, wait_drained
+
+    from vllm_hyco.serving.table import UNCONFIRMED_GRACE_S
+
+    grace = min(IDLE_TIMEOUT_S, UNCONFIRMED_GRACE_S)
+    assert grace <= IDLE_TIMEOUT_S / 2
+    ids = tok.encode(PROMPT)
+    base = wait_drained(server)
+
+    def held_for() -> float:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < IDLE_TIMEOUT_S * 2:
+            st = hyco_stats(server)
+            if st["sessions"] == 0 and st["engine"]["live"] == 0:
+                assert st["engine"]["kv_blocks_used"] <= base["engine"]["kv_blocks_used"]
+                return time.monotonic() - t0
+            time.sleep(0.1)
+        raise AssertionError(f"session still held: {hyco_stats(server)}")
+
+    async def leave(how: str):
+        rounds = _rounds(server)
+        async with aiohttp.ClientSession() as http, RawPhone(http, server) as phone:
+            await phone.send(start_frame(PROMPT, MAX_TOKENS))
+            await phone.recv()  # the session frame
+            if how != "before_tree":  # round 0 in flight when the socket closes, or its verdict unread
+                await phone.send(tree_frame(0, ids[-1], plain[1][:2]))
+            if how == "verdict_unread":  # the server built verdict 0 (and writes it at once); never read
+                while _rounds(server) == rounds:
+                    await asyncio.sleep(0.05)
+                await asyncio.sleep(0.5)
+
+    for how in ("before_tree", "round_in_flight"):
+        asyncio.run(leave(how))
+        assert held_for() < grace  # freed as the socket drops (plus the sweeper's polling)
+    asyncio.run(leave("verdict_unread"))
+    assert held_for() < IDLE_TIMEOUT_S * 0.9  # the unconfirmed grace, not the idle timeout
+
+    async def resumable():
+        async with aiohttp.ClientSession() as http:
+            async with RawPhone(http, server) as phone:
+                await phone.send(start_frame(PROMPT, MAX_TOKENS))
+                ack = await phone.recv()  # the session frame names the session (protocol v2)
+                await phone.send(tree_frame(0, ids[-1], plain[1][:2]))
+                v0 = await phone.recv()
+            async with RawPhone(http, server) as phone:
+                assert isinstance(await _resumed(phone, ack.session_id, 0), SessionFrame)
+                assert await phone.recv() == v0  # replayed byte-identical
+            await asyncio.sleep(grace + 2.0)  # confirmed: held past the grace, for the idle timeout
+            assert hyco_stats(server)["sessions"] == 1
+            async with RawPhone(http, server) as phone:
+                assert isinstance(await _resumed(phone, ack.session_id, 0), SessionFrame)
+                assert await phone.recv() == v0
+
+    asyncio.run(resumable())
+    wait_drained(server)
+
+
+def _rounds(server: str) -> float:
+    from test_e2e_phone_support import metric_values
+
+    return metric_values(server, "vllm_hyco_rounds_total").get("", 0.0)

@@ -87,7 +87,7 @@ EXPECTED: dict[str, str | None] = {
     "vllm.v1.worker.cpu_worker:CPUWorker.take_draft_token_ids": "self",
 }
 # Adapter modules outside patches/ that may hold Patch objects (the engine-core extensions).
-PATCHING_MODULES = ("core_ext", "core_utils")
+PATCHING_MODULES = ("core_ext",)
 # Targets that exist only in vLLM's CPU build (skipped, not failed, on another platform).
 CPU_ONLY_MODULES = ("vllm.utils.cpu_triton_utils", "vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner",
                     "vllm.v1.attention.backends.cpu_attn", "vllm_hyco.vllm_adapter.cpu_worker",

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from vllm_hyco.errors import HardwareUnsupportedError, HycoError
+from vllm_hyco.errors import HardwareUnsupportedError, KernelInputError
 
 try:  # pragma: no cover - depends on the machine
     import triton  # noqa: F401
@@ -22,12 +22,6 @@ except Exception:  # ImportError, or a broken driver probe
     HAS_TRITON = False
 
 BACKENDS = ("auto", "triton", "torch")
-
-
-class KernelInputError(HycoError, ValueError):
-    """Inputs a kernel launcher cannot accept (shape, dtype, layout, or a broken precondition)."""
-
-    code = "bad_kernel_input"
 
 
 def interpreting() -> bool:

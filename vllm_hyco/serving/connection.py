@@ -15,11 +15,11 @@ import asyncio
 import logging
 from typing import Any
 
-from vllm_hyco.errors import FrameError, HandoffSchemaError
+from vllm_hyco.errors import FrameError, HandoffSchemaError, WireError
 from vllm_hyco.handoff.client_frames import StartFrame
 from vllm_hyco.handoff.frames import PROTOCOL_VERSION, decode_client_frame, encode_frame, reply_version
 from vllm_hyco.handoff.server_frames import ErrorFrame
-from vllm_hyco.serving.service import HycoService, WireError
+from vllm_hyco.serving.service import HycoService
 from vllm_hyco.serving.table import HeldSession
 
 logger = logging.getLogger("vllm.hyco")
@@ -119,12 +119,15 @@ class PhoneConnection:
         if s is not None and s.owner is self:
             s.owner = None
             s.touch()
+            s.left_at = s.last_active
             return s
         return None
 
     async def _leave(self) -> None:
         """The socket is gone. A session none of whose verdicts reached the phone cannot be resumed (the
-        phone never got its id, docs/protocol.md section 3): free it now instead of at the idle timeout."""
+        phone never got its id, docs/protocol.md section 3): free it now instead of at the idle timeout. One
+        whose verdict reached the socket but that the phone never acknowledged waits only the table's
+        ``unconfirmed_grace_s`` for a resume."""
         s = self._detach()
         if s is not None and not s.delivered and not s.finished:
             await self.service.drop(s)
@@ -150,7 +153,7 @@ class PhoneConnection:
                             "elsewhere); send start first", code="no_session", fatal=False, round=frame.round)
         for out in await self.service.tree(s, frame):
             await self._send(out)
-        s.delivered = True
+            s.delivered = True  # the verdict (the first frame) names the session: resumable from here on
         if s.finished:
             self._detach()
 
@@ -165,6 +168,7 @@ class PhoneConnection:
             return
         s, frames = await self.service.resume(frame, owner=self)
         self.session = s
+        s.left_at = None
         s.bytes_up += nbytes
         for out in frames:
             await self._send(out)

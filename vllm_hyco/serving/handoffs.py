@@ -36,8 +36,8 @@ FLAT_RANGE = 8.0
 
 
 def _int8(x, name: str) -> np.ndarray:
-    """The engine's int8 array (``core_utils.plain`` dict, tensor or array); anything else is a server bug."""
-    if isinstance(x, dict) and "__nd__" in x:  # vllm_adapter.core_utils.plain
+    """The engine's int8 array (``core_ext.plain`` dict, tensor or array); anything else is a server bug."""
+    if isinstance(x, dict) and "__nd__" in x:  # vllm_adapter.core_ext.plain
         x = np.frombuffer(x["data"], dtype=x["__nd__"]).reshape(x["shape"])
     elif hasattr(x, "detach"):
         x = x.detach().cpu().numpy()

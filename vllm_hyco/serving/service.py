@@ -15,7 +15,9 @@ It turns frames into engine calls and engine verdicts into frames (docs/protocol
   seed ``[max(0, t' - W), t')`` on ``need_seed``);
 * :meth:`sweep`: idle timeouts; the endpoint calls it every second.
 
-Errors are raised as :class:`WireError` (code, fatal, round, close) for the connection to send.
+Errors are raised as :class:`~vllm_hyco.errors.WireError` (code, fatal, round, close) for the connection
+to send; a client mistake in ``start`` gets its client code (``bad_request``, ``unsupported_field``,
+``model_not_found``, naming the field), ``internal_error`` is a server bug only.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ import uuid
 from typing import Any
 
 from vllm_hyco.config import resolve_session_eps
-from vllm_hyco.errors import FrameError, HycoError, RequestFieldError, SessionError, TreeValidationError
+from vllm_hyco.errors import (EngineError, FrameError, HycoError, RequestFieldError, SessionError, TreeValidationError,
+                              WireError)
 from vllm_hyco.handoff.chunks import plan_handoff
 from vllm_hyco.handoff.client_frames import StartFrame, TreeFrame
 from vllm_hyco.handoff.frames import encode_frame
@@ -42,25 +45,6 @@ from vllm_hyco.serving.handoffs import KvRing, ServerModel
 from vllm_hyco.serving.table import HeldSession, SessionTable
 
 logger = logging.getLogger("vllm.hyco")
-# codes after which the server closes the WebSocket (docs/protocol.md section 7)
-CLOSING_CODES = frozenset({"unauthorized", "too_many_sessions", "idle_timeout", "internal_error"})
-FATAL_CODES = frozenset({"unsupported_version", "bad_request", "request_too_large", "bad_hyco", "bad_verdict",
-                         "bad_handoff", "handoff_version", "fingerprint_mismatch", "layout_mismatch",
-                         "scales_mismatch", "bad_scales", "unauthorized", "unknown_session",
-                         "too_many_sessions", "idle_timeout", "unsupported_field", "internal_error"})
-
-
-class WireError(HycoError):
-    """An error to send as an ``error`` frame."""
-
-    def __init__(self, message: str, *, code: str, fatal: bool | None = None, round: int | None = None):
-        super().__init__(message, code=code)
-        self.fatal = code in FATAL_CODES if fatal is None else fatal
-        self.round = round
-
-    @property
-    def closes(self) -> bool:
-        return self.code in CLOSING_CODES
 
 
 class HycoService:
@@ -147,13 +131,18 @@ class HycoService:
         self.table.reserved += 1
         try:
             es = await self.bridge.open(frame.endpoint, frame.request, eps)
-        except RequestFieldError as e:
-            raise WireError(str(e), code="unsupported_field") from None
-        except FrameError as e:
+        except (RequestFieldError, FrameError) as e:  # the phone's request: its own code, naming the field
+            self.metrics.rejected.labels(code=e.code).inc()
             raise WireError(str(e), code=e.code) from None
         except SessionError as e:
-            raise WireError(str(e), code="too_many_sessions" if e.code == "too_many_sessions"
-                            else "internal_error") from None
+            if e.code == "too_many_sessions":
+                raise WireError(str(e), code="too_many_sessions") from None
+            logger.warning("HyCo session failed to open in the engine: %s (%s)", e, e.code)
+            raise WireError(f"opening the session failed in the engine: {e} ({e.code})",
+                            code="internal_error") from None
+        except EngineError as e:
+            logger.warning("HyCo session failed to open in the engine: %s (%s)", e, e.code)
+            raise WireError(f"opening the session failed in the engine: {e}", code="internal_error") from None
         finally:
             self.table.reserved -= 1
         sid = new_session_id(self.route_key)
@@ -310,6 +299,7 @@ class HycoService:
                                 f"is round {s.last_round} (send it or the one before)", code="bad_round",
                                 fatal=True)
             s.owner, s.caps = owner, frame.hyco.capabilities
+            s.acknowledged = True  # the phone names the session: it has its id
             s.resumes += 1
             s.touch()
             self.metrics.sessions.labels(outcome="resumed").inc()

@@ -33,7 +33,13 @@ from typing import AsyncIterator, Callable
 import aiohttp
 
 from mobile_client.session import PhoneSession, RoundStats, SessionResult
-from vllm_hyco.errors import FrameError, HandoffSchemaError, HycoError, SessionError
+from vllm_hyco.errors import (
+    ConnectionLostError,
+    FrameError,
+    HandoffSchemaError,
+    HycoServerError,
+    PhoneTimeoutError,
+)
 from vllm_hyco.handoff.chunks import HandoffAssembler
 from vllm_hyco.handoff.frames import decode_server_frame, encode_frame
 from vllm_hyco.handoff.limits import DEFAULT_LIMITS, WireLimits
@@ -44,26 +50,6 @@ SESSION_PATH = "/v1/hyco/session"
 #: phone-side decode errors that a seed hand-off repairs (docs/protocol.md section 7, "phone" codes)
 RESEED_CODES = frozenset({"chunk_missing", "chunk_duplicate", "chunk_out_of_order", "chunk_corrupt",
                           "bad_handoff"})
-
-
-class HycoServerError(SessionError):
-    """An ``error`` frame from the server (or a refused handshake): ``code``, ``fatal``, ``round``."""
-
-    def __init__(self, message: str, *, code: str, fatal: bool = True, round: int | None = None):
-        super().__init__(message, code=code)
-        self.fatal, self.round = fatal, round
-
-
-class PhoneTimeoutError(HycoError, TimeoutError):
-    """The server stayed silent past the timeout on every retry."""
-
-    code = "client_timeout"
-
-
-class ConnectionLostError(HycoError, ConnectionError):
-    """The connection kept dropping (or could not be opened) on every retry."""
-
-    code = "connection_lost"
 
 
 class _Dropped(Exception):

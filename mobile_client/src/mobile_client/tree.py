@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from vllm_hyco.errors import HycoError, TreeValidationError
+from vllm_hyco.errors import TreeBuildError, TreeValidationError
 from vllm_hyco.handoff import tree_contract
 from vllm_hyco.handoff.tree_contract import DEFAULT_NODE_BUDGET, NodeLabel, PaddedTree
 
@@ -42,10 +42,6 @@ TOPK = 32  # SLM candidates per frontier row
 _LOGQ_SLACK = 1e-3  # a log-probability above this is not one (logits passed by mistake)
 
 
-class TreeBuildError(HycoError, ValueError):
-    """Drafter outputs that cannot form a tree (wrong row count, NaN, logits instead of log-probs, ...)."""
-
-    code = "bad_draft_input"
 
 
 @dataclass(frozen=True)

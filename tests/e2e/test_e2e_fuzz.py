@@ -265,6 +265,8 @@ async def _invalid_starts(http, server: str, tok) -> dict[str, int]:
                 codes[code] = codes.get(code, 0) + 1
         for overrides in VALID_EDGES:
             await phone.send(_start(overrides))
+            ack = await phone.recv(timeout=120)  # protocol v2: the session frame comes first
+            assert isinstance(ack, SessionFrame), (overrides, ack)
             prompt = overrides.get("prompt", PROMPT)
             await phone.send(tree_frame(0, tok.encode(prompt)[-1], []))
             v = await phone.recv(timeout=120)

@@ -58,6 +58,9 @@ class HycoConfig:
             recently used parked session is finished with ``session_evicted``. An integer is a block count,
             a float in (0, 1) a fraction of the engine's KV blocks; None = no cap (parked sessions are
             evicted only when a waiting request needs their blocks).
+        replica_id: this server's name among replicas behind a proxy (1-6 of a-z, 0-9, '-'); its session
+            ids become ``"<replica_id>.<random>"`` and a resume naming another replica is answered
+            ``unknown_session`` (``vllm_hyco.handoff.session_id``, docs/deploy.md). None = one server.
     """
 
     epsilon: float | None = None
@@ -67,6 +70,7 @@ class HycoConfig:
     session_idle_timeout_s: float = 60.0
     max_session_tokens: int | None = None
     max_parked_blocks: int | float | None = None
+    replica_id: str | None = None
 
     def __post_init__(self):
         _check_epsilon(self.epsilon)
@@ -76,6 +80,7 @@ class HycoConfig:
         _check_float("session_idle_timeout_s", self.session_idle_timeout_s, 0.0, 86400.0)
         _check_int("max_session_tokens", self.max_session_tokens, 2, 1 << 24, optional=True)
         _check_parked_blocks(self.max_parked_blocks)
+        _check_replica_id(self.replica_id)
 
     # ------------------------------------------------------------------ derived
     @property
@@ -180,7 +185,8 @@ class HycoConfig:
         window = self.window if self.window is not None else "verifier sliding_window"
         return (f"HyCo: verification {mode}, node_budget {self.node_budget}, window {window}, "
                 f"max_sessions {self.max_sessions}, session_idle_timeout_s {self.session_idle_timeout_s}, "
-                f"max_parked_blocks {'none' if self.max_parked_blocks is None else self.max_parked_blocks}")
+                f"max_parked_blocks {'none' if self.max_parked_blocks is None else self.max_parked_blocks}"
+                + ("" if self.replica_id is None else f", replica_id {self.replica_id}"))
 
 
 def _check_epsilon(value: Any) -> None:
@@ -190,6 +196,15 @@ def _check_epsilon(value: Any) -> None:
             or not 0.0 < value < 1.0:
         raise ConfigError(f"hyco option epsilon={value!r} is out of range: valid values are a float in "
                           f"(0, 1) for lossy mode (0.005 recommended), or null/omitted for exact mode")
+
+
+def _check_replica_id(value: Any) -> None:
+    from vllm_hyco.handoff.session_id import check_replica_id
+
+    try:
+        check_replica_id(value)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _check_parked_blocks(value: Any) -> None:

@@ -22,4 +22,5 @@ def create_service(engine_client: Any, hyco_config: Any, model_name: str | None 
     bridge = EngineBridge(engine_client, name, int(mc.max_model_len), int(mc.get_vocab_size()))
     model = ServerModel.load(mc.model, hyco_config.window)
     return HycoService(bridge, model, node_budget=hyco_config.node_budget, server_eps=hyco_config.epsilon,
-                       max_sessions=hyco_config.max_sessions, idle_timeout_s=hyco_config.session_idle_timeout_s)
+                       max_sessions=hyco_config.max_sessions, idle_timeout_s=hyco_config.session_idle_timeout_s,
+                       replica_id=hyco_config.replica_id)

@@ -31,6 +31,7 @@ from vllm_hyco.handoff.frames import encode_frame
 from vllm_hyco.handoff.limits import DEFAULT_LIMITS, WireLimits
 from vllm_hyco.handoff.schema import HANDOFF_SCHEMA_VERSION
 from vllm_hyco.handoff.server_frames import FinalFrame, VerdictFrame, openai_chunk
+from vllm_hyco.handoff.session_id import new_session_id, owned_by
 from vllm_hyco.serving import metrics as _metrics
 from vllm_hyco.vllm_adapter.bridge import BridgeError, EngineBridge, RoundResult
 from vllm_hyco.serving.handoffs import KvRing, ServerModel
@@ -61,8 +62,9 @@ class WireError(HycoError):
 class HycoService:
     def __init__(self, bridge: EngineBridge, model: ServerModel, *, node_budget: int = 32,
                  server_eps: float | None = None, max_sessions: int = 16, idle_timeout_s: float = 60.0,
-                 limits: WireLimits = DEFAULT_LIMITS):
+                 limits: WireLimits = DEFAULT_LIMITS, replica_id: str | None = None):
         self.bridge, self.model, self.limits = bridge, model, limits
+        self.replica_id = replica_id  # session ids "<replica_id>.<random>" (vllm_hyco.handoff.session_id)
         self.node_budget, self.server_eps = node_budget, server_eps
         self.table = SessionTable(max_sessions, idle_timeout_s)
         self.metrics = _metrics.get()
@@ -144,7 +146,7 @@ class HycoService:
                             else "internal_error") from None
         finally:
             self.table.reserved -= 1
-        sid = bytes.fromhex(es.sid)[:16]
+        sid = new_session_id(self.replica_id)  # the wire's id; the engine keys the session by es.sid
         caps = frame.hyco.capabilities
         s = HeldSession(sid=sid, engine=es, endpoint=frame.endpoint, caps=caps,
                         completion_id=("chatcmpl-" if frame.endpoint == "chat.completions" else "cmpl-")
@@ -273,7 +275,7 @@ class HycoService:
     async def resume(self, frame: StartFrame, owner: Any) -> tuple[HeldSession, list[bytes]]:
         self._check_hyco(frame)
         rq = frame.hyco.resume
-        s = self.table.get(rq.session_id)
+        s = self.table.get(rq.session_id) if owned_by(rq.session_id, self.replica_id) else None
         if s is None:
             raise WireError(f"the server holds no session {rq.session_id.hex()} (expired or never existed); "
                             f"start over", code="unknown_session")

@@ -25,7 +25,7 @@ from vllm_hyco.serving.handoffs import KvRing
 
 @dataclass
 class HeldSession:
-    sid: bytes  # 16 bytes on the wire; sid.hex() is the engine's key
+    sid: bytes  # 16 bytes on the wire (vllm_hyco.handoff.session_id); the engine's key is engine.sid
     engine: EngineSession
     endpoint: str  # "chat.completions" | "completions"
     caps: ClientCapabilities

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from hyco_lab.bench.server import cli, free_port
 from test_e2e_phone_support import (
     API_KEY,
     MODEL,
@@ -41,7 +42,6 @@ from test_e2e_phone_support import (
     tree_frame,
 )
 
-from hyco_lab.bench.server import cli, free_port
 from vllm_hyco.handoff.frames import decode_server_frame, encode_frame
 from vllm_hyco.handoff.server_frames import ErrorFrame, VerdictFrame
 from vllm_hyco.handoff.session_id import ROUTING_PARAM, replica_of
@@ -89,7 +89,8 @@ class Cluster:
 
     def _popen(self, name: str, args: list[str], env: dict) -> subprocess.Popen:
         with open(self.dir / f"{name}.log", "wb") as log:
-            return subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            return subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
 
     def log_tail(self, name: str) -> str:
         try:
@@ -97,7 +98,7 @@ class Cluster:
         except OSError:
             return ""
 
-    def start(self) -> "Cluster":
+    def start(self) -> Cluster:
         env = dict(os.environ)
         env.pop("VLLM_PLUGINS", None)
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the engine core in its own process, as deployed
@@ -106,7 +107,8 @@ class Cluster:
             hyco = {"method": "hyco", "replica_id": r, "max_sessions": 16, "session_idle_timeout_s": 30}
             args = [*cli(), "serve", str(self.fixtures_dir / "verifier"), "--host", "127.0.0.1", "--port",
                     str(self.ports[r]), "--served-model-name", MODEL, "--dtype", "float32", "--max-model-len",
-                    "1024", "--max-num-seqs", "16", "--enforce-eager", "--distributed-executor-backend", "uni",
+                    "1024", "--max-num-seqs", "16", "--enforce-eager",
+                    "--distributed-executor-backend", "uni",
                     "--api-key", API_KEY, "--speculative-config", json.dumps(hyco)]
             self.procs[r] = self._popen(r, args, env)
         conf = self.dir / "hyco.conf"
@@ -139,7 +141,8 @@ class Cluster:
                     pass
                 if time.monotonic() > deadline:
                     self.stop()
-                    raise RuntimeError(f"{name} not healthy after {STARTUP_TIMEOUT_S} s:\n{self.log_tail(name)}")
+                    raise RuntimeError(f"{name} not healthy after {STARTUP_TIMEOUT_S} s:\n"
+                                       f"{self.log_tail(name)}")
                 time.sleep(1.0)
         return self
 
@@ -151,10 +154,10 @@ class Cluster:
             proc.wait(timeout=30)
 
     def stop(self) -> None:
-        for name, proc in self.procs.items():
+        for proc in self.procs.values():
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
-        for name, proc in self.procs.items():
+        for proc in self.procs.values():
             try:
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
@@ -192,7 +195,8 @@ def plain(cluster):
 
 
 def _body(prompt: str) -> dict:
-    return {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True}
+    return {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+            "ignore_eos": True}
 
 
 def _phone(tok, prompt, reference, seed):

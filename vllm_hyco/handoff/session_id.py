@@ -27,10 +27,11 @@ import secrets
 import string
 
 from vllm_hyco.handoff.client_frames import SESSION_ID_BYTES
+
 #: the query parameter that carries the routing key on a reconnect (nginx reads it as ``$arg_hyco_session``)
 ROUTING_PARAM = "hyco_session"
 MAX_REPLICA_ID_CHARS = 6  # leaves 9 random characters in the 16 bytes
-REPLICA_ID_RE = re.compile(r"[a-z0-9][a-z0-9-]{0,%d}" % (MAX_REPLICA_ID_CHARS - 1))
+REPLICA_ID_RE = re.compile(rf"[a-z0-9][a-z0-9-]{{0,{MAX_REPLICA_ID_CHARS - 1}}}")
 _ALPHABET = string.ascii_letters + string.digits
 _KEY_RE = re.compile(r"[a-z0-9][a-z0-9-]*\.[A-Za-z0-9]+")
 
@@ -47,7 +48,7 @@ def check_replica_id(value: object) -> str | None:
 
 
 def new_session_id(replica_id: str | None) -> bytes:
-    """A fresh session id: ``b"<replica-id>.<random>"`` (16 bytes), or 16 random bytes without a replica id."""
+    """A fresh session id: ``b"<replica-id>.<random>"`` (16 bytes); 16 random bytes without a replica id."""
     if replica_id is None:
         return secrets.token_bytes(SESSION_ID_BYTES)
     check_replica_id(replica_id)
@@ -70,5 +71,5 @@ def owned_by(sid: bytes, replica_id: str | None) -> bool:
 
 
 def routing_key(sid: bytes) -> str:
-    """The text a phone presents as ``?hyco_session=``: the id itself when it names a replica, else its hex."""
+    """The text a phone presents as ``?hyco_session=``: the id when it names a replica, else its hex."""
     return sid.decode("ascii") if replica_of(sid) is not None else sid.hex()

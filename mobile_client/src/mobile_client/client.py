@@ -229,7 +229,8 @@ class HycoClient:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         url = self.url
         if session.sid is not None:  # the routing key: a proxy sends the resume to the session's replica
-            url += ("&" if "?" in url else "?") + urllib.parse.urlencode({ROUTING_PARAM: routing_key(session.sid)})
+            key = urllib.parse.urlencode({ROUTING_PARAM: routing_key(session.sid)})
+            url += ("&" if "?" in url else "?") + key
         try:
             return await asyncio.wait_for(
                 http.ws_connect(url, headers=headers, max_msg_size=session.options.max_message_bytes,
@@ -244,7 +245,8 @@ class HycoClient:
                 raise HycoServerError(f"{self.url} has no HyCo session route (HTTP {e.status}); is the "
                                       f"server running with --speculative-config hyco?",
                                       code="no_route") from None
-            raise _Dropped(f"handshake failed with HTTP {e.status}", gateway=e.status in GATEWAY_STATUSES) from None
+            raise _Dropped(f"handshake failed with HTTP {e.status}",
+                           gateway=e.status in GATEWAY_STATUSES) from None
         except asyncio.TimeoutError:
             raise _Dropped(f"no WebSocket handshake from {self.url} in {self.timeouts.connect_s} s",
                            timeout=True) from None

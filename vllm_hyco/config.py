@@ -35,9 +35,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_hyco.errors import ConfigError
+from vllm_hyco.handoff.tree_contract import DEFAULT_NODE_BUDGET
 
 METHOD = "hyco"
-MAX_NODE_BUDGET = 32  # decisions.md D3: n <= 32 real nodes plus the root
+# The operator may lower the node budget, not raise it past the paper's B (n <= 32 nodes plus the root).
+MAX_NODE_BUDGET = DEFAULT_NODE_BUDGET
 ADDITIONAL_CONFIG_KEY = "hyco"  # VllmConfig.additional_config[ADDITIONAL_CONFIG_KEY] = HycoConfig.to_dict()
 
 
@@ -58,13 +60,14 @@ class HycoConfig:
             recently used parked session is finished with ``session_evicted``. An integer is a block count,
             a float in (0, 1) a fraction of the engine's KV blocks; None = no cap (parked sessions are
             evicted only when a waiting request needs their blocks).
-        replica_id: this server's name among replicas behind a proxy (1-6 of a-z, 0-9, '-'); its session
-            ids become ``"<replica_id>.<random>"`` and a resume naming another replica is answered
-            ``unknown_session`` (``vllm_hyco.handoff.session_id``, docs/deploy.md). None = one server.
+        replica_id: this server's routing key among replicas behind a proxy (1-32 of a-z, 0-9, '-'): its
+            session ids are ``"<replica_id>.<random>"`` and a resume naming another replica is answered
+            ``unknown_session`` (``vllm_hyco.handoff.session_id``, docs/deploy.md). None: the
+            ``VLLM_HYCO_ROUTE_KEY`` environment variable, default ``hyco``.
     """
 
     epsilon: float | None = None
-    node_budget: int = MAX_NODE_BUDGET
+    node_budget: int = DEFAULT_NODE_BUDGET
     window: int | None = None
     max_sessions: int = 16
     session_idle_timeout_s: float = 60.0
@@ -199,12 +202,15 @@ def _check_epsilon(value: Any) -> None:
 
 
 def _check_replica_id(value: Any) -> None:
-    from vllm_hyco.handoff.session_id import check_replica_id
+    from vllm_hyco.handoff.session_id import check_route_key
 
+    if value is None:
+        return
     try:
-        check_replica_id(value)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+        check_route_key(value)
+    except ConfigError as exc:
+        raise ConfigError(f"hyco option replica_id={value!r} is invalid: {exc}; or null for a single server "
+                          f"(then VLLM_HYCO_ROUTE_KEY, default 'hyco', names it)") from None
 
 
 def _check_parked_blocks(value: Any) -> None:

@@ -29,7 +29,7 @@ from vllm_hyco.errors import HycoError
 from vllm_hyco.handoff.client_frames import StartFrame
 from vllm_hyco.handoff.frames import decode_client_frame, encode_frame, frame_to_wire
 from vllm_hyco.handoff.limits import ERROR_CODES
-from vllm_hyco.handoff.server_frames import ErrorFrame, VerdictFrame
+from vllm_hyco.handoff.server_frames import ErrorFrame, SessionFrame, VerdictFrame
 
 PROMPT = "And the LORD spake unto Moses, saying,"
 MAX_TOKENS = 32
@@ -69,7 +69,8 @@ def _valid_wires(rng: random.Random) -> list[dict]:
                       labels=[0, 1, 1, 2, 3, 4])
     from test_e2e_phone_support import resume_frame
 
-    return [frame_to_wire(tree), frame_to_wire(resume_frame(rng.randbytes(16), rng.randrange(-1, 3))),
+    sid = "hyco." + rng.randbytes(16).hex()  # a well-formed id nobody holds
+    return [frame_to_wire(tree), frame_to_wire(resume_frame(sid, rng.randrange(-1, 3))),
             frame_to_wire(start_frame(PROMPT))]
 
 
@@ -84,7 +85,7 @@ def _mutate_wire(rng: random.Random, wire: dict):
     elif op == 2:
         w["unknown_" + str(rng.randrange(9))] = 1
     elif op == 3:
-        w["v"] = rng.choice([0, 2, -1, "1", None])
+        w["v"] = rng.choice([0, 1, 3, -1, "2", None])  # 1: answered in a version-1 error frame
     elif op == 4 and "tokens" in w:  # huge arrays
         w["tokens"] = rng.randbytes(rng.choice([4 * 40, 4 * 300, 4 * 60000]))
         w["parents"] = bytes([255] + [0] * (len(w["tokens"]) // 4 - 1))
@@ -161,21 +162,22 @@ async def _no_session_fuzz(http, server: str, seed: int, count: int) -> dict[str
     return codes
 
 
-def _bad_tree(rng: random.Random, root: int, expected_round: int) -> tuple[bytes, set[str]]:
+def _bad_tree(rng: random.Random, root: int, expected_round: int, schema: bytes) -> tuple[bytes, set[str]]:
     kind = rng.randrange(6)
     nodes = [rng.randrange(4096) for _ in range(rng.randrange(1, 10))]
+    s = {"schema": schema}  # every tree confirms the session's schema hash
     if kind == 0:  # wrong round
         rnd = rng.choice([expected_round + 1, expected_round + 7, max(0, expected_round - 1) + 100])
-        return encode_frame(tree_frame(rnd, root, nodes)), {"bad_round"}
+        return encode_frame(tree_frame(rnd, root, nodes, **s)), {"bad_round"}
     if kind == 1:  # wrong root
-        return encode_frame(tree_frame(expected_round, (root + 1) % 4096, nodes)), {"bad_tree"}
+        return encode_frame(tree_frame(expected_round, (root + 1) % 4096, nodes, **s)), {"bad_tree"}
     if kind == 2:  # duplicate siblings
-        return encode_frame(tree_frame(expected_round, root, [7, 7], [-1, 0, 0])), {"bad_tree"}
+        return encode_frame(tree_frame(expected_round, root, [7, 7], [-1, 0, 0], **s)), {"bad_tree"}
     if kind == 3:  # token outside the vocabulary
-        return encode_frame(tree_frame(expected_round, root, [1 << 20])), {"bad_tree"}
+        return encode_frame(tree_frame(expected_round, root, [1 << 20], **s)), {"bad_tree"}
     if kind == 4:  # over the node limit
-        return encode_frame(tree_frame(expected_round, root, list(range(40)))), {"too_many_nodes"}
-    wire = frame_to_wire(tree_frame(expected_round, root, nodes))  # a parent after its child
+        return encode_frame(tree_frame(expected_round, root, list(range(40)), **s)), {"too_many_nodes"}
+    wire = frame_to_wire(tree_frame(expected_round, root, nodes, **s))  # a parent after its child
     p = bytearray(wire["parents"])
     p[-1] = len(p) - 1
     wire["parents"] = bytes(p)
@@ -187,9 +189,11 @@ async def _in_session_fuzz(http, server: str, tok, seed: int) -> int:
     ids = tok.encode(PROMPT)
     async with RawPhone(http, server) as phone:
         await phone.send(start_frame(PROMPT, 4))
+        ack = await phone.recv()
+        assert isinstance(ack, SessionFrame)
         sent = 0
         while sent < FRAMES_IN_SESSION:
-            batch = [_bad_tree(rng, ids[-1], 0) for _ in range(BATCH)]
+            batch = [_bad_tree(rng, ids[-1], 0, ack.schema_hash) for _ in range(BATCH)]
             replies = await _exchange(phone, [b for b, _ in batch])
             for (_, want), e in zip(batch, replies):
                 assert e.code in want and not e.fatal, (e, want)

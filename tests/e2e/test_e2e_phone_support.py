@@ -201,10 +201,15 @@ def make_client(base: str, **kw) -> HycoClient:
 
 # -- raw frames -------------------------------------------------------------------------------------------
 class RawPhone:
-    """A bare WebSocket to the session route: send frames (objects or bytes), receive decoded frames."""
+    """A bare WebSocket to the session route: send frames (objects or bytes), receive decoded frames.
+
+    It keeps the schema of the last ``session`` frame received: server frames are decoded with it, and tree
+    frame objects sent without ``schema`` get its hash (the confirmation; the server takes it on every tree).
+    """
 
     def __init__(self, http, base: str, key: str | None = API_KEY):
         self.http, self.url, self.key, self.ws = http, base.replace("http", "ws", 1) + "/v1/hyco/session", key, None
+        self.schema = None
 
     async def __aenter__(self):
         headers = {"Authorization": f"Bearer {self.key}"} if self.key else {}
@@ -215,8 +220,13 @@ class RawPhone:
         await self.ws.close()
 
     async def send(self, frame) -> None:
+        import dataclasses
+
+        from vllm_hyco.handoff.client_frames import TreeFrame
         from vllm_hyco.handoff.frames import encode_frame
 
+        if isinstance(frame, TreeFrame) and frame.schema is None and self.schema is not None:
+            frame = dataclasses.replace(frame, schema=self.schema.schema_hash)
         await self.ws.send_bytes(frame if isinstance(frame, (bytes, bytearray)) else encode_frame(frame))
 
     async def recv_raw(self, timeout: float = 300.0) -> bytes:
@@ -229,8 +239,12 @@ class RawPhone:
 
     async def recv(self, timeout: float = 300.0):
         from vllm_hyco.handoff.frames import decode_server_frame
+        from vllm_hyco.handoff.server_frames import SessionFrame
 
-        return decode_server_frame(await self.recv_raw(timeout))
+        frame = decode_server_frame(await self.recv_raw(timeout), schema=self.schema)
+        if isinstance(frame, SessionFrame):
+            self.schema = frame.schema
+        return frame
 
 
 def start_frame(prompt: str, max_tokens: int = 16, **hyco):
@@ -240,18 +254,19 @@ def start_frame(prompt: str, max_tokens: int = 16, **hyco):
     return StartFrame("completions", body, HycoOptions(**hyco))
 
 
-def resume_frame(sid: bytes, last_round: int, need_seed: bool = False):
+def resume_frame(sid: str, last_round: int, need_seed: bool = False):
     from vllm_hyco.handoff.client_frames import HycoOptions, ResumeRequest, StartFrame
 
     return StartFrame("completions", None, HycoOptions(resume=ResumeRequest(sid, last_round, need_seed)))
 
 
-def tree_frame(round_: int, root: int, extra: list[int] = (), parents: list[int] | None = None, labels=None):
+def tree_frame(round_: int, root: int, extra: list[int] = (), parents: list[int] | None = None, labels=None,
+               schema: bytes | None = None):
     from vllm_hyco.handoff.client_frames import TreeFrame
 
     tokens = [root, *extra]
     parents = parents if parents is not None else [-1, *range(len(extra))]
-    return TreeFrame.from_lists(round_, tokens, parents, labels)
+    return TreeFrame.from_lists(round_, tokens, parents, labels, schema=schema)
 
 
 class KillingProxy:

@@ -33,6 +33,7 @@ from hyco_lab.bench.server import cli, free_port
 from test_e2e_phone_support import (
     API_KEY,
     MODEL,
+    RawPhone,
     http_get,
     make_client,
     make_phone,
@@ -42,9 +43,8 @@ from test_e2e_phone_support import (
     tree_frame,
 )
 
-from vllm_hyco.handoff.frames import decode_server_frame, encode_frame
-from vllm_hyco.handoff.server_frames import ErrorFrame, VerdictFrame
-from vllm_hyco.handoff.session_id import ROUTING_PARAM, replica_of
+from vllm_hyco.handoff.server_frames import ErrorFrame, SessionFrame, VerdictFrame
+from vllm_hyco.handoff.session_id import route_key
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = ROOT / "deploy" / "nginx-hyco.conf"
@@ -221,7 +221,7 @@ def test_eight_phones_spread_over_both_replicas(cluster, tok, plain):
     for prompt, s in zip(PROMPTS, sessions):
         assert "".join(s.text_parts) == plain[prompt][0], prompt
         assert s.tokens == plain[prompt][1] and s.failovers == 0
-    owners = [replica_of(s.sid) for s in sessions]
+    owners = [route_key(s.sid) for s in sessions]
     assert set(owners) == set(REPLICAS), owners
 
 
@@ -292,20 +292,16 @@ def test_dropped_phone_resumes_on_its_own_replica(cluster, tok, plain):
     session, sids, cuts = asyncio.run(run())
     assert cuts == 1 and session.resumes >= 1 and session.failovers == 0
     assert session.sid == sids[0]  # the same session, so the same replica
-    owner = replica_of(session.sid)
+    owner = route_key(session.sid)
     assert _resumed(cluster, owner) >= before[owner] + 1
     assert session.tokens == plain[prompt][1] and "".join(session.text_parts) == plain[prompt][0]
 
 
-async def _ws(http, base: str, key: str | None = None):
-    url = base.replace("http", "ws", 1) + "/v1/hyco/session" + (f"?{ROUTING_PARAM}={key}" if key else "")
-    return await http.ws_connect(url, headers={"Authorization": f"Bearer {API_KEY}"}, max_msg_size=8 << 20)
-
-
-async def _recv(ws):
-    msg = await ws.receive(timeout=300)
-    assert msg.type == aiohttp.WSMsgType.BINARY, (msg.type, msg.data)
-    return decode_server_frame(msg.data)
+def _raw(http, base: str, route: str | None = None) -> RawPhone:
+    phone = RawPhone(http, base)
+    if route is not None:
+        phone.url += f"?route={route}"
+    return phone
 
 
 def test_forged_routing_key_gets_unknown_session(cluster, tok):
@@ -314,41 +310,37 @@ def test_forged_routing_key_gets_unknown_session(cluster, tok):
 
     async def run():
         async with aiohttp.ClientSession() as http:
-            ws = await _ws(http, cluster.base)
-            await ws.send_bytes(encode_frame(start_frame(prompt, max_tokens=8)))
-            await ws.send_bytes(encode_frame(tree_frame(0, root)))
-            v = await _recv(ws)
-            await ws.close()
-            assert isinstance(v, VerdictFrame)
-            sid = v.session_id
-            owner = replica_of(sid)
+            async with _raw(http, cluster.base) as phone:
+                await phone.send(start_frame(prompt, max_tokens=8))
+                ack = await phone.recv()
+                assert isinstance(ack, SessionFrame), ack
+                await phone.send(tree_frame(0, root))
+                v = await phone.recv()
+                assert isinstance(v, VerdictFrame), v
+            sid = ack.session_id
+            owner, rand = sid.split(".")
             other = next(r for r in REPLICAS if r != owner)
-            rand = sid[len(owner) + 1:]
-            forged = {
-                "other replica's prefix": ((other + ".").encode() + rand)[:16].ljust(16, b"x"),
-                "an id nobody issued": (owner + ".").encode() + b"Z" * (15 - len(owner)),
+            tries = {  # (the handshake's ?route=, the resume frame's session id)
+                "another replica's prefix": (other, f"{other}.{rand}"),
+                "an id nobody issued": (owner, f"{owner}.{'0' * len(rand)}"),
+                "key and frame disagree": (other, sid),
             }
             answers = {}
-            for why, fsid in forged.items():
-                ws = await _ws(http, cluster.base, fsid.decode())
-                await ws.send_bytes(encode_frame(resume_frame(fsid, 0)))
-                answers[why] = await _recv(ws)
-                await ws.close()
-            # the key routes to the other replica, the frame names the real session: not its own
-            ws = await _ws(http, cluster.base, forged["other replica's prefix"].decode())
-            await ws.send_bytes(encode_frame(resume_frame(sid, 0)))
-            answers["key and frame disagree"] = await _recv(ws)
-            await ws.close()
-            ws = await _ws(http, cluster.base, sid.decode())  # the real key still resumes
-            await ws.send_bytes(encode_frame(resume_frame(sid, 0)))
-            replay = await _recv(ws)
-            await ws.close()
-            return answers, replay, sid
+            for why, (route, forged) in tries.items():
+                async with _raw(http, cluster.base, route) as phone:
+                    await phone.send(resume_frame(forged, 0))
+                    answers[why] = await phone.recv()
+            async with _raw(http, cluster.base, owner) as phone:  # the real key still resumes
+                await phone.send(resume_frame(sid, 0))
+                again = await phone.recv()
+                replay = await phone.recv()
+            return answers, again, replay, sid
 
-    answers, replay, sid = asyncio.run(run())
+    answers, again, replay, sid = asyncio.run(run())
     for why, frame in answers.items():
         assert isinstance(frame, ErrorFrame) and frame.code == "unknown_session" and frame.fatal, (why, frame)
-    assert isinstance(replay, VerdictFrame) and replay.session_id == sid and replay.round == 0
+    assert isinstance(again, SessionFrame) and again.session_id == sid and again.last_round == 0
+    assert isinstance(replay, VerdictFrame) and replay.round == 0
 
 
 def test_killed_replica_fails_over_with_the_same_text(cluster, tok, plain, fixtures_dir):
@@ -366,13 +358,13 @@ def test_killed_replica_fails_over_with_the_same_text(cluster, tok, plain, fixtu
     killed = []
 
     def kill_owner(s):
-        killed.append(replica_of(s.sid))
+        killed.append(route_key(s.sid))
         cluster.kill(killed[0])
 
     _act_before_round(session, bundle.drafter, 2, kill_owner)
     asyncio.run(make_client(cluster.base).run(session))
     assert killed and session.failovers == 1
-    assert replica_of(session.sid) not in (None, killed[0])  # finished on the other replica
+    assert route_key(session.sid) not in (None, killed[0])  # finished on the other replica
     assert session.tokens == plain[prompt][1]  # nothing lost, nothing repeated
     assert "".join(session.text_parts) == plain[prompt][0]
     assert session.result().mat > 1.0  # the reopened session drafts with the new seed hand-off

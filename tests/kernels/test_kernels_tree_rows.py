@@ -31,9 +31,9 @@ from vllm_hyco.vllm_adapter.kv_view import BlockMajorKVView, slots_for_positions
 from vllm_hyco.vllm_adapter.runner_mixin import HycoRunnerMixin
 from vllm_hyco.vllm_adapter.tree_plan import CapturedKV, TreeRows, TreeStep
 from vllm_hyco.errors import HardwareUnsupportedError
+from vllm_hyco.handoff import tree_contract
 from vllm_hyco.kernels import (
     KernelInputError,
-    ancestor_masks_from_parents,
     compact_kv,
     compaction_moves,
     tree_attention_dense_ref,
@@ -67,12 +67,11 @@ class PagedRequests:
             k = self._randn(n, hkv, dim)
             v = self._randn(n, hkv, dim)
             self.view.scatter(self.kv, self.slots(r, torch.arange(t, t + n)), k, v)  # vLLM's sequential slots
-            m, d = ancestor_masks_from_parents(parents)
             self.fresh_k.append(k)
             self.fresh_v.append(v)
             self.q.append(self._randn(n, hq, dim))
-            self.masks.append(torch.tensor(m, dtype=torch.int64))
-            self.depths.append(torch.tensor(d, dtype=torch.int64))
+            self.masks.append(torch.from_numpy(tree_contract.ancestor_mask(parents)))
+            self.depths.append(torch.from_numpy(tree_contract.depths(parents)))
 
     def _randn(self, *shape):
         return torch.randn(*shape, generator=self.gen).to(self.dtype).to(DEVICE)

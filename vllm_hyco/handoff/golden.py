@@ -4,8 +4,10 @@
     python -m vllm_hyco.handoff.golden tests/golden --check    # exit 1 if any file differs
 
 Every value comes from integer patterns and fixed constants (no RNG, no clock), so the bytes only change
-when the format changes. ``manifest.json`` lists each file with its kind, size and sha256; the contract
-tests of both packages decode each file, re-encode it and compare bytes.
+when the format changes. ``manifest.json`` lists each file with its kind, size and sha256 (and, for frames,
+the protocol version ``v`` of its envelope: every file is version 2 except ``frame_error_v1.msgpack``,
+the answer a version-1 phone gets); the contract tests of both packages decode each file, re-encode it
+and compare bytes.
 """
 
 from __future__ import annotations
@@ -26,13 +28,14 @@ from vllm_hyco.handoff.client_frames import (
     StartFrame,
     TreeFrame,
 )
-from vllm_hyco.handoff.frames import PROTOCOL_VERSION, encode_frame
+from vllm_hyco.handoff.frames import PROTOCOL_VERSION, UPGRADE_HINT, encode_frame
 from vllm_hyco.handoff.quant import HandoffScales, save_scales
 from vllm_hyco.handoff.schema import HANDOFF_SCHEMA_VERSION, HandoffPayload, HandoffSpec, encode_handoff
-from vllm_hyco.handoff.server_frames import ErrorFrame, FinalFrame, VerdictFrame, openai_chunk
+from vllm_hyco.handoff.server_frames import ErrorFrame, FinalFrame, SessionFrame, VerdictFrame, openai_chunk
 from vllm_hyco.handoff.sizes import FIXTURE_VERIFIER_CONFIG, layers_from_hf_config
 
-SESSION_ID = bytes(range(0xA0, 0xB0))
+SESSION_ID = "r1." + bytes(range(0xA0, 0xB0)).hex()  # "<routing-key>.<random>"
+FRAME_VERSIONS = {"frame_error_v1.msgpack": 1}  # frames in another version's envelope (default: ours)
 SEED_POSITIONS = 16
 SEED_CHUNK_BYTES = 16 << 10
 CREATED = 1_750_000_000
@@ -76,6 +79,13 @@ def _tree32() -> TreeFrame:
     return TreeFrame.from_lists(3, tokens, parents, labels)
 
 
+def _tree_first(spec: HandoffSpec) -> TreeFrame:
+    # round 0 (root = the prompt's last token), the first tree after `session`: it carries the schema hash,
+    # and node values (round(255 * acceptance estimate), parents first, 255 for the root)
+    tokens, parents = [2, 40, 41, 42, 50, 51], [-1, 0, 1, 2, 0, 4]
+    return TreeFrame.from_lists(0, tokens, parents, [0, 3, 3, 3, 3, 3], [255, 180, 120, 61, 40, 9], spec.schema_hash)
+
+
 def golden_files() -> dict[str, tuple[str, bytes]]:
     """name -> (kind, bytes). kinds: scales, handoff, client_frame, server_frame."""
     spec = golden_spec()
@@ -108,20 +118,25 @@ def golden_files() -> dict[str, tuple[str, bytes]]:
             None,
             HycoOptions("exact", None, caps, KEEP_SET_HASH, ResumeRequest(SESSION_ID, 2, need_seed=True), fp),
         ),
+        "tree_first": _tree_first(spec),
         "tree_32": _tree32(),
         "tree_root_only": TreeFrame.from_lists(0, [2], [-1]),
     }
     server = {
-        "verdict_seed": VerdictFrame(
-            SESSION_ID, 0, (), (55,), 55, None, seed_ref, 32, chat_chunk("Hi", role="assistant")
-        ),
-        "verdict_round": VerdictFrame(
-            SESSION_ID, 3, (1, 2), (1017, 1034, 77), 77, round_handoff, None, 24, chat_chunk(" re")
-        ),
-        "verdict_final": VerdictFrame(SESSION_ID, 4, (1,), (1,), None, None, None, 0, chat_chunk("", "stop")),
+        "session": SessionFrame(SESSION_ID, -1, 32, spec),
+        "session_resume": SessionFrame(SESSION_ID, 2, 24, spec),
+        "verdict_seed": VerdictFrame(0, (), (55,), 55, None, seed_ref, 32, chat_chunk("Hi", role="assistant")),
+        "verdict_round": VerdictFrame(3, (1, 2), (1017, 1034, 77), 77, round_handoff, None, 24, chat_chunk(" re")),
+        "verdict_final": VerdictFrame(4, (1,), (1,), None, None, None, 0, chat_chunk("", "stop")),
         **{f"handoff_chunk_{c.index}": c for c in seed_chunks},
         "error": ErrorFrame(
             "bad_parents", "tree.parents[5] = 7: a node's parent must be an earlier row", False, 3
+        ),
+        "error_v1": ErrorFrame(
+            "unsupported_version",
+            f"protocol version 1 is not supported: this side speaks HyCo protocol version {PROTOCOL_VERSION} "
+            f"(supported: [{PROTOCOL_VERSION}]); {UPGRADE_HINT}",
+            True,
         ),
         "final": FinalFrame(SESSION_ID, 9, 8, 5, 1.6, 1234, 56789),
     }
@@ -131,7 +146,9 @@ def golden_files() -> dict[str, tuple[str, bytes]]:
         "handoff_seed.msgpack": ("handoff", encode_handoff(seed)),
     }
     out.update({f"frame_{k}.msgpack": ("client_frame", encode_frame(v)) for k, v in frames.items()})
-    out.update({f"frame_{k}.msgpack": ("server_frame", encode_frame(v)) for k, v in server.items()})
+    for k, v in server.items():
+        name = f"frame_{k}.msgpack"
+        out[name] = ("server_frame", encode_frame(v, FRAME_VERSIONS.get(name, PROTOCOL_VERSION)))
     return out
 
 
@@ -147,6 +164,8 @@ def write_golden(out_dir: str | Path) -> dict:
             (out / name).write_bytes(data)
         raw = (out / name).read_bytes()
         entries[name] = {"kind": kind, "bytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
+        if kind.endswith("_frame"):
+            entries[name]["v"] = FRAME_VERSIONS.get(name, PROTOCOL_VERSION)
     spec = golden_spec()
     manifest = {
         "generator": "python -m vllm_hyco.handoff.golden DIR",
@@ -154,7 +173,8 @@ def write_golden(out_dir: str | Path) -> dict:
         "handoff_schema": HANDOFF_SCHEMA_VERSION,
         "fingerprint": spec.fingerprint.hex(),
         "scales_id": spec.scales_id.hex(),
-        "session_id": SESSION_ID.hex(),
+        "schema_hash": spec.schema_hash.hex(),
+        "session_id": SESSION_ID,
         "seed_chunk_bytes": SEED_CHUNK_BYTES,
         "verifier_config": FIXTURE_VERIFIER_CONFIG,
         "files": entries,

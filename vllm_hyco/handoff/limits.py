@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from vllm_hyco.errors import ConfigError
+from vllm_hyco.handoff.tree_contract import DEFAULT_NODE_BUDGET
 
 AIOHTTP_DEFAULT_MAX_MSG = 4 * 1024 * 1024  # aiohttp ClientSession.ws_connect(max_msg_size=4 MiB)
 
@@ -18,7 +19,7 @@ AIOHTTP_DEFAULT_MAX_MSG = 4 * 1024 * 1024  # aiohttp ClientSession.ws_connect(ma
 class WireLimits:
     """Structural limits every decoder checks. Defaults fit the paper's setting (B = 32, W = 1,024)."""
 
-    max_nodes: int = 32  # draft nodes per tree, root excluded (decisions.md D3)
+    max_nodes: int = DEFAULT_NODE_BUDGET  # draft nodes per tree, root excluded (tree_contract)
     max_client_frame_bytes: int = 1 << 20  # any phone -> server frame
     max_prompt_bytes: int = 768 << 10  # the msgpack-encoded OpenAI body inside `start`
     max_server_frame_bytes: int = AIOHTTP_DEFAULT_MAX_MSG  # any server -> phone frame
@@ -80,6 +81,7 @@ ERROR_CODES: dict[str, tuple[bool, str]] = {
         True,
         "server and phone run different models or scales; update the model bundle",
     ),
+    "schema_mismatch": (True, "the tree's `schema` (or a resume's) is not this session's schema_hash"),
     "layout_mismatch": (True, "the hand-off's layer layout differs from the phone's model"),
     "scales_mismatch": (True, "the hand-off was quantized with other scales than the phone ships"),
     "bad_scales": (True, "a scales file or scale array is malformed"),

@@ -13,6 +13,7 @@ from typing import Any
 
 def create_service(engine_client: Any, hyco_config: Any, model_name: str | None = None):
     """The HycoService of a running server (called once from the endpoint plugin's ``init_state``)."""
+    from vllm_hyco import envs
     from vllm_hyco.vllm_adapter.bridge import EngineBridge
     from vllm_hyco.serving.handoffs import ServerModel
     from vllm_hyco.serving.service import HycoService
@@ -23,4 +24,4 @@ def create_service(engine_client: Any, hyco_config: Any, model_name: str | None 
     model = ServerModel.load(mc.model, hyco_config.window)
     return HycoService(bridge, model, node_budget=hyco_config.node_budget, server_eps=hyco_config.epsilon,
                        max_sessions=hyco_config.max_sessions, idle_timeout_s=hyco_config.session_idle_timeout_s,
-                       replica_id=hyco_config.replica_id)
+                       route_key=hyco_config.replica_id or envs.VLLM_HYCO_ROUTE_KEY)

@@ -25,7 +25,7 @@ from vllm_hyco.serving.handoffs import KvRing
 
 @dataclass
 class HeldSession:
-    sid: bytes  # 16 bytes on the wire (vllm_hyco.handoff.session_id); the engine's key is engine.sid
+    sid: str  # "<routing-key>.<random>" on the wire (vllm_hyco.handoff.session_id); engine.sid is the engine's key
     engine: EngineSession
     endpoint: str  # "chat.completions" | "completions"
     caps: ClientCapabilities
@@ -42,7 +42,8 @@ class HeldSession:
     last_frames: list[bytes] = field(default_factory=list)  # verdict + handoff_chunk frames, encoded
     final_frame: bytes | None = None
     finished: bool = False
-    delivered: bool = False  # a verdict reached the socket (the phone can know the session id)
+    delivered: bool = False  # a verdict reached the socket (the phone may resume from here on)
+    confirmed: bool = False  # a tree since the last `session` frame carried the session's schema_hash
     closed: bool = False  # engine side released
     owner: Any = None  # the connection driving it, None while the phone is away
     last_active: float = field(default_factory=time.monotonic)
@@ -65,13 +66,13 @@ class SessionTable:
     def __init__(self, max_sessions: int, idle_timeout_s: float, finished_grace_s: float | None = None):
         self.max_sessions, self.idle_timeout_s = max_sessions, idle_timeout_s
         self.finished_grace_s = idle_timeout_s if finished_grace_s is None else finished_grace_s
-        self._by_sid: dict[bytes, HeldSession] = {}
+        self._by_sid: dict[str, HeldSession] = {}
         self.reserved = 0  # sessions being opened (prefill in progress)
 
     def __len__(self) -> int:
         return len(self._by_sid)
 
-    def get(self, sid: bytes) -> HeldSession | None:
+    def get(self, sid: str) -> HeldSession | None:
         return self._by_sid.get(sid)
 
     def active(self) -> int:

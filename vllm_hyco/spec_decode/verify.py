@@ -22,6 +22,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from vllm_hyco.errors import TreeValidationError
+from vllm_hyco.handoff.tree_contract import NodeLabel
 from vllm_hyco.spec_decode.acceptance import decide, normalize_epsilon
 from vllm_hyco.spec_decode.sampling import (
     SamplingSpec,
@@ -31,9 +32,9 @@ from vllm_hyco.spec_decode.sampling import (
     sampling_support,
 )
 from vllm_hyco.spec_decode.stats import NUM_SOURCES, RoundStats
-from vllm_hyco.spec_decode.tree import NodeSource, TokenTree
+from vllm_hyco.spec_decode.tree import TokenTree
 
-_OTHER = int(NodeSource.OTHER)
+_OTHER = int(NodeLabel.OTHER)
 
 
 def as_long(values: list[int]) -> torch.Tensor:
@@ -54,7 +55,7 @@ class PackedTrees:
     req: torch.Tensor
     # [N] bool, False on padding rows
     valid: torch.Tensor
-    # [N] int64 NodeSource values (ROOT on roots, OTHER where the client sent no labels)
+    # [N] int64 NodeLabel values (ROOT on roots, OTHER where the client sent no labels)
     labels: torch.Tensor
     # [B + 1] int64
     row_offsets: torch.Tensor
@@ -134,7 +135,7 @@ class BatchVerdict:
     num_eps_only: torch.Tensor
     # [B, D] int64 1 where the path reaches depth d + 1
     accepted_per_depth: torch.Tensor
-    # [B, NUM_SOURCES] int64 accepted nodes per NodeSource, and those of them that were ε-only
+    # [B, NUM_SOURCES] int64 accepted nodes per NodeLabel, and those of them that were ε-only
     accepted_per_source: torch.Tensor
     eps_only_per_source: torch.Tensor
     # [N] int64 the verifier's sample ŷ at every packed row (padding rows: -1)

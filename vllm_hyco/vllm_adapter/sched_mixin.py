@@ -35,7 +35,7 @@ from typing import Any
 
 from vllm_hyco.vllm_adapter.session import RoundTree, Session, SessionRegistry, SessionState
 from vllm_hyco.errors import SessionError, TreeValidationError
-from vllm_hyco.spec_decode.tree import DEFAULT_BUDGET, validate_tree
+from vllm_hyco.handoff.tree_contract import DEFAULT_NODE_BUDGET, validate_tree
 
 
 def hyco_args(request) -> dict | None:
@@ -74,7 +74,7 @@ class HycoSchedulerMixin:
     def _hyco_budget(self) -> int:
         """Node budget (D3): HycoConfig's when set, capped by the engine's spec slots."""
         cfg = getattr(self, "hyco_config", None)
-        budget = int(getattr(cfg, "node_budget", None) or DEFAULT_BUDGET)
+        budget = int(getattr(cfg, "node_budget", None) or DEFAULT_NODE_BUDGET)
         spec = self.vllm_config.speculative_config
         return min(budget, spec.num_speculative_tokens) if spec is not None else budget
 

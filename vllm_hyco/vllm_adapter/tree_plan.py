@@ -11,14 +11,17 @@ CPU override reads the list (:func:`active_trees`); the GPU backend reads :func:
 first call of the step and kept for the step's other layers, so there is no host-to-device copy per layer
 and the CPU path never builds one.
 
-Masks and depths come from ``vllm_hyco.kernels.tree_attention.ancestor_masks_from_parents`` (int64 bit
-masks, the form the kernels and their torch twin take); ``anc`` is the same mask as a bool matrix.
+Masks, depths and ``anc`` come from the tree contract (``vllm_hyco.handoff.tree_contract``, numpy): int64
+bit masks (the form the kernels and their torch twin take) and the same relation as a bool matrix; this
+module turns them into tensors.
 
 Example (a root with two children, the second having one child)::
 
-    >>> depths_from_parents([-1, 0, 0, 2])
-    [0, 1, 1, 2]
-    >>> ancestor_mask([-1, 0, 0, 2]).int().tolist()
+    >>> tr = TreeRows.build(req_id="a", batch_idx=0, q_start=0, num_rows=4, context_len=9, round=0,
+    ...                     tokens=[5, 6, 7, 8], parents=[-1, 0, 0, 2], eps=None)
+    >>> tr.depths.tolist(), tr.masks.tolist()
+    ([0, 1, 1, 2], [1, 3, 5, 13])
+    >>> tr.anc.int().tolist()
     [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]]
 """
 
@@ -28,23 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-
-def depths_from_parents(parents: list[int]) -> list[int]:
-    depths = [0] * len(parents)
-    for i in range(1, len(parents)):
-        depths[i] = depths[parents[i]] + 1
-    return depths
-
-
-def ancestor_mask(parents: list[int]) -> torch.Tensor:
-    """[n, n] bool; ``mask[i, j]`` is True iff row j is row i or one of its ancestors."""
-    n = len(parents)
-    mask = torch.zeros(n, n, dtype=torch.bool)
-    for i in range(n):
-        mask[i, i] = True
-        if i > 0:
-            mask[i] |= mask[parents[i]]
-    return mask
+from vllm_hyco.handoff import tree_contract
 
 
 @dataclass
@@ -87,14 +74,12 @@ class TreeRows:
     @classmethod
     def build(cls, *, req_id: str, batch_idx: int, q_start: int, num_rows: int, context_len: int,
               round: int, tokens: list[int], parents: list[int], eps: float | None) -> TreeRows:
-        from vllm_hyco.kernels.tree_attention import ancestor_masks_from_parents
-
-        tokens, parents = list(tokens[:num_rows]), list(parents[:num_rows])
-        masks, depths = ancestor_masks_from_parents(parents)
+        tokens, parents = list(tokens[:num_rows]), list(parents[:num_rows])  # a prefix of a tree is a tree
         return cls(req_id=req_id, batch_idx=batch_idx, q_start=q_start, num_rows=num_rows,
                    context_len=context_len, round=round, tokens=tokens, parents=parents, eps=eps,
-                   depths=torch.tensor(depths, dtype=torch.int64), anc=ancestor_mask(parents),
-                   masks=torch.tensor(masks, dtype=torch.int64))
+                   depths=torch.from_numpy(tree_contract.depths(parents)),
+                   anc=torch.from_numpy(tree_contract.ancestor_matrix(parents)),
+                   masks=torch.from_numpy(tree_contract.ancestor_mask(parents)))
 
     @property
     def positions(self) -> torch.Tensor:

@@ -38,6 +38,7 @@ import numpy as np
 from mobile_client.client import HycoClient, Timeouts
 from mobile_client.session import HycoPhoneDrafter, PhoneSession, SessionOptions, fmt_round
 from vllm_hyco.errors import ConfigError, HycoError
+from vllm_hyco.handoff.tree_contract import DEFAULT_NODE_BUDGET
 
 MTP_WINDOW = 1024  # the paper's W: columns of the MTP ring and of the SLM's full-attention ring
 
@@ -207,7 +208,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--temperature", type=float, help="omit for the server's default; 0 = greedy")
     ap.add_argument("--mode", choices=("exact", "epsilon"), default="exact")
     ap.add_argument("--epsilon", type=float, help="with --mode epsilon: a stricter ε than the operator's")
-    ap.add_argument("--max-nodes", type=int, default=32)
+    ap.add_argument("--max-nodes", type=int, default=DEFAULT_NODE_BUDGET)
     ap.add_argument("--slm-passes", type=int, choices=(1, 2), default=1,
                     help="SLM passes per tree: 1 = HyCo, 2 = HyCo-2P (a second pass under the first "
                          "pass's new nodes; torch SLM step only)")

@@ -1,23 +1,23 @@
 """The phone's WebSocket client: runs a ``PhoneSession`` against ``/v1/hyco/session`` (docs/protocol.md).
 
-One connection carries one session: ``start``, then per round one ``tree`` up and one ``verdict`` down
+One connection carries one session: ``start``, answered by ``session`` (the session id and the session's
+hand-off schema, which the next tree confirms), then per round one ``tree`` up and one ``verdict`` down
 (plus ``handoff_chunk`` frames when the hand-off is bigger than one chunk), then ``final``. Robustness:
 
 * **Timeouts everywhere**: connecting, and every frame the phone waits for. A silent server is treated as a
   lost connection; when the retries run out the client raises ``PhoneTimeoutError``. It never hangs.
-* **Reconnect and resume**: on a dropped connection (or a timeout) the client reconnects and sends a
-  ``start`` with ``hyco.resume = {session_id, last_round, need_seed}``; the server replays its last
-  verdict; the session ignores a replay of a round it already holds and resends the tree in flight
-  unchanged. A verdict is applied only once it and its whole hand-off are in, so no committed token is
-  lost or committed twice. Before verdict 0 there is no session id: the client starts over.
+* **Reconnect and resume**: on a dropped connection (or a timeout) the client reconnects (presenting the
+  session id's routing key as ``?route=`` so a proxy finds the replica) and sends a ``start`` with
+  ``hyco.resume = {session_id, last_round, need_seed}``; the server answers ``session`` (the same schema
+  hash, else ``schema_mismatch``) and replays its last verdict; the session ignores a replay of a round it
+  already holds and resends the tree in flight. A verdict is applied only once it and its whole hand-off
+  are in, so no committed token is lost or committed twice. Before verdict 0 the client starts over.
 * **Failover**: when the server no longer holds the session (a resume or a tree answered
   ``unknown_session``: the replica that held it died or restarted, or it evicted the session), or when
   ``failover_after`` handshakes in a row fail at a proxy (HTTP 502/503/504: the session's replica is down),
   the client reopens the session from what it holds (``PhoneSession.reopen``: prompt + committed tokens as
   a new completions request, the tree in flight resent as round 0) on whichever replica the proxy picks;
   the text continues with no committed token lost or repeated. At most ``max_failovers`` per session.
-* **Routing key**: a reconnect carries ``?hyco_session=<key>`` (``vllm_hyco.handoff.session_id``) so that a
-  proxy sends it to the replica that holds the session (docs/deploy.md).
 * **A fresh seed after a lost state**: a broken chunked hand-off (``chunk_*``) or a malformed one
   (``bad_handoff``) reconnects with ``need_seed: true``; the replay then carries a seed hand-off.
 * **Typed errors**: an ``error`` frame raises ``HycoServerError`` with the frame's ``code``, ``fatal`` and
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import urllib.parse
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
@@ -44,8 +43,8 @@ from vllm_hyco.errors import FrameError, HandoffSchemaError, HycoError, SessionE
 from vllm_hyco.handoff.chunks import HandoffAssembler
 from vllm_hyco.handoff.frames import decode_server_frame, encode_frame
 from vllm_hyco.handoff.limits import DEFAULT_LIMITS, WireLimits
-from vllm_hyco.handoff.server_frames import ErrorFrame, FinalFrame, HandoffChunkFrame, VerdictFrame
-from vllm_hyco.handoff.session_id import ROUTING_PARAM, routing_key
+from vllm_hyco.handoff.server_frames import ErrorFrame, FinalFrame, HandoffChunkFrame, SessionFrame, VerdictFrame
+from vllm_hyco.handoff.session_id import ROUTE_QUERY_PARAM, route_key
 
 SESSION_PATH = "/v1/hyco/session"
 #: phone-side decode errors that a seed hand-off repairs (docs/protocol.md section 7, "phone" codes)
@@ -149,7 +148,7 @@ class HycoClient:
                 except _Dropped as e:
                     if session.finished:  # only `final` was lost: every token is in
                         return session.result()
-                    gateway = gateway + 1 if e.gateway and session.sid is not None else 0
+                    gateway = gateway + 1 if e.gateway and session.resumable else 0
                     if gateway >= self.failover_after and self._failover(session):
                         failures = gateway = 0
                         continue
@@ -200,11 +199,12 @@ class HycoClient:
 
     # -- one connection ------------------------------------------------------------------------------------
     async def _connection(self, http, session: PhoneSession, on_round) -> None:
-        ws = await self._connect(http, session)
+        resuming = session.resumable
+        ws = await self._connect(http, session, resuming)
         try:
-            resuming = session.sid is not None
             await self._send(ws, encode_frame(session.start_frame()))
-            if resuming:  # the server replays its last verdict first
+            ack = await self._take_session(ws, session)
+            if resuming and ack.last_round >= 0:  # the server replays its last verdict first
                 await self._take_verdict(ws, session, time.perf_counter(), on_round)
             while not session.finished:
                 t_draft, fresh = time.perf_counter(), not session.tree_in_flight
@@ -225,12 +225,11 @@ class HycoClient:
         finally:
             await self._close(ws)
 
-    async def _connect(self, http, session: PhoneSession):
+    async def _connect(self, http, session: PhoneSession, resuming: bool = False):
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        url = self.url
-        if session.sid is not None:  # the routing key: a proxy sends the resume to the session's replica
-            key = urllib.parse.urlencode({ROUTING_PARAM: routing_key(session.sid)})
-            url += ("&" if "?" in url else "?") + key
+        url = self.url  # a resume names its replica by the session id's routing key (docs/protocol.md 3)
+        if resuming:
+            url = f"{url}?{ROUTE_QUERY_PARAM}={route_key(session.sid)}"
         try:
             return await asyncio.wait_for(
                 http.ws_connect(url, headers=headers, max_msg_size=session.options.max_message_bytes,
@@ -281,12 +280,24 @@ class HycoClient:
         except asyncio.TimeoutError:
             raise _Dropped(f"no frame from the server in {timeout_s} s", timeout=True) from None
         if msg.type == aiohttp.WSMsgType.BINARY:
-            return decode_server_frame(msg.data, self.limits, expect=session.spec), len(msg.data)
+            return decode_server_frame(msg.data, self.limits, schema=session.schema), len(msg.data)
         if msg.type == aiohttp.WSMsgType.TEXT:
             raise FrameError("the server sent a text message; frames are binary msgpack", code="bad_msgpack")
         raise _Dropped(f"connection closed ({msg.type.name}{': ' + str(msg.data) if msg.data else ''})")
 
     # -- frames in -----------------------------------------------------------------------------------------
+    async def _take_session(self, ws, session: PhoneSession) -> SessionFrame:
+        """The answer to ``start``: the ``session`` frame (checked and taken by the session), or an error."""
+        frame, _ = await self._recv(ws, session)
+        if isinstance(frame, ErrorFrame):
+            raise HycoServerError(f"server error {frame.code}: {frame.message}", code=frame.code,
+                                  fatal=frame.fatal, round=frame.round)
+        if not isinstance(frame, SessionFrame):
+            raise FrameError(f"expected the session frame after start, got a {frame.TYPE} frame",
+                             code="unknown_type")
+        session.apply_session(frame)
+        return frame
+
     async def _take_verdict(self, ws, session: PhoneSession, t0: float, on_round, prep=None) -> None:
         """Receive the verdict answering the tree in flight (or a replay), with its hand-off, and apply it.
 
@@ -306,8 +317,7 @@ class HycoClient:
                                           fatal=frame.fatal, round=frame.round)
                 if not isinstance(frame, VerdictFrame):
                     raise FrameError(f"expected a verdict, got a {frame.TYPE} frame", code="bad_verdict")
-                if session.sid is None:  # known from here on: a drop mid-chunks resumes (last_round -1)
-                    session.sid = frame.session_id
+                session.resumable = True  # from here on a drop (even mid-chunks) resumes, last_round -1
                 handoff = frame.handoff
                 if frame.handoff_ref is not None:
                     handoff, more = await self._assemble(ws, session, frame)
@@ -341,7 +351,7 @@ class HycoClient:
                 raise HandoffSchemaError(f"a {frame.TYPE} frame arrived while {verdict.handoff_ref.chunks} "
                                          f"hand-off chunks were expected", code="chunk_missing")
             asm.add(frame)
-        return asm.payload(expect=session.spec), nbytes
+        return asm.payload(session.schema), nbytes
 
     async def _take_final(self, ws, session: PhoneSession) -> FinalFrame | None:
         try:

@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-#: node sources (mobile_client.tree.Source / vllm_hyco.spec_decode.tree.NodeSource values)
+#: node sources (vllm_hyco.handoff.tree_contract.NodeLabel values)
 SOURCES = {1: "chain", 2: "runner_up", 3: "slm", 4: "other"}
 
 

@@ -131,18 +131,19 @@ class Cluster:
             while True:
                 proc = self.procs[name]
                 if proc.poll() is not None:
-                    self.stop()
-                    raise RuntimeError(f"{name} exited with {proc.returncode}:\n{self.log_tail(name)}"
-                                       f"{self.log_tail('nginx-error') if name == 'nginx' else ''}")
+                    tail = self.log_tail(name) + (self.log_tail("nginx-error") if name == "nginx" else "")
+                    self.stop(keep_logs=True)
+                    raise RuntimeError(f"{name} exited with {proc.returncode} (logs in {self.dir}):\n{tail}")
                 try:
                     if http_get(f"{url}/health", timeout=2)[0] == 200:
                         break
                 except OSError:
                     pass
                 if time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError(f"{name} not healthy after {STARTUP_TIMEOUT_S} s:\n"
-                                       f"{self.log_tail(name)}")
+                    tail = self.log_tail(name)
+                    self.stop(keep_logs=True)
+                    raise RuntimeError(f"{name} not healthy after {STARTUP_TIMEOUT_S} s (logs in "
+                                       f"{self.dir}):\n{tail}")
                 time.sleep(1.0)
         return self
 
@@ -153,7 +154,7 @@ class Cluster:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
 
-    def stop(self) -> None:
+    def stop(self, keep_logs: bool = False) -> None:
         for proc in self.procs.values():
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
@@ -163,7 +164,8 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=30)
-        shutil.rmtree(self.dir, ignore_errors=True)
+        if not keep_logs:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

@@ -98,19 +98,53 @@ class Cluster:
         except OSError:
             return ""
 
+    def _start_replica(self, r: str, env: dict) -> None:
+        hyco = {"method": "hyco", "replica_id": r, "max_sessions": 16, "session_idle_timeout_s": 30}
+        args = [*cli(), "serve", str(self.fixtures_dir / "verifier"), "--host", "127.0.0.1", "--port",
+                str(self.ports[r]), "--served-model-name", MODEL, "--dtype", "float32", "--max-model-len",
+                "1024", "--max-num-seqs", "16", "--enforce-eager", "--distributed-executor-backend", "uni",
+                "--api-key", API_KEY, "--speculative-config", json.dumps(hyco)]
+        self.procs[r] = self._popen(r, args, env)
+
+    def _wait_healthy(self, name: str, url: str, deadline: float, restart=None) -> None:
+        """Poll ``/health``; a process that exits is restarted once by ``restart`` (two servers starting
+        at once on a busy box can race for a free port), else its log is raised."""
+        while True:
+            proc = self.procs[name]
+            if proc.poll() is not None:
+                tail = self.log_tail(name) + (self.log_tail("nginx-error") if name == "nginx" else "")
+                if restart is not None:
+                    (self.dir / f"{name}.log").rename(self.dir / f"{name}.first.log")
+                    restart()
+                    restart = None
+                    continue
+                self.stop(keep_logs=True)
+                raise RuntimeError(f"{name} exited with {proc.returncode} (logs in {self.dir}):\n{tail}")
+            try:
+                if http_get(f"{url}/health", timeout=2)[0] == 200:
+                    return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                tail = self.log_tail(name)
+                self.stop(keep_logs=True)
+                raise RuntimeError(f"{name} not healthy after {STARTUP_TIMEOUT_S} s (logs in {self.dir}):\n"
+                                   f"{tail}")
+            time.sleep(1.0)
+
     def start(self) -> Cluster:
         env = dict(os.environ)
         env.pop("VLLM_PLUGINS", None)
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the engine core in its own process, as deployed
         env.update(OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
+        for r in REPLICAS:  # together: on 2 cores each has one
+            self._start_replica(r, env)
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
         for r in REPLICAS:
-            hyco = {"method": "hyco", "replica_id": r, "max_sessions": 16, "session_idle_timeout_s": 30}
-            args = [*cli(), "serve", str(self.fixtures_dir / "verifier"), "--host", "127.0.0.1", "--port",
-                    str(self.ports[r]), "--served-model-name", MODEL, "--dtype", "float32", "--max-model-len",
-                    "1024", "--max-num-seqs", "16", "--enforce-eager",
-                    "--distributed-executor-backend", "uni",
-                    "--api-key", API_KEY, "--speculative-config", json.dumps(hyco)]
-            self.procs[r] = self._popen(r, args, env)
+            def again(r=r):
+                self.ports[r] = free_port()
+                self._start_replica(r, env)
+            self._wait_healthy(r, self.replica_url(r), deadline, restart=again)
         conf = self.dir / "hyco.conf"
         conf.write_text(render_nginx(f"127.0.0.1:{self.proxy_port}",
                                      {r: f"127.0.0.1:{p}" for r, p in self.ports.items()},
@@ -126,25 +160,7 @@ class Cluster:
             f"  include {conf};\n}}\n")
         self.procs["nginx"] = self._popen("nginx", ["nginx", "-e", f"{d}/nginx-error.log", "-p", str(d), "-c",
                                                     str(d / "nginx.conf")], env)
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        for name, url in [*((r, self.replica_url(r)) for r in REPLICAS), ("nginx", self.base)]:
-            while True:
-                proc = self.procs[name]
-                if proc.poll() is not None:
-                    tail = self.log_tail(name) + (self.log_tail("nginx-error") if name == "nginx" else "")
-                    self.stop(keep_logs=True)
-                    raise RuntimeError(f"{name} exited with {proc.returncode} (logs in {self.dir}):\n{tail}")
-                try:
-                    if http_get(f"{url}/health", timeout=2)[0] == 200:
-                        break
-                except OSError:
-                    pass
-                if time.monotonic() > deadline:
-                    tail = self.log_tail(name)
-                    self.stop(keep_logs=True)
-                    raise RuntimeError(f"{name} not healthy after {STARTUP_TIMEOUT_S} s (logs in "
-                                       f"{self.dir}):\n{tail}")
-                time.sleep(1.0)
+        self._wait_healthy("nginx", self.base, time.monotonic() + 60)
         return self
 
     def kill(self, name: str) -> None:

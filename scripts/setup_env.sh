@@ -28,6 +28,14 @@ if [ ! -f "$_stamp" ]; then
   rm -f "$HYCO_VENV"/.hyco-env-*
   touch "$_stamp"
 fi
+# nginx (Debian's nginx-light) for the replica tests behind a standard proxy (tests/e2e/test_e2e_replicas.py):
+# installed once, as root (CI); elsewhere the test skips and names the command to run.
+if ! command -v nginx >/dev/null 2>&1 && [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+  echo "[setup] nginx-light from Debian (about 5 s)" >&2
+  { DEBIAN_FRONTEND=noninteractive apt-get update -qq \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nginx-light; } >&2 \
+    || echo "[setup] nginx could not be installed; the replica tests will skip" >&2
+fi
 PY="$HYCO_VENV/bin/python"
 export PATH="$HYCO_VENV/bin:$PATH"
 # Runtime environment for vLLM on CPU (docs/vllm-notes.md §7, P4, P9).

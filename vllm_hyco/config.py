@@ -60,6 +60,10 @@ class HycoConfig:
             recently used parked session is finished with ``session_evicted``. An integer is a block count,
             a float in (0, 1) a fraction of the engine's KV blocks; None = no cap (parked sessions are
             evicted only when a waiting request needs their blocks).
+        replica_id: this server's routing key among replicas behind a proxy (1-32 of a-z, 0-9, '-'): its
+            session ids are ``"<replica_id>.<random>"`` and a resume naming another replica is answered
+            ``unknown_session`` (``vllm_hyco.handoff.session_id``, docs/deploy.md). None: the
+            ``VLLM_HYCO_ROUTE_KEY`` environment variable, default ``hyco``.
     """
 
     epsilon: float | None = None
@@ -69,6 +73,7 @@ class HycoConfig:
     session_idle_timeout_s: float = 60.0
     max_session_tokens: int | None = None
     max_parked_blocks: int | float | None = None
+    replica_id: str | None = None
 
     def __post_init__(self):
         _check_epsilon(self.epsilon)
@@ -78,6 +83,7 @@ class HycoConfig:
         _check_float("session_idle_timeout_s", self.session_idle_timeout_s, 0.0, 86400.0)
         _check_int("max_session_tokens", self.max_session_tokens, 2, 1 << 24, optional=True)
         _check_parked_blocks(self.max_parked_blocks)
+        _check_replica_id(self.replica_id)
 
     # ------------------------------------------------------------------ derived
     @property
@@ -182,7 +188,8 @@ class HycoConfig:
         window = self.window if self.window is not None else "verifier sliding_window"
         return (f"HyCo: verification {mode}, node_budget {self.node_budget}, window {window}, "
                 f"max_sessions {self.max_sessions}, session_idle_timeout_s {self.session_idle_timeout_s}, "
-                f"max_parked_blocks {'none' if self.max_parked_blocks is None else self.max_parked_blocks}")
+                f"max_parked_blocks {'none' if self.max_parked_blocks is None else self.max_parked_blocks}"
+                + ("" if self.replica_id is None else f", replica_id {self.replica_id}"))
 
 
 def resolve_session_eps(server_eps: float | None, requested: float | str | None) -> float | None:
@@ -213,6 +220,18 @@ def _check_epsilon(value: Any) -> None:
             or not 0.0 < value < 1.0:
         raise ConfigError(f"hyco option epsilon={value!r} is out of range: valid values are a float in "
                           f"(0, 1) for lossy mode (0.005 recommended), or null/omitted for exact mode")
+
+
+def _check_replica_id(value: Any) -> None:
+    from vllm_hyco.handoff.session_id import check_route_key
+
+    if value is None:
+        return
+    try:
+        check_route_key(value)
+    except ConfigError as exc:
+        raise ConfigError(f"hyco option replica_id={value!r} is invalid: {exc}; or null for a single server "
+                          f"(then VLLM_HYCO_ROUTE_KEY, default 'hyco', names it)") from None
 
 
 def _check_parked_blocks(value: Any) -> None:

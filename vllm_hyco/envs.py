@@ -13,7 +13,7 @@ Only process-wide switches live here; everything about *how* HyCo runs is a Hyco
 | ``HYCO_CACHE`` | ``<repo>/.cache`` | where tests and the demo build fixtures once and reuse them |
 | ``VLLM_HYCO_BENCH_TIMING`` | 0 | benchmarks only: time the engine's model calls for g (``vllm_hyco.vllm_adapter.patches.step_timing``) |
 | ``VLLM_HYCO_BENCH_TIMING_DIR`` | unset | where each engine process writes ``timing-<pid>.json`` |
-| ``VLLM_HYCO_ROUTE_KEY`` | ``hyco`` | this replica's routing key, the prefix of the session ids it issues (docs/protocol.md section 3) |
+| ``VLLM_HYCO_ROUTE_KEY`` | ``hyco`` | this replica's routing key, the prefix of the session ids it issues (docs/protocol.md section 3); the hyco option ``replica_id`` overrides it |
 """
 
 from __future__ import annotations

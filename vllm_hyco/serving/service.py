@@ -37,7 +37,7 @@ from vllm_hyco.handoff.frames import encode_frame
 from vllm_hyco.handoff.limits import DEFAULT_LIMITS, WireLimits
 from vllm_hyco.handoff.schema import HANDOFF_SCHEMA_VERSION
 from vllm_hyco.handoff.server_frames import FinalFrame, SessionFrame, VerdictFrame, openai_chunk
-from vllm_hyco.handoff.session_id import DEFAULT_ROUTE_KEY, check_route_key, new_session_id
+from vllm_hyco.handoff.session_id import DEFAULT_ROUTE_KEY, check_route_key, new_session_id, route_key
 from vllm_hyco.handoff.tree_contract import DEFAULT_NODE_BUDGET, validate_tree
 from vllm_hyco.serving import metrics as _metrics
 from vllm_hyco.serving.engine_port import EngineClient, RoundResult
@@ -289,7 +289,8 @@ class HycoService:
     async def resume(self, frame: StartFrame, owner: Any) -> tuple[HeldSession, list[bytes]]:
         self._check_hyco(frame)
         rq = frame.hyco.resume
-        s = self.table.get(rq.session_id)
+        # a session id naming another replica is refused without looking (docs/deploy.md, replicas)
+        s = self.table.get(rq.session_id) if route_key(rq.session_id) == self.route_key else None
         if s is None:
             raise WireError(f"the server holds no session {rq.session_id} (expired or never existed); "
                             f"start over", code="unknown_session")

@@ -18,7 +18,8 @@ metadata builder declares no full-CUDA-graph support, so vLLM itself resolves th
 FULL_AND_PIECEWISE to PIECEWISE (attention and the KV write run eagerly, where the tree hooks are); no
 compilation option is set here. Another backend asked for on the command line is refused.
 
-Topologies v1 does not support (docs/decisions.md D7) are refused here, with the flag to change.
+Topologies a HyCo server cannot run are refused here (``REFUSALS``): each message names the flag, why,
+and what to use instead (replicas behind a proxy; docs/engine.md "Scale-out").
 
 Example::
 
@@ -45,22 +46,62 @@ logger = logging.getLogger("vllm.hyco")  # a child of vLLM's logger: same handle
 _DEFAULT_SCHEDULERS = (None, "", "vllm.v1.core.sched.scheduler.Scheduler", SCHEDULER)
 
 
+#: flag -> (why HyCo cannot run it, what to use instead); docs/engine.md "Scale-out" has the analysis
+REFUSALS: dict[str, tuple[str, str]] = {
+    "--tensor-parallel-size": (
+        ("HyCo's tree attention, KV compaction and hand-off export read every KV head of a layer in one "
+         "worker; under tensor parallelism each rank holds a slice of the heads and the hand-off would "
+         "have to gather them across ranks, which is not built yet"),
+        ("use --tensor-parallel-size 1 on one GPU that holds the model, and run more replicas behind a "
+         "proxy for more phones (docs/deploy.md, \"Replicas behind nginx\")"),
+    ),
+    "--pipeline-parallel-size": (
+        ("a round's tree forward, its acceptance decision and the hand-off need every layer's rows of that "
+         "round in one step, and vLLM's V1 runner runs pipeline stages with micro-batches that HyCo's "
+         "per-step tree plan does not follow"),
+        "use --pipeline-parallel-size 1; for more phones, replicas behind a proxy (docs/deploy.md)",
+    ),
+    "--data-parallel-size": (
+        ("vLLM's data parallelism runs MoE models in lockstep (every rank steps together, idle ranks run "
+         "dummy batches) and sends utility calls to every rank, returning the first rank's answer, so a "
+         "session's tree submit/take would reach ranks that do not hold the session"),
+        ("use --data-parallel-size 1 and one replica per GPU behind a proxy (docs/deploy.md, \"Replicas "
+         "behind nginx\"): each replica is an independent engine and the proxy routes a session by its id"),
+    ),
+    "--api-server-count": (
+        ("several API servers share one listening socket and each keeps its requests' output streams in "
+         "the process that opened them; a phone session, its round stream and its resume state live in one "
+         "API server's session table, so a reconnect accepted by another process would find no session"),
+        "use --api-server-count 1 and more replicas behind a proxy (docs/deploy.md)",
+    ),
+    "--async-scheduling": (
+        ("a session's next round can only be scheduled once its tree is verified (the next root is the "
+         "verdict's bonus), and vLLM 0.32 itself turns async scheduling off for custom_class speculative "
+         "methods and refuses it when asked for explicitly"),
+        ("remove --async-scheduling (HyCo batches many sessions' trees per step instead); for more "
+         "phones, replicas behind a proxy (docs/deploy.md)"),
+    ),
+}
+
+
+def _refuse(flag: str, value: Any) -> ConfigError:
+    why, instead = REFUSALS[flag]
+    shown = flag if value is True else f"{flag} {value}"
+    return ConfigError(f"--speculative-config hyco cannot run with {shown}: {why}. Instead, {instead}.")
+
+
 def check_topology(args: Any) -> None:
-    """Refuse what HyCo v1 cannot run (D7): one engine process, one API server, synchronous scheduling."""
+    """Refuse what a HyCo server cannot run, each with why and what to use instead (``REFUSALS``): one
+    engine process per server (no TP/PP/DP), one API server, synchronous scheduling."""
     for name, flag in (("tensor_parallel_size", "--tensor-parallel-size"),
                        ("pipeline_parallel_size", "--pipeline-parallel-size"),
-                       ("data_parallel_size", "--data-parallel-size")):
+                       ("data_parallel_size", "--data-parallel-size"),
+                       ("_api_process_count", "--api-server-count")):
         value = getattr(args, name, 1) or 1
         if value > 1:
-            raise ConfigError(f"--speculative-config hyco runs on one engine process in v1: {flag} {value} "
-                              f"is not supported; use {flag} 1 (scale-out is future work, docs/decisions.md D7)")
-    api_servers = getattr(args, "_api_process_count", 1) or 1
-    if api_servers > 1:
-        raise ConfigError(f"--speculative-config hyco needs a single API server (its sessions live in one "
-                          f"process): --api-server-count {api_servers} is not supported; use 1")
+            raise _refuse(flag, value)
     if getattr(args, "async_scheduling", None):
-        raise ConfigError("--speculative-config hyco needs synchronous scheduling (a tree must be verified "
-                          "before the next round is scheduled): remove --async-scheduling")
+        raise _refuse("--async-scheduling", True)
 
 
 def _select_tree_attention(args: Any) -> None:

@@ -90,6 +90,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--window", type=int, default=MTP_WINDOW, help="MTP/SLM ring columns (paper: 1,024)")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for any one frame")
     ap.add_argument("--retries", type=int, default=8, help="reconnects in a row without progress")
+    ap.add_argument("--failovers", type=int, default=2,
+                    help="times a session may be reopened on another replica when the server lost it "
+                         "(prompt + committed tokens; 0: never)")
     ap.add_argument("--json-out", type=Path, help="write the round statistics as JSON")
     ap.add_argument("--quiet", action="store_true", help="no per-round lines")
     return ap.parse_args(argv)
@@ -121,7 +124,7 @@ async def _main(args) -> int:
     session = PhoneSession(bundle.drafter, prompt_tokens=ids, request=request, endpoint=endpoint,
                            spec=bundle.spec, options=opts, on_text=on_text)
     client = HycoClient(args.server, args.api_key, timeouts=Timeouts(frame_s=args.timeout),
-                        max_retries=args.retries)
+                        max_retries=args.retries, max_failovers=args.failovers)
     on_round = None if args.quiet else (lambda s: print(f"\n{fmt_round(s)}", file=sys.stderr))
     result = await client.run(session, on_round=on_round)
     summary = result.summary()

@@ -12,6 +12,12 @@ hand-off schema, which the next tree confirms), then per round one ``tree`` up a
   hash, else ``schema_mismatch``) and replays its last verdict; the session ignores a replay of a round it
   already holds and resends the tree in flight. A verdict is applied only once it and its whole hand-off
   are in, so no committed token is lost or committed twice. Before verdict 0 the client starts over.
+* **Failover**: when the server no longer holds the session (a resume or a tree answered
+  ``unknown_session``: the replica that held it died or restarted, or it evicted the session), or when
+  ``failover_after`` handshakes in a row fail at a proxy (HTTP 502/503/504: the session's replica is down),
+  the client reopens the session from what it holds (``PhoneSession.reopen``: prompt + committed tokens as
+  a new completions request, the tree in flight resent as round 0) on whichever replica the proxy picks;
+  the text continues with no committed token lost or repeated. At most ``max_failovers`` per session.
 * **A fresh seed after a lost state**: a broken chunked hand-off (``chunk_*``) or a malformed one
   (``bad_handoff``) reconnects with ``need_seed: true``; the replay then carries a seed hand-off.
 * **Typed errors**: an ``error`` frame raises ``HycoServerError`` with the frame's ``code``, ``fatal`` and
@@ -50,14 +56,16 @@ SESSION_PATH = "/v1/hyco/session"
 #: phone-side decode errors that a seed hand-off repairs (docs/protocol.md section 7, "phone" codes)
 RESEED_CODES = frozenset({"chunk_missing", "chunk_duplicate", "chunk_out_of_order", "chunk_corrupt",
                           "bad_handoff"})
+#: handshake answers of a proxy whose upstream (the session's replica) is gone
+GATEWAY_STATUSES = frozenset({502, 503, 504})
 
 
 class _Dropped(Exception):
     """Internal: the connection is unusable; reconnect (and resume) if retries are left."""
 
-    def __init__(self, why: str, timeout: bool = False):
+    def __init__(self, why: str, timeout: bool = False, gateway: bool = False):
         super().__init__(why)
-        self.timeout = timeout
+        self.timeout, self.gateway = timeout, gateway
 
 
 @dataclass(frozen=True)
@@ -84,6 +92,8 @@ class HycoClient:
 
     ``max_retries`` bounds the reconnects in a row without progress (any applied verdict resets the
     count); waits between them back off from ``retry_delay_s`` up to ``max_retry_delay_s``.
+    ``max_failovers`` bounds the reopenings of one session on another replica (0: never; see the module
+    docstring), ``failover_after`` the proxy gateway errors in a row that trigger one.
     ``offload`` runs drafting in a worker thread so several simulated phones share one event loop.
     Simulated phones (benchmarks, docs/decisions.md D8): ``sim_draft_ms`` pads each new tree's drafting to a
     modelled device time (the paper: 52.9 ms per round); ``sim_rtt_ms`` adds a modelled link round trip
@@ -95,27 +105,39 @@ class HycoClient:
                  limits: WireLimits = DEFAULT_LIMITS, max_retries: int = 8, retry_delay_s: float = 0.05,
                  max_retry_delay_s: float = 2.0, busy_retries: int = 50, offload: bool = True,
                  http: aiohttp.ClientSession | None = None, sim_draft_ms: float = 0.0,
-                 sim_rtt_ms: float = 0.0):
+                 sim_rtt_ms: float = 0.0, max_failovers: int = 2, failover_after: int = 2):
         self.url, self.api_key, self.timeouts, self.limits = ws_url(server), api_key, timeouts, limits
         self.max_retries, self.retry_delay_s = max_retries, retry_delay_s
         self.max_retry_delay_s = max_retry_delay_s
         self.busy_retries, self.offload, self._http = busy_retries, offload, http
         self.sim_draft_ms, self.sim_rtt_ms = sim_draft_ms, sim_rtt_ms
+        self.max_failovers, self.failover_after = max_failovers, failover_after
 
     async def run(self, session: PhoneSession, on_round: Callable[[RoundStats], None] | None = None
                   ) -> SessionResult:
         """Drive ``session`` to its end (``final``) and return its result; raises typed errors only."""
         http = self._http or aiohttp.ClientSession()
         try:
-            failures = 0
+            failures = gateway = 0
             while True:
                 held = session.held_round
                 try:
                     await self._connection(http, session, on_round)
                     return session.result()
+                except HycoServerError as e:
+                    if session.finished:  # only `final` was lost: every token is in
+                        return session.result()
+                    if e.code != "unknown_session" or not self._failover(session):
+                        raise
+                    failures = gateway = 0
+                    continue
                 except _Dropped as e:
                     if session.finished:  # only `final` was lost: every token is in
                         return session.result()
+                    gateway = gateway + 1 if e.gateway and session.resumable else 0
+                    if gateway >= self.failover_after and self._failover(session):
+                        failures = gateway = 0
+                        continue
                     failures = 1 if session.held_round != held else failures + 1
                     if failures > self.max_retries:
                         cls = PhoneTimeoutError if e.timeout else ConnectionLostError
@@ -126,6 +148,13 @@ class HycoClient:
         finally:
             if self._http is None:
                 await http.close()
+
+    def _failover(self, session: PhoneSession) -> bool:
+        """Reopen ``session`` on another replica (from its prompt + committed tokens) if the policy allows."""
+        if session.failovers >= self.max_failovers or not session.can_reopen():
+            return False
+        session.reopen()
+        return True
 
     async def stream(self, session: PhoneSession) -> AsyncIterator[str]:
         """The committed text as it arrives (``async for text in client.stream(session)``); the result is
@@ -201,7 +230,8 @@ class HycoClient:
                 raise HycoServerError(f"{self.url} has no HyCo session route (HTTP {e.status}); is the "
                                       f"server running with --speculative-config hyco?",
                                       code="no_route") from None
-            raise _Dropped(f"handshake failed with HTTP {e.status}") from None
+            raise _Dropped(f"handshake failed with HTTP {e.status}",
+                           gateway=e.status in GATEWAY_STATUSES) from None
         except asyncio.TimeoutError:
             raise _Dropped(f"no WebSocket handshake from {self.url} in {self.timeouts.connect_s} s",
                            timeout=True) from None

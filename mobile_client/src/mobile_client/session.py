@@ -191,8 +191,10 @@ class PhoneSession:
         self.finish_reason: str | None = None
         self.final = None
         self.resumes = 0
+        self.failovers = 0  # sessions reopened on another server (reopen)
         self.need_seed = False  # the hand-off state broke: ask the server for a seed on resume
         self._pending: _Pending | None = None
+        self._reopened_at = 0  # len(tokens) when the request was last (re)built
         self._prefilled = False
         self._prefill_context = self.prompt_tokens[:-1]  # committed tokens before the first root
         self._prepared = None  # the ProactiveDraft prepared during the last wait
@@ -403,6 +405,42 @@ class PhoneSession:
             self.x_hat = self.drafter.apply_handoff(h)
         self.need_seed = False
 
+    # -- failover: the server lost the session ------------------------------------------------------------
+    def can_reopen(self) -> bool:
+        """Whether :meth:`reopen` can continue this session on another server (not finished, and the
+        committed tokens leave some of ``max_tokens``)."""
+        limit = _max_tokens(self.request)
+        return not self.finished and (limit is None or limit > len(self.tokens) - self._reopened_at)
+
+    def reopen(self) -> None:
+        """Continue on another server: the next ``start`` opens a new session whose prompt is the prompt +
+        every committed token (token ids, a completions request; a chat session's ids already hold the
+        chat template), with ``max_tokens``/``min_tokens`` reduced by what was committed since the last
+        (re)open. The root and its position stay; the tree in flight is resent as round 0 of the new
+        session (its root is the new prompt's last token); verdict 0 brings a seed hand-off.
+
+        Greedy decoding continues exactly; a sampled session continues correctly distributed but not with
+        the server's original random stream, and a stop string split across the cut is not seen.
+        """
+        if not self.can_reopen():
+            raise SessionError("the session is finished; nothing to reopen", code="session_finished")
+        done = len(self.tokens) - self._reopened_at
+        body = {k: v for k, v in self.request.items()
+                if k not in ("messages", "prompt", "max_completion_tokens", "max_tokens", "min_tokens")}
+        body["prompt"] = self.prompt_tokens + self.tokens
+        limit = _max_tokens(self.request)
+        if limit is not None:
+            body["max_tokens"] = limit - done
+        if self.request.get("min_tokens"):
+            body["min_tokens"] = max(0, int(self.request["min_tokens"]) - done)
+        self.request, self.endpoint, self._reopened_at = body, "completions", len(self.tokens)
+        self.resumable, self.held_round, self.round, self.need_seed = False, -1, 0, False
+        self.sid = self.schema = self.schema_hash = None  # the new session's `session` frame brings them
+        self.failovers += 1
+        p = self._pending
+        if p is not None:
+            p.round, p.frame = 0, dataclasses.replace(p.frame, round=0)
+
     # -- a phone that lost its state (app restart) -----------------------------------------------------------
     def snapshot(self) -> dict:
         """What an app persists to resume after losing its process: JSON-able, no drafter state."""
@@ -411,7 +449,7 @@ class PhoneSession:
                 "sid": self.sid if self.resumable else None, "held_round": self.held_round,
                 "schema_hash": None if self.schema_hash is None else self.schema_hash.hex(),
                 "tokens": list(self.tokens), "text": "".join(self.text_parts), "budget": self.budget,
-                "finish_reason": self.finish_reason,
+                "finish_reason": self.finish_reason, "reopened_at": self._reopened_at,
                 "pending": None if p is None else {"round": p.round, "tokens": list(p.tree.tokens),
                                                    "parents": list(p.tree.parents)}}
 
@@ -428,6 +466,7 @@ class PhoneSession:
             s.schema_hash = bytes.fromhex(snap["schema_hash"])
         s.held_round, s.round, s.budget = snap["held_round"], snap["held_round"] + 1, snap["budget"]
         s.tokens, s.text_parts, s.finish_reason = list(snap["tokens"]), [snap["text"]], snap["finish_reason"]
+        s._reopened_at = snap.get("reopened_at", 0)
         context = s.prompt_tokens + s.tokens
         s.root, s.position = context[-1], len(context) - 1
         s._prefill_context, s.need_seed = context[:-1], s.sid is not None
@@ -445,6 +484,11 @@ class PhoneSession:
     def result(self) -> SessionResult:
         return SessionResult("".join(self.text_parts), list(self.tokens), self.finish_reason,
                              list(self.stats), self.resumes, self.final)
+
+
+def _max_tokens(request: dict) -> int | None:
+    value = request.get("max_completion_tokens", request.get("max_tokens"))
+    return None if value is None else int(value)
 
 
 def node_values(tree: DraftTree) -> list[int]:

@@ -230,7 +230,8 @@ class HycoService:
             s.last_payload = payload
             handoff, ref, chunks = plan_handoff(payload, t.round, self.limits, s.caps.max_message_bytes)
             s.root, s.root_position = bonus, payload.header.root_position
-            s.budget = min(self.node_budget, s.caps.max_nodes)
+            s.budget = max(1, min(int(raw.get("budget", self.node_budget)), self.node_budget, s.caps.max_nodes))
+            m.node_budget(raw.get("budget_info"), s.budget)
         v = VerdictFrame(s.sid, t.round, tuple(path), tuple(committed), None if finished else int(raw["bonus"]),
                          handoff, ref, 0 if finished else s.budget, chunk)
         frames = [encode_frame(v), *(encode_frame(c) for c in chunks)]

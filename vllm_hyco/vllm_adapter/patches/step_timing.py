@@ -7,7 +7,13 @@ This module measures the compute where it happens: when ``VLLM_HYCO_BENCH_TIMING
 (after a ``torch.cuda.synchronize()`` on a GPU) and with the process's CPU time (``cpu_s``: every thread
 of the engine process, so torch's intra-op threads count; robust to other load on a shared CPU box,
 where wall time is not). Every forward of every request is counted: prefill,
-plain decode, MTP chains, HyCo trees. Scheduling, detokenization and HTTP are not.
+plain decode, MTP chains, HyCo trees. Detokenization and HTTP are not.
+
+All server work of the engine core (``core_s`` wall, ``core_cpu_s`` CPU): ``install`` also wraps
+``EngineCore.step`` / ``step_with_batch_queue`` / ``post_step`` (schedule, execute, update, vLLM's MTP
+draft hand-over) for every engine, and the HyCo scheduler adds its utility calls (tree submission,
+verdict take; :func:`add_core`). ``core_*`` include the worker's calls when the worker runs in the engine
+process (the CPU engine, a single-GPU engine); they are not added into ``busy_s``.
 
 Why a wrapper: vLLM's own ``/metrics`` has no busy-time counter for the model. What it replaces: the three
 methods, by thin timing wrappers that call the originals (recorded in ``ORIGINALS``). Removal: when vLLM
@@ -42,6 +48,7 @@ from typing import Any
 ENV = "VLLM_HYCO_BENCH_TIMING"
 DIR_ENV = "VLLM_HYCO_BENCH_TIMING_DIR"
 FIELDS = ("execute_s", "sample_s", "draft_s", "cpu_s")  # cpu_s: process CPU seconds inside the same calls
+CORE_FIELDS = ("core_s", "core_cpu_s")  # the engine core's steps and HyCo utility calls (wall, CPU)
 COUNTS = ("steps", "rows")
 ORIGINALS: dict[tuple[type, str], Callable] = {}
 _METHODS = {"execute_model": "execute_s", "sample_tokens": "sample_s", "take_draft_token_ids": "draft_s"}
@@ -55,7 +62,7 @@ class EngineTimer:
     """Cumulative compute seconds by phase, forward steps and rows (scheduled tokens) of one process."""
 
     def __init__(self, out_dir: str | None = None):
-        self.totals = {f: 0.0 for f in FIELDS}
+        self.totals = {f: 0.0 for f in FIELDS + CORE_FIELDS}
         self.counts = {c: 0 for c in COUNTS}
         self.out_dir = Path(out_dir) if out_dir else None
         self.g_clock = "cpu_s"  # which total g uses: "busy_s" (wall) once a GPU ran a call
@@ -70,7 +77,7 @@ class EngineTimer:
 
     def snapshot(self) -> dict[str, Any]:
         snap: dict[str, Any] = {k: round(v, 9) for k, v in self.totals.items()}
-        snap["busy_s"] = round(sum(v for k, v in self.totals.items() if k != "cpu_s"), 9)
+        snap["busy_s"] = round(sum(v for k, v in self.totals.items() if k in FIELDS and k != "cpu_s"), 9)
         snap.update(self.counts)
         snap["g_clock"] = self.g_clock
         snap["expand_kernel"] = expand_kernel_status()
@@ -134,6 +141,28 @@ def _timed(fn: Callable, field: str) -> Callable:
     return timed
 
 
+def add_core(wall: float, cpu: float) -> None:
+    """Count engine-core work outside a step (HyCo utility calls); a no-op unless timing is on."""
+    if enabled():
+        TIMER.totals["core_s"] += wall
+        TIMER.totals["core_cpu_s"] += cpu
+        if TIMER.out_dir is not None:
+            TIMER.flush()
+
+
+def _core_timed(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def timed(self, *args, **kwargs):
+        t0, c0 = time.perf_counter(), time.process_time()
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            add_core(time.perf_counter() - t0, time.process_time() - c0)
+
+    timed.__hyco_bench_timed__ = True
+    return timed
+
+
 def hyco_bench_timing(self) -> dict[str, Any]:
     """Worker method for ``collective_rpc("hyco_bench_timing")``: this process's totals."""
     return TIMER.snapshot()
@@ -168,12 +197,19 @@ def install() -> bool:
             ORIGINALS[(cls, name)] = fn
             setattr(cls, name, _timed(fn, field))
         cls.hyco_bench_timing = hyco_bench_timing
+    from vllm.v1.engine.core import EngineCore
+
+    for name in ("step", "step_with_batch_queue", "post_step"):
+        fn = EngineCore.__dict__.get(name)
+        if fn is not None and not getattr(fn, "__hyco_bench_timed__", False):
+            ORIGINALS[(EngineCore, name)] = fn
+            setattr(EngineCore, name, _core_timed(fn))
     return True
 
 
 def read_dir(path: str | Path) -> dict[str, Any]:
     """The sum of every process's last snapshot in ``path`` (zeros when none wrote yet)."""
-    total: dict[str, Any] = {**{f: 0.0 for f in FIELDS}, "busy_s": 0.0, **{c: 0 for c in COUNTS}}
+    total: dict[str, Any] = {**{f: 0.0 for f in FIELDS + CORE_FIELDS}, "busy_s": 0.0, **{c: 0 for c in COUNTS}}
     clock, kernels = "cpu_s", set()
     for f in sorted(Path(path).glob("timing-*.json")):
         try:

@@ -22,7 +22,7 @@ _spec.loader.exec_module(S)
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
-    yield from S.tiny_hyco_llm(tmp_path_factory, "tiny-budget")
+    yield from S.tiny_hyco_llm(tmp_path_factory, "tiny-budget", speculative_config={"method": "hyco"})  # adaptive
 
 
 @pytest.fixture(scope="module")

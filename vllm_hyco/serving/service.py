@@ -187,7 +187,8 @@ class HycoService:
             self.check_tree(s, t)
             s.touch()
             try:
-                r = await self.bridge.round(s.engine, t.round, list(t.tokens), list(t.parents))
+                r = await self.bridge.round(s.engine, t.round, list(t.tokens), list(t.parents),
+                                            None if t.labels is None else [int(x) for x in t.labels])
             except BridgeError as e:
                 if e.code == "server_busy":
                     self.metrics.rejected.labels(code="server_busy").inc()

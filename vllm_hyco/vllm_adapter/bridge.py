@@ -152,9 +152,11 @@ class EngineBridge:
             await asyncio.sleep(POLL_S)
         return info
 
-    async def round(self, s: EngineSession, round_: int, tokens: list[int], parents: list[int]) -> RoundResult:
-        """Verify one tree; raises BridgeError (engine refusal, with its code) or SessionError."""
-        ack = await self.call("hyco_srv_submit", s.sid, round_, tokens, parents)
+    async def round(self, s: EngineSession, round_: int, tokens: list[int], parents: list[int],
+                    labels: list[int] | None = None, values: list[float] | None = None) -> RoundResult:
+        """Verify one tree; raises BridgeError (engine refusal, with its code) or SessionError. ``labels``
+        and ``values`` (per row, optional) feed the engine's node budget (docs/engine.md)."""
+        ack = await self.call("hyco_srv_submit", s.sid, round_, tokens, parents, labels, values)
         if "error" in ack:
             raise BridgeError(ack["message"], code=ack["error"])
         ids, text, reason = await self._round_output(s)

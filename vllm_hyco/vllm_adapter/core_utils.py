@@ -44,11 +44,13 @@ def hyco_srv_info(self, sid: str) -> dict[str, Any] | None:
         return None
 
 
-def hyco_srv_submit(self, sid: str, round_: int, tokens: list[int], parents: list[int]) -> dict[str, Any]:
+def hyco_srv_submit(self, sid: str, round_: int, tokens: list[int], parents: list[int],
+                    labels: list[int] | None = None, values: list[float] | None = None) -> dict[str, Any]:
     from vllm_hyco.errors import HycoError
 
     try:  # the scheduler refuses with server_busy when every batch slot is taken (one guard, both APIs)
-        self.scheduler.hyco_submit_tree(sid, int(round_), list(tokens), list(parents), None)
+        self.scheduler.hyco_submit_tree(sid, int(round_), list(tokens), list(parents), None,
+                                        labels=labels, values=values)
     except HycoError as e:
         return _error(e)
     return {"ok": True}

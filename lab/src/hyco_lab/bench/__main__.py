@@ -39,7 +39,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="output folder (default benchmarks/out/<time>)")
     p.add_argument("--link", default="lte", help="lan | lte | 5g | rtt=MS,up=MBPS,down=MBPS")
     p.add_argument("--sweep", default="", help="concurrency levels, e.g. 1,4,16,64 (empty: no sweep)")
-    p.add_argument("--sweep-configs", default="cloud-mtp,hyco")
+    p.add_argument("--sweep-configs", default=",".join(C.SWEEP),
+                   help="configurations of the sweep (default: Cloud+MTP greedy and sampled drafts, HyCo exact "
+                        "static 4/8/16/32 and adaptive, HyCo eps adaptive)")
+    p.add_argument("--sweep-runs", type=int, default=None, help="runs per sweep level (default: --runs)")
     p.add_argument("--ordinary", action="store_true", help="ordinary requests: hyco server vs plain vLLM")
     p.add_argument("--fixtures", default=None, help="a built fixtures folder (default: build/reuse in HYCO_CACHE)")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -169,13 +172,15 @@ class Bench:
         out: list[dict] = []
         for cfg in C.select(self.args.sweep_configs):
             spec = cfg.server_spec(str(self.fx / "assistant"), max_sessions=max(levels))
+            runs = self.args.sweep_runs if self.args.sweep_runs is not None else self.args.runs
             with self.server(spec, max_num_seqs=max(levels)) as srv:
                 for n in levels:
                     prompts = [self.prompts[i % len(self.prompts)] for i in range(n)]
                     ids = [self.ids()[i % len(self.prompts)] for i in range(n)] if cfg.kind == "phone" else None
-                    rec = self.one_pass(srv, cfg, 100 + n, prompts, ids, n)
-                    out.append(M.run_metrics(rec))
-                    _log(f"  sweep {cfg.name} x{n}: {_brief(out[-1])}")
+                    for run in range(runs):
+                        rec = self.one_pass(srv, cfg, 100 * (run + 1) + n, prompts, ids, n)
+                        out.append(M.run_metrics(rec) | {"sweep_run": run})
+                        _log(f"  sweep {cfg.name} x{n} run {run}: {_brief(out[-1])}")
         return out
 
     def ordinary(self) -> list[dict]:

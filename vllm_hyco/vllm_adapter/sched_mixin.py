@@ -401,7 +401,10 @@ class HycoSchedulerMixin:
         step_timing.add_core(wall, cpu)
 
     def _hyco_step_begin(self, scheduler_output, t0: tuple[float, float]) -> None:
-        self.__dict__.setdefault("_hyco_step_t0", {})[id(scheduler_output)] = t0
+        started = self.__dict__.setdefault("_hyco_step_t0", {})
+        if len(started) > 16:  # outputs never updated (an engine error): drop, do not grow
+            started.clear()
+        started[id(scheduler_output)] = t0
 
     def _hyco_step_end(self, scheduler_output) -> None:
         """Feed the step's cost (schedule + execute + update + utility calls) to the cost model."""

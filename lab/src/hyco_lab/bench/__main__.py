@@ -25,7 +25,7 @@ from hyco_lab.bench import metrics as M
 from hyco_lab.bench.drive import Sampling, run_cloud, run_phones
 from hyco_lab.bench.linkproxy import LinkModel
 from hyco_lab.bench.report import build_results, write_report
-from hyco_lab.bench.server import BenchServer, counters_delta, spec_counters
+from hyco_lab.bench.server import BenchServer, budget_counters, counters_delta, spec_counters
 from vllm_hyco.errors import ConfigError, HycoError
 
 
@@ -117,7 +117,8 @@ class Bench:
 
     def one_pass(self, srv: BenchServer, cfg: C.BenchConfig, run: int, prompts: list[dict], ids, concurrency: int
                  ) -> M.RunRecord:
-        before_t, before_c = srv.timing(), spec_counters(srv.metrics())
+        before_t, before_m = srv.timing(), srv.metrics()
+        before_c, before_b = spec_counters(before_m), budget_counters(before_m)
         t0 = time.perf_counter()
         if cfg.kind == "cloud":
             recs, proxy = asyncio.run(run_cloud(srv.url, cfg.name, run, prompts, self.sampling,
@@ -127,8 +128,15 @@ class Bench:
                                                  concurrency=concurrency, link=self.link, seed0=1000 * run))
         wall = time.perf_counter() - t0
         time.sleep(0.5)  # let the API server's stat loggers see the last outputs
-        counters = counters_delta(before_c, spec_counters(srv.metrics())) | {"k": C.MTP_K}
-        rec = M.RunRecord(cfg.name, run, recs, engine=M_delta(before_t, srv.timing()),
+        after_m = srv.metrics()
+        counters = counters_delta(before_c, spec_counters(after_m)) | {"k": C.MTP_K}
+        engine = M_delta(before_t, srv.timing())
+        if cfg.kind == "phone":  # the node budget over this pass: nodes verified per round, the fit at its end
+            b = budget_counters(after_m)
+            n = b["verified_n"] - before_b["verified_n"]
+            engine["budget"] = {"verified_nodes_round": round((b["verified_sum"] - before_b["verified_sum"]) / n, 3)
+                                if n else None, "fit_ms": b["fit"]}
+        rec = M.RunRecord(cfg.name, run, recs, engine=engine,
                           spec_counters=counters if cfg.kind == "cloud" else {}, wall_s=round(wall, 4),
                           concurrency=concurrency, link=self.link.to_dict(), proxy_bytes=proxy)
         self.records.append(rec.to_dict())
@@ -174,6 +182,9 @@ class Bench:
             spec = cfg.server_spec(str(self.fx / "assistant"), max_sessions=max(levels))
             runs = self.args.sweep_runs if self.args.sweep_runs is not None else self.args.runs
             with self.server(spec, max_num_seqs=max(levels)) as srv:
+                # one warm-up request, as the main runs have (first-use costs; the budget's cost model
+                # starts fitting)
+                self.one_pass(srv, cfg, -1, self.prompts[:1], self.ids()[:1] if cfg.kind == "phone" else None, 1)
                 for n in levels:
                     prompts = [self.prompts[i % len(self.prompts)] for i in range(n)]
                     ids = [self.ids()[i % len(self.prompts)] for i in range(n)] if cfg.kind == "phone" else None

@@ -199,6 +199,9 @@ def run_metrics(run: RunRecord) -> dict[str, Any]:
         rounds = [x for r in ok for x in r.rounds]
         rows = 1 + sum(x.nodes for x in rounds) / len(rounds)
         out["nodes_round"] = round(rows - 1, 3)
+        budget = run.engine.get("budget") or {}
+        out["verified_nodes_round"] = budget.get("verified_nodes_round")
+        out["cost_fit_ms"] = budget.get("fit_ms")
     elif run.spec_counters:
         out.update(_cloud_metrics(run.spec_counters))
         rows = 1 + run.spec_counters.get("k", 4)

@@ -137,7 +137,7 @@ def _sweep_md(results: dict[str, Any]) -> list[str]:
     out = ["## Concurrency sweep", "", "Mean over the sweep's runs (sd in parentheses); g: model calls, g core: "
            "all engine-core work (steps and HyCo utility calls), both CPU ms per output token.", "",
            "| configuration | phones | runs | server tok/s | g ms/token | g core ms/token | MAT | nodes/round | "
-           "errors |", "|---|---|---|---|---|---|---|---|---|"]
+           "verified/round | errors |", "|---|---|---|---|---|---|---|---|---|---|"]
     groups: dict[tuple, list[dict]] = {}
     for m in results["sweep"]:
         groups.setdefault((m["config"], m["concurrency"]), []).append(m)
@@ -149,7 +149,7 @@ def _sweep_md(results: dict[str, Any]) -> list[str]:
             return f"{s['mean']:.{digits}f}" + (f" ({s['sd']:.{digits}f})" if s["n"] > 1 else "")
         out.append(f"| {config} | {n} | {len(ms)} | {cell('server_tok_s', 2)} | {cell('g_ms')} | "
                    f"{cell('g_core_ms')} | {cell('mat')} | {cell('nodes_round', 1)} | "
-                   f"{sum(m.get('errors') or 0 for m in ms)} |")
+                   f"{cell('verified_nodes_round', 1)} | {sum(m.get('errors') or 0 for m in ms)} |")
     return out + [""]
 
 

@@ -42,10 +42,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from vllm_hyco.spec_decode.budget import BudgetPolicy
-from vllm_hyco.vllm_adapter.session import RoundTree, Session, SessionRegistry, SessionState
 from vllm_hyco.errors import SessionError, TreeValidationError
 from vllm_hyco.handoff.tree_contract import DEFAULT_NODE_BUDGET, validate_tree
+from vllm_hyco.spec_decode.budget import BudgetPolicy
+from vllm_hyco.vllm_adapter.session import RoundTree, Session, SessionRegistry, SessionState
 
 
 def hyco_args(request) -> dict | None:

@@ -134,15 +134,16 @@ def _acceptance_md(summary: dict[str, Any]) -> list[str]:
 def _sweep_md(results: dict[str, Any]) -> list[str]:
     if not results["sweep"]:
         return []
-    out = ["## Concurrency sweep", "", "Mean over the sweep's runs (sd in parentheses); g: model calls, g core: "
-           "all engine-core work (steps and HyCo utility calls), both CPU ms per output token.", "",
-           "| configuration | phones | runs | server tok/s | g ms/token | g core ms/token | MAT | nodes/round | "
-           "verified/round | errors |", "|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["## Concurrency sweep", "",
+           ("Mean over the sweep's runs (sd in parentheses); g: model calls, g core: all engine-core work "
+            "(steps and HyCo utility calls), both CPU ms per output token."), "",
+           ("| configuration | phones | runs | server tok/s | g ms/token | g core ms/token | MAT | nodes/round | "
+            "verified/round | errors |"), "|---|---|---|---|---|---|---|---|---|---|"]
     groups: dict[tuple, list[dict]] = {}
     for m in results["sweep"]:
         groups.setdefault((m["config"], m["concurrency"]), []).append(m)
     for (config, n), ms in groups.items():
-        def cell(key, digits=3):
+        def cell(key, digits=3, ms=ms):
             s = spread([m.get(key) for m in ms])
             if s["mean"] is None:
                 return "–"

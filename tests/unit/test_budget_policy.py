@@ -198,3 +198,17 @@ def test_the_budget_and_the_cost_fit_are_prometheus_metrics():
     fixed = REGISTRY.get_sample_value("vllm_hyco_step_cost_seconds", {"term": "fixed"})
     assert fixed == pytest.approx(0.004, rel=0.05)
     assert REGISTRY.get_sample_value("vllm_hyco_step_cost_steps") == 64
+
+
+def test_engine_core_time_is_counted_apart_from_the_model_calls(monkeypatch, tmp_path):
+    from vllm_hyco.vllm_adapter.patches import step_timing as t
+
+    monkeypatch.setenv(t.ENV, "1")
+    timer = t.EngineTimer(str(tmp_path))
+    monkeypatch.setattr(t, "TIMER", timer)
+    t.add_core(0.5, 0.25)  # a HyCo utility call (or a wrapped EngineCore.step)
+    timer.add("execute_s", 0.1, rows=3)
+    snap = timer.snapshot()
+    assert (snap["core_s"], snap["core_cpu_s"], snap["busy_s"]) == (0.5, 0.25, 0.1)
+    total = t.read_dir(tmp_path)
+    assert (total["core_s"], total["busy_s"]) == (0.5, 0.1)

@@ -19,7 +19,7 @@ Example::
     >>> HycoConfig.parse({"method": "hyco", "node_budgt": 8})  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    vllm_hyco.errors.ConfigError: unknown hyco option 'node_budgt'; valid options: epsilon, ..., window
+    vllm_hyco.errors.ConfigError: unknown hyco option 'node_budgt'; valid options: budget_policy, ..., window
 
 Exact verification is the default (``epsilon`` None, docs/decisions.md D4); a lossy ε in (0, 1) is an operator
 option and is logged at startup.
@@ -40,6 +40,7 @@ from vllm_hyco.handoff.tree_contract import DEFAULT_NODE_BUDGET
 METHOD = "hyco"
 # The operator may lower the node budget, not raise it past the paper's B (n <= 32 nodes plus the root).
 MAX_NODE_BUDGET = DEFAULT_NODE_BUDGET
+BUDGET_POLICIES = ("adaptive", "static")
 ADDITIONAL_CONFIG_KEY = "hyco"  # VllmConfig.additional_config[ADDITIONAL_CONFIG_KEY] = HycoConfig.to_dict()
 
 
@@ -50,7 +51,12 @@ class HycoConfig:
     Attributes:
         epsilon: None = exact (lossless) verification; a float in (0, 1) = lossy ε-threshold mode
             (the paper uses 0.005). Sessions may ask for stricter, never laxer.
-        node_budget: real tree nodes per round the server grants by default (1..32; root not counted).
+        node_budget: the cap on real tree nodes per round (1..32; root not counted): the most the server
+            grants and verifies. With ``budget_policy`` ``static`` it is every round's budget (the paper's B).
+        budget_policy: ``adaptive`` (default): the server verifies the prefix of each tree that pays under
+            its online step-cost model and grants each phone the nodes worth drafting next round
+            (``vllm_hyco.spec_decode.budget``, docs/engine.md); ``static``: every tree verified whole,
+            ``node_budget`` granted every round.
         window: hand-off window W in tokens (sliding-window K/V rows sent to the phone); None = the
             verifier's ``sliding_window`` (1,024 for Gemma 4 26B-A4B).
         max_sessions: concurrent phone sessions the server accepts.
@@ -68,6 +74,7 @@ class HycoConfig:
 
     epsilon: float | None = None
     node_budget: int = DEFAULT_NODE_BUDGET
+    budget_policy: str = "adaptive"
     window: int | None = None
     max_sessions: int = 16
     session_idle_timeout_s: float = 60.0
@@ -78,6 +85,9 @@ class HycoConfig:
     def __post_init__(self):
         _check_epsilon(self.epsilon)
         _check_int("node_budget", self.node_budget, 1, MAX_NODE_BUDGET)
+        _check_choice("budget_policy", self.budget_policy, BUDGET_POLICIES,
+                      "adaptive: verify the prefix of each tree that pays (default); static: the paper's fixed "
+                      "node_budget")
         _check_int("window", self.window, 1, 1 << 20, optional=True)
         _check_int("max_sessions", self.max_sessions, 1, 1 << 16)
         _check_float("session_idle_timeout_s", self.session_idle_timeout_s, 0.0, 86400.0)
@@ -186,7 +196,8 @@ class HycoConfig:
     def describe(self) -> str:
         mode = "exact (lossless)" if self.exact else f"LOSSY epsilon={self.epsilon}"
         window = self.window if self.window is not None else "verifier sliding_window"
-        return (f"HyCo: verification {mode}, node_budget {self.node_budget}, window {window}, "
+        return (f"HyCo: verification {mode}, node_budget {self.node_budget} ({self.budget_policy}), "
+                f"window {window}, "
                 f"max_sessions {self.max_sessions}, session_idle_timeout_s {self.session_idle_timeout_s}, "
                 f"max_parked_blocks {'none' if self.max_parked_blocks is None else self.max_parked_blocks}"
                 + ("" if self.replica_id is None else f", replica_id {self.replica_id}"))
@@ -245,6 +256,12 @@ def _check_parked_blocks(value: Any) -> None:
                       f"block count in [1, {1 << 30}], a float in (0, 1) for a fraction of the engine's KV "
                       f"blocks, or null for no cap (evict parked sessions only when a waiting request needs "
                       f"their blocks)")
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...], meaning: str) -> None:
+    if not isinstance(value, str) or value not in choices:
+        raise ConfigError(f"hyco option {name}={value!r} is invalid: valid values are "
+                          f"{', '.join(repr(c) for c in choices)} ({meaning})")
 
 
 def _check_int(name: str, value: Any, lo: int, hi: int, *, optional: bool = False) -> None:

@@ -42,7 +42,9 @@ class Recorder:
         r = context.root
         n = tree_budget + 1
         tokens, parents = [r, r + 1, r + 2, r + 3, r + 9][:n], [-1, 0, 1, 2, 0][:n]
-        return DraftTree.make_dummy(tokens, parents, budget=tree_budget)
+        a = -0.5  # the sibling scores last, so the value order the phone sends is this insertion order
+        scores, sources = [0.0, a, 2 * a, 3 * a, 4 * a][:n], [0, 1, 1, 1, 2][:n]
+        return DraftTree(tuple(tokens), tuple(parents), tuple(scores), tuple(sources), tree_budget)
 
     def accept(self, rows):
         self.calls.append(("accept", list(rows)))

@@ -51,6 +51,10 @@ EXPECTED: dict[str, str | None] = {
     "vllm.v1.worker.cpu_model_runner:CPUModelRunner.__init__": "self, vllm_config, device",
     "vllm.v1.worker.cpu_model_runner:CPUModelRunner.initialize_kv_cache":
         "self, kv_cache_config, is_profiling=, kv_cache_allocation_context=",
+    # engine core, wrapped by the step timing (patches/step_timing.py)
+    "vllm.v1.engine.core:EngineCore.step": "self",
+    "vllm.v1.engine.core:EngineCore.step_with_batch_queue": "self",
+    "vllm.v1.engine.core:EngineCore.post_step": "self, model_executed",
     # workers (cpu_worker.py, worker.py)
     "vllm.v1.worker.cpu_worker:CPUWorker.init_device": "self",
     "vllm.v1.worker.gpu_worker:Worker.__init__":

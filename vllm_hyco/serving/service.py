@@ -206,7 +206,10 @@ class HycoService:
                 raise
             s.touch()
             try:
-                r = await self.bridge.round(s.engine, t.round, list(t.tokens), list(t.parents))
+                r = await self.bridge.round(
+                    s.engine, t.round, list(t.tokens), list(t.parents),
+                    None if t.labels is None else [int(x) for x in t.labels],
+                    None if t.values is None else [int(x) / 255.0 for x in t.values])  # phone values (v2)
             except HycoError as e:  # the engine's refusal, with its code (serving.engine_port)
                 if e.code == "server_busy":
                     self.metrics.rejected.labels(code="server_busy").inc()
@@ -247,7 +250,8 @@ class HycoService:
             s.last_payload = payload
             handoff, ref, chunks = plan_handoff(payload, t.round, self.limits, s.caps.max_message_bytes)
             s.root, s.root_position = bonus, payload.header.root_position
-            s.budget = min(self.node_budget, s.caps.max_nodes)
+            s.budget = max(1, min(int(raw.get("budget", self.node_budget)), self.node_budget, s.caps.max_nodes))
+            m.node_budget(raw.get("budget_info"), s.budget)
         v = VerdictFrame(t.round, tuple(path), tuple(committed), None if finished else int(raw["bonus"]),
                          handoff, ref, 0 if finished else s.budget, chunk)
         frames = [encode_frame(v), *(encode_frame(c) for c in chunks)]

@@ -231,7 +231,7 @@ class HycoEngine:
             bonus=int(raw["bonus"]), committed=list(raw.get("committed", [])), text=text, finished=finished,
             finish_reason=next((str(o.outputs[0].finish_reason) for o in outs
                                 if o.finished and o.outputs), None),
-            handoff=raw.get("handoff", {}), budget=self.budget,
+            handoff=raw.get("handoff", {}), budget=min(int(raw.get("budget", self.budget)), self.budget),
             stats={"num_rows": raw["num_rows"], "accepted": len(path_rows), "hits": raw["hits"],
                    "root_position": raw["root_pos"], "wall_s": wall, "host_s": raw.get("host_s"),
                    **({"logits": raw["logits"]} if "logits" in raw else {})})

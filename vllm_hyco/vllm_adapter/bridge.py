@@ -268,10 +268,12 @@ class EngineBridge:
             await asyncio.sleep(POLL_S)
         return info
 
-    async def round(self, s: EngineSession, round_: int, tokens: list[int], parents: list[int]) -> RoundResult:
+    async def round(self, s: EngineSession, round_: int, tokens: list[int], parents: list[int],
+                    labels: list[int] | None = None, values: list[float] | None = None) -> RoundResult:
         """Verify one tree; raises the engine's typed refusal (``server_busy``, ``bad_root``, an ended
-        session's code...) or EngineError."""
-        await self.call("hyco_submit_tree", s.sid, round_, tokens, parents, None)
+        session's code...) or EngineError. ``labels`` and ``values`` (per row, optional) feed the engine's
+        node budget (docs/engine.md)."""
+        await self.call("hyco_submit_tree", s.sid, round_, tokens, parents, None, labels, values)
         ids, text, reason = await self._round_output(s)
         raw, last = None, None
         for _ in range(200):

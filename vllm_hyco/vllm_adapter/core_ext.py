@@ -93,8 +93,10 @@ def plain(obj: Any) -> Any:
 
 @_typed
 def hyco_submit_tree(self, sid: str, round_: int, tokens: list[int], parents: list[int],
-                     eps: float | None = None) -> dict[str, Any]:
-    return _scheduler(self).hyco_submit_tree(sid, int(round_), list(tokens), list(parents), eps)
+                     eps: float | None = None, labels: list[int] | None = None,
+                     values: list[float] | None = None) -> dict[str, Any]:
+    return _scheduler(self).hyco_submit_tree(sid, int(round_), list(tokens), list(parents), eps,
+                                             labels=labels, values=values)
 
 
 @_typed

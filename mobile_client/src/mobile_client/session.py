@@ -49,7 +49,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from mobile_client.drafters.base import DraftContext, Drafter
-from mobile_client.tree import DraftTree, trim
+from mobile_client.tree import DraftTree, trim, value_order
 from vllm_hyco.errors import ConfigError, FrameError, HandoffSchemaError, SessionError
 from vllm_hyco.handoff.client_frames import (MIN_CLIENT_MESSAGE_BYTES, ClientCapabilities, HycoOptions,
                                              ResumeRequest, StartFrame, TreeFrame)
@@ -266,6 +266,7 @@ class PhoneSession:
             tree = self.drafter.propose(ctx, self.budget)
         draft_ms = (time.perf_counter() - t0) * 1e3
         self._check_tree(tree)
+        tree = value_order(tree)  # each prefix is the best tree of its size: the server may verify a prefix
         if not hit:
             self.catch_up = ()  # the drafter's forward committed them
         # a reused proactive tree ran no forward of this drafter (it was drafted on a copy of its state,

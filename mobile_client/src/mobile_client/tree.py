@@ -351,6 +351,27 @@ def trim(tree: DraftTree, budget: int) -> DraftTree:
     )
 
 
+def value_order(tree: DraftTree) -> DraftTree:
+    """The same nodes, rows by descending score (ties to the earlier row), the root first, parents re-indexed.
+
+    A node scores strictly below its parent (every edge adds ``ln q + a`` with ``a < 0``; with ``lam = 1``
+    a tie goes to the parent, the earlier row), so parents still come before children, and every prefix of
+    ``k`` nodes is the ``trim(tree, k)`` node set: the most valuable tree of its size. The server may
+    verify only a prefix (its adaptive budget), so the phone sends trees in this order.
+
+    >>> t = DraftTree.make_dummy([7, 8, 9, 5], [-1, 0, 1, 0])   # scores 0, a, 2a, a
+    >>> value_order(t).to_wire()
+    ([7, 8, 5, 9], [-1, 0, 0, 1])
+    """
+    order = [0] + sorted(range(1, len(tree.tokens)), key=lambda r: (-tree.scores[r], r))
+    new_row = {r: i for i, r in enumerate(order)}
+    parents = tuple(-1 if r == 0 else new_row[tree.parents[r]] for r in order)
+    if any(p >= i for i, p in enumerate(parents) if i):  # scores not decreasing along a path: keep as is
+        return tree
+    return DraftTree(tuple(tree.tokens[r] for r in order), parents, tuple(tree.scores[r] for r in order),
+                     tuple(tree.sources[r] for r in order), tree.budget)
+
+
 def _logprob_rows(out: Any) -> tuple[Any, Any]:
     """Accept a bare [rows, V] tensor/array or an object with ``.logprobs`` (and optional ``.ids``)."""
     if hasattr(out, "logprobs"):

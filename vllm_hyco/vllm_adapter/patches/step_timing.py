@@ -7,7 +7,13 @@ This module measures the compute where it happens: when ``VLLM_HYCO_BENCH_TIMING
 (after a ``torch.cuda.synchronize()`` on a GPU) and with the process's CPU time (``cpu_s``: every thread
 of the engine process, so torch's intra-op threads count; robust to other load on a shared CPU box,
 where wall time is not). Every forward of every request is counted: prefill,
-plain decode, MTP chains, HyCo trees. Scheduling, detokenization and HTTP are not.
+plain decode, MTP chains, HyCo trees. Detokenization and HTTP are not.
+
+All server work of the engine core (``core_s`` wall, ``core_cpu_s`` CPU): ``install`` also wraps
+``EngineCore.step`` / ``step_with_batch_queue`` / ``post_step`` (schedule, execute, update, vLLM's MTP
+draft hand-over) for every engine, and the HyCo scheduler adds its utility calls (tree submission,
+verdict take; :func:`add_core`). ``core_*`` include the worker's calls when the worker runs in the engine
+process (the CPU engine, a single-GPU engine); they are not added into ``busy_s``.
 
 The hooks are recorded :class:`~vllm_hyco.vllm_adapter.patches.Patch` objects (``PATCHES``, listed in the
 registry table of ``vllm_hyco/vllm_adapter/patches/__init__.py``):
@@ -49,6 +55,7 @@ from vllm_hyco.vllm_adapter.patches import Patch
 ENV = "VLLM_HYCO_BENCH_TIMING"
 DIR_ENV = "VLLM_HYCO_BENCH_TIMING_DIR"
 FIELDS = ("execute_s", "sample_s", "draft_s", "cpu_s")  # cpu_s: process CPU seconds inside the same calls
+CORE_FIELDS = ("core_s", "core_cpu_s")  # the engine core's steps and HyCo utility calls (wall, CPU)
 COUNTS = ("steps", "rows")
 WORKER = "vllm.v1.worker.gpu_worker:Worker"
 CPU_WORKER = "vllm.v1.worker.cpu_worker:CPUWorker"
@@ -63,7 +70,7 @@ class EngineTimer:
     """Cumulative compute seconds by phase, forward steps and rows (scheduled tokens) of one process."""
 
     def __init__(self, out_dir: str | None = None):
-        self.totals = {f: 0.0 for f in FIELDS}
+        self.totals = {f: 0.0 for f in FIELDS + CORE_FIELDS}
         self.counts = {c: 0 for c in COUNTS}
         self.out_dir = Path(out_dir) if out_dir else None
         self.g_clock = "cpu_s"  # which total g uses: "busy_s" (wall) once a GPU ran a call
@@ -78,7 +85,7 @@ class EngineTimer:
 
     def snapshot(self) -> dict[str, Any]:
         snap: dict[str, Any] = {k: round(v, 9) for k, v in self.totals.items()}
-        snap["busy_s"] = round(sum(v for k, v in self.totals.items() if k != "cpu_s"), 9)
+        snap["busy_s"] = round(sum(v for k, v in self.totals.items() if k in FIELDS and k != "cpu_s"), 9)
         snap.update(self.counts)
         snap["g_clock"] = self.g_clock
         snap["expand_kernel"] = expand_kernel_status()
@@ -143,6 +150,28 @@ def _timed(fn: Callable, field: str) -> Callable:
     return timed
 
 
+def add_core(wall: float, cpu: float) -> None:
+    """Count engine-core work outside a step (HyCo utility calls); a no-op unless timing is on."""
+    if enabled():
+        TIMER.totals["core_s"] += wall
+        TIMER.totals["core_cpu_s"] += cpu
+        if TIMER.out_dir is not None:
+            TIMER.flush()
+
+
+def _core_timed(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def timed(self, *args, **kwargs):
+        t0, c0 = time.perf_counter(), time.process_time()
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            add_core(time.perf_counter() - t0, time.process_time() - c0)
+
+    timed.__hyco_bench_timed__ = True
+    return timed
+
+
 def hyco_bench_timing(self) -> dict[str, Any]:
     """Worker method for ``collective_rpc("hyco_bench_timing")``: this process's totals."""
     return TIMER.snapshot()
@@ -165,7 +194,15 @@ def patches_for(target: str, *, rpc: bool = True) -> list[Patch]:
 
 
 # The record (patches/__init__.py's registry): the GPU worker's hooks, and the CPU worker's own overrides.
-PATCHES: list[Patch] = patches_for(WORKER) + patches_for(CPU_WORKER, rpc=False)
+ENGINE_CORE = "vllm.v1.engine.core:EngineCore"
+CORE_PATCHES: list[Patch] = [
+    Patch(ENGINE_CORE, name, _core_timed,
+          why="g counts all server work: the engine core's scheduling and HyCo's utility calls, not only the "
+              "worker's model calls",
+          how=f"wrap EngineCore.{name}: wall and process CPU time into core_s / core_cpu_s",
+          upstream="none filed (a per-step engine-core timer)", removal="vLLM exports per-step engine time")
+    for name in ("step", "step_with_batch_queue", "post_step")]
+PATCHES: list[Patch] = patches_for(WORKER) + patches_for(CPU_WORKER, rpc=False) + CORE_PATCHES
 
 
 def install() -> bool:
@@ -193,7 +230,7 @@ def install() -> bool:
 
 def read_dir(path: str | Path) -> dict[str, Any]:
     """The sum of every process's last snapshot in ``path`` (zeros when none wrote yet)."""
-    total: dict[str, Any] = {**{f: 0.0 for f in FIELDS}, "busy_s": 0.0, **{c: 0 for c in COUNTS}}
+    total: dict[str, Any] = {**{f: 0.0 for f in FIELDS + CORE_FIELDS}, "busy_s": 0.0, **{c: 0 for c in COUNTS}}
     clock, kernels = "cpu_s", set()
     for f in sorted(Path(path).glob("timing-*.json")):
         try:

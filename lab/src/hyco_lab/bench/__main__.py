@@ -25,7 +25,7 @@ from hyco_lab.bench import metrics as M
 from hyco_lab.bench.drive import Sampling, run_cloud, run_phones
 from hyco_lab.bench.linkproxy import LinkModel
 from hyco_lab.bench.report import build_results, fixture_weights, handoff_values, phone_notes, write_report
-from hyco_lab.bench.server import BenchServer, counters_delta, spec_counters
+from hyco_lab.bench.server import BenchServer, budget_counters, counters_delta, spec_counters
 from vllm_hyco.errors import ConfigError, HycoError
 
 
@@ -41,7 +41,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="output folder (default benchmarks/out/<time>)")
     p.add_argument("--link", default="lte", help="lan | lte | 5g | rtt=MS,up=MBPS,down=MBPS")
     p.add_argument("--sweep", default="", help="concurrency levels, e.g. 1,4,16,64 (empty: no sweep)")
-    p.add_argument("--sweep-configs", default="cloud-mtp,hyco")
+    p.add_argument("--sweep-configs", default=",".join(C.SWEEP),
+                   help="configurations of the sweep (default: Cloud+MTP greedy and sampled drafts, HyCo exact "
+                        "static 4/8/16/32 and adaptive, HyCo eps adaptive)")
+    p.add_argument("--sweep-runs", type=int, default=None, help="runs per sweep level (default: --runs)")
     p.add_argument("--ordinary", action="store_true", help="ordinary requests: hyco server vs plain vLLM")
     p.add_argument("--fixtures", default=None, help="a built fixtures folder (default: build/reuse in HYCO_CACHE)")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -142,7 +145,8 @@ class Bench:
 
     def one_pass(self, srv: BenchServer, cfg: C.BenchConfig, run: int, prompts: list[dict], ids, concurrency: int
                  ) -> M.RunRecord:
-        before_t, before_c = srv.timing(), spec_counters(srv.metrics())
+        before_t, before_m = srv.timing(), srv.metrics()
+        before_c, before_b = spec_counters(before_m), budget_counters(before_m)
         t0 = time.perf_counter()
         if cfg.kind == "cloud":
             recs, proxy = asyncio.run(run_cloud(srv.url, cfg.name, run, prompts, self.sampling,
@@ -152,8 +156,15 @@ class Bench:
                                                  concurrency=concurrency, link=self.link, seed0=1000 * run))
         wall = time.perf_counter() - t0
         time.sleep(0.5)  # let the API server's stat loggers see the last outputs
-        counters = counters_delta(before_c, spec_counters(srv.metrics())) | {"k": C.MTP_K}
-        rec = M.RunRecord(cfg.name, run, recs, engine=M_delta(before_t, srv.timing()),
+        after_m = srv.metrics()
+        counters = counters_delta(before_c, spec_counters(after_m)) | {"k": C.MTP_K}
+        engine = M_delta(before_t, srv.timing())
+        if cfg.kind == "phone":  # the node budget over this pass: nodes verified per round, the fit at its end
+            b = budget_counters(after_m)
+            n = b["verified_n"] - before_b["verified_n"]
+            engine["budget"] = {"verified_nodes_round": round((b["verified_sum"] - before_b["verified_sum"]) / n, 3)
+                                if n else None, "fit_ms": b["fit"]}
+        rec = M.RunRecord(cfg.name, run, recs, engine=engine,
                           spec_counters=counters if cfg.kind == "cloud" else {}, wall_s=round(wall, 4),
                           concurrency=concurrency, link=self.link.to_dict(), proxy_bytes=proxy)
         self.records.append(rec.to_dict())
@@ -263,13 +274,18 @@ class Bench:
         out: list[dict] = []
         for cfg in C.select(self.args.sweep_configs):
             spec = cfg.server_spec(str(self.fx / "assistant"), max_sessions=max(levels))
+            runs = self.args.sweep_runs if self.args.sweep_runs is not None else self.args.runs
             with self.server(spec, max_num_seqs=max(levels)) as srv:
+                # one warm-up request, as the main runs have (first-use costs; the budget's cost model
+                # starts fitting)
+                self.one_pass(srv, cfg, -1, self.prompts[:1], self.ids()[:1] if cfg.kind == "phone" else None, 1)
                 for n in levels:
                     prompts = [self.prompts[i % len(self.prompts)] for i in range(n)]
                     ids = [self.ids()[i % len(self.prompts)] for i in range(n)] if cfg.kind == "phone" else None
-                    rec = self.one_pass(srv, cfg, 100 + n, prompts, ids, n)
-                    out.append(M.run_metrics(rec))
-                    _log(f"  sweep {cfg.name} x{n}: {_brief(out[-1])}")
+                    for run in range(runs):
+                        rec = self.one_pass(srv, cfg, 100 * (run + 1) + n, prompts, ids, n)
+                        out.append(M.run_metrics(rec) | {"sweep_run": run})
+                        _log(f"  sweep {cfg.name} x{n} run {run}: {_brief(out[-1])}")
         return out
 
     def ordinary(self) -> list[dict]:

@@ -10,6 +10,10 @@
 | ``hyco`` | hyco, ε = 0.005 | MTP chain K = 4 + runner-ups + 1 SLM pass | ε = 0.005 |
 | ``hyco-2p`` | hyco, ε = 0.005 | same, 2 SLM passes | ε = 0.005 |
 | ``hyco-exact`` | hyco | same as hyco | exact |
+| ``hyco-exact-s4`` .. ``-s32`` | hyco, ``budget_policy`` static, ``node_budget`` 4, 8, 16, 32 | same as hyco, that many nodes | exact |
+
+Every ``hyco`` server without a static budget runs the default ``budget_policy`` ``adaptive`` (cap 32):
+the server cuts each tree to the prefix that pays and grants each phone its next tree's nodes.
 | ``server-head`` | dropped (``DROPPED``): the engine runs no MTP head for phone sessions | | |
 | ``slm-only`` | none: modelled from the paper's device numbers (no server) | | |
 
@@ -39,6 +43,7 @@ HEAD_ON_DEVICE_MS = 20.0
 SLM_ONLY_TOK_S = 26.4
 SLM_ONLY_MS_PER_TOKEN = 36.8
 EPSILON = 0.005
+STATIC_BUDGETS = (4, 8, 16, 32)  # the static node budgets the sweep compares with the adaptive policy
 MTP_K = 4
 
 
@@ -54,6 +59,7 @@ class BenchConfig:
     drafter: str | None = None  # "hybrid", "hybrid-2p", "specedge", "specedge-pd"
     draft_sample_method: str | None = None  # cloud configurations: vLLM's option (None: its default, greedy)
     device_ms: float = 0.0  # modelled device ms per round after the first
+    node_budget: int | None = None  # hyco servers: a static budget (budget_policy static); None: adaptive
     first_round_ms: float = SLM_PASS_MS  # round 0 is the SLM's alone (D2)
 
     @property
@@ -70,11 +76,13 @@ class BenchConfig:
         spec: dict = {"method": "hyco", "max_sessions": max_sessions}
         if self.epsilon is not None:
             spec["epsilon"] = self.epsilon
+        if self.node_budget is not None:
+            spec.update(node_budget=self.node_budget, budget_policy="static")
         return json.dumps(spec)
 
     def server_key(self) -> tuple:
         """Configurations with equal keys can share one server (same engine arguments)."""
-        return (self.server, self.epsilon, self.draft_sample_method)
+        return (self.server, self.epsilon, self.draft_sample_method, self.node_budget)
 
 
 CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
@@ -92,6 +100,8 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
     BenchConfig("hyco-2p", "phone", "HyCo-2P", server="hyco", epsilon=EPSILON, drafter="hybrid-2p",
                 device_ms=round(HYCO_ROUND_MS + SLM_PASS_MS, 3)),
     BenchConfig("hyco-exact", "phone", "HyCo exact", server="hyco", drafter="hybrid", device_ms=HYCO_ROUND_MS),
+    *(BenchConfig(f"hyco-exact-s{b}", "phone", f"HyCo exact, static {b}", server="hyco", drafter="hybrid",
+                  device_ms=HYCO_ROUND_MS, node_budget=b) for b in STATIC_BUDGETS),
     BenchConfig("slm-only", "modelled", "SLM alone (modelled)"),
 )}
 
@@ -102,6 +112,8 @@ DROPPED = {
                    "phone's tree would need a server drafter that does not exist; its cost would be "
                    "cloud-mtp's head steps plus a 33-row verify, reported by neither.",
 }
+#: issue 16's sweep: Cloud+MTP (greedy, sampled drafts), HyCo exact static 4..32 and adaptive, HyCo ε adaptive
+SWEEP = ("cloud-mtp", "cloud-mtp-prob", *(f"hyco-exact-s{b}" for b in STATIC_BUDGETS), "hyco-exact", "hyco")
 DEFAULT = ("cloud-mtp", "cloud-mtp-prob", "specedge", "specedge-pd", "specedge-eps", "hyco", "hyco-2p", "hyco-exact",
            "slm-only")
 

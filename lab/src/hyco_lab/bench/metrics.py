@@ -9,6 +9,9 @@ paper's Appendix G does):
 
 * ``g_ms``: engine compute ms / output tokens, prefill included: the engine process's CPU time inside
   the model calls (CPU-measured; ``g_wall_ms``: their wall time, which other load on the box inflates);
+* ``g_core_ms``: all engine-core work / output tokens: every step (schedule, model calls, update, vLLM's
+  draft hand-over) and HyCo's utility calls (CPU time; wall on a GPU), ``step_timing``'s ``core_*``;
+* ``nodes_round``: mean tree nodes per round the phone drafted (after its budget; the root excluded);
 * ``mat``: committed tokens per round (path + bonus); Cloud+MTP: 1 + accepted / drafts from vLLM's counters;
 * ``tok_s``: output tokens / the requests' wall seconds from start to last token (delivery speed);
 * ``draft_ms_per_token``: modelled device ms / output tokens (``measured_draft_ms_per_token``: CPU-measured);
@@ -183,6 +186,8 @@ def run_metrics(run: RunRecord) -> dict[str, Any]:
         "requests": len(run.requests), "errors": len(run.requests) - len(ok), "tokens": tokens,
         "g_ms": _div(cpu_ms, tokens, 4) if run.engine else None,  # CPU seconds (wall on a GPU)
         "g_wall_ms": _div(busy_ms, tokens, 4) if run.engine else None,
+        "g_core_ms": _div(float(run.engine.get("core_cpu_s" if clock == "cpu_s" else "core_s", 0.0)) * 1e3,
+                          tokens, 4) if run.engine.get("core_s") else None,
         "engine_rows_per_step": _div(run.engine.get("rows", 0), run.engine.get("steps", 0), 2),
         "tok_s": _div(tokens, sum(r.wall_ms for r in ok) / 1e3, 3),
         "server_tok_s": _div(tokens, run.wall_s, 3),
@@ -194,6 +199,10 @@ def run_metrics(run: RunRecord) -> dict[str, Any]:
         out.update(_phone_metrics(ok, tokens))
         rounds = [x for r in ok for x in r.rounds]
         rows = 1 + sum(x.nodes for x in rounds) / len(rounds)
+        out["nodes_round"] = round(rows - 1, 3)
+        budget = run.engine.get("budget") or {}
+        out["verified_nodes_round"] = budget.get("verified_nodes_round")
+        out["cost_fit_ms"] = budget.get("fit_ms")
     elif run.spec_counters:
         out.update(_cloud_metrics(run.spec_counters))
         rows = 1 + run.spec_counters.get("k", 4)

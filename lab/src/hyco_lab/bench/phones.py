@@ -49,6 +49,8 @@ def load_phone(bundle: Path, config: BenchConfig, *, window: int = WINDOW):
     slm = SlmDrafter(sspec, ssd, keep, window=window, rows=ROWS)
     rows = MultiPassSlm(slm)
     options: dict[str, Any] = {"mode": config.mode}
+    if config.node_budget is not None:  # a static server budget: the phone's trees are never bigger
+        options["max_nodes"] = config.node_budget
     spec, mtp, scales = None, None, None
     if config.drafter in ("hybrid", "hybrid-2p"):
         spec, scales = handoff_spec(bundle)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from hyco_lab.bench.configs import CONFIGS, DROPPED, SLM_ONLY_MS_PER_TOKEN, SLM_ONLY_TOK_S
-from hyco_lab.bench.metrics import disjoint, summarize, with_ratios
+from hyco_lab.bench.metrics import disjoint, spread, summarize, with_ratios
 
 LABELS = {
     "g": "CPU-measured (engine process CPU seconds in the model calls, prefill included, / output tokens; compare only as ratios in one run)",
@@ -137,11 +137,23 @@ def _acceptance_md(summary: dict[str, Any]) -> list[str]:
 def _sweep_md(results: dict[str, Any]) -> list[str]:
     if not results["sweep"]:
         return []
-    out = ["## Concurrency sweep", "", "| configuration | phones | server tok/s | g ms/token (CPU) | MAT | errors |",
-           "|---|---|---|---|---|---|"]
+    out = ["## Concurrency sweep", "",
+           ("Mean over the sweep's runs (sd in parentheses); g: model calls, g core: all engine-core work "
+            "(steps and HyCo utility calls), both CPU ms per output token."), "",
+           ("| configuration | phones | runs | server tok/s | g ms/token | g core ms/token | MAT | nodes/round | "
+            "verified/round | errors |"), "|---|---|---|---|---|---|---|---|---|---|"]
+    groups: dict[tuple, list[dict]] = {}
     for m in results["sweep"]:
-        out.append(f"| {m['config']} | {m['concurrency']} | {m.get('server_tok_s')} | {m.get('g_ms')} | "
-                   f"{m.get('mat')} | {m.get('errors')} |")
+        groups.setdefault((m["config"], m["concurrency"]), []).append(m)
+    for (config, n), ms in groups.items():
+        def cell(key, digits=3, ms=ms):
+            s = spread([m.get(key) for m in ms])
+            if s["mean"] is None:
+                return "–"
+            return f"{s['mean']:.{digits}f}" + (f" ({s['sd']:.{digits}f})" if s["n"] > 1 else "")
+        out.append(f"| {config} | {n} | {len(ms)} | {cell('server_tok_s', 2)} | {cell('g_ms')} | "
+                   f"{cell('g_core_ms')} | {cell('mat')} | {cell('nodes_round', 1)} | "
+                   f"{cell('verified_nodes_round', 1)} | {sum(m.get('errors') or 0 for m in ms)} |")
     return out + [""]
 
 
@@ -200,7 +212,44 @@ def plots(results: dict[str, Any], out_dir: Path) -> list[Path]:
         written.append(out_dir / "mat.png")
         fig.savefig(written[-1], dpi=120)
         plt.close(fig)
+    ratios = sweep_g_ratios(results.get("sweep") or [])
+    if ratios:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for name, points in ratios.items():
+            xs = sorted(points)
+            ax.plot(xs, [points[x] for x in xs], marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.axhline(1.0, c="k", lw=0.5)
+        ax.set_xlabel("concurrent phones / requests")
+        ax.set_ylabel("g / better Cloud+MTP's g (CPU-measured)")
+        ax.set_title("g ratio against concurrency")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        written.append(out_dir / "sweep_g_ratio.png")
+        fig.savefig(written[-1], dpi=120)
+        plt.close(fig)
     return written
+
+
+def sweep_g_ratios(sweep: list[dict], key: str = "g_ms") -> dict[str, dict[int, float]]:
+    """config -> concurrency -> mean g over the runs / the better (lower) Cloud+MTP mean g at that level.
+
+    >>> sweep_g_ratios([{"config": "cloud-mtp", "concurrency": 1, "g_ms": 2.0},
+    ...                 {"config": "cloud-mtp-prob", "concurrency": 1, "g_ms": 4.0},
+    ...                 {"config": "hyco", "concurrency": 1, "g_ms": 1.0}])["hyco"]
+    {1: 0.5}
+    """
+    means: dict[tuple[str, int], list[float]] = {}
+    for m in sweep:
+        if m.get(key) is not None:
+            means.setdefault((m["config"], m["concurrency"]), []).append(float(m[key]))
+    mean = {k: sum(v) / len(v) for k, v in means.items()}
+    out: dict[str, dict[int, float]] = {}
+    for (config, n), g in mean.items():
+        refs = [mean[(c, n)] for c in ("cloud-mtp", "cloud-mtp-prob") if (c, n) in mean]
+        if refs and min(refs) > 0:
+            out.setdefault(config, {})[n] = round(g / min(refs), 4)
+    return out
 
 
 def write_report(out_dir: str | Path, results: dict[str, Any]) -> dict[str, Path]:

@@ -34,7 +34,10 @@ MODEL = "tiny"
 STARTUP_TIMEOUT_S = 400
 IDLE_TIMEOUT_S = 20.0
 MAX_SESSIONS = 40
-HYCO = {"method": "hyco", "max_sessions": MAX_SESSIONS, "session_idle_timeout_s": IDLE_TIMEOUT_S}
+# static: the paper's fixed budget, so raw trees of known size verify whole (tests/integration/test_engine_budget.py
+# covers the adaptive policy)
+HYCO = {"method": "hyco", "max_sessions": MAX_SESSIONS, "session_idle_timeout_s": IDLE_TIMEOUT_S,
+        "budget_policy": "static"}
 _SERVER: dict = {}
 
 

@@ -64,7 +64,8 @@ def test_registry_policy_never_falls_back_silently_on_a_bad_config():
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
     yield from tiny_hyco_llm(tmp_path_factory, "tiny_admission", max_num_seqs=SLOTS,
-                             speculative_config={"method": "hyco", "max_parked_blocks": CAP})
+                             speculative_config={"method": "hyco", "max_parked_blocks": CAP,
+                                                 "budget_policy": "static"})
 
 
 @pytest.fixture(scope="module")

@@ -69,3 +69,11 @@ class SessionError(HycoError, RuntimeError):
     """Session-state errors: unknown session, stale or duplicate round, timed out, evicted, closed."""
 
     code = "session_error"
+
+
+class KVCaptureError(HycoError, RuntimeError):
+    """A tree step in which a cache-owning attention layer did not capture the tree rows' K/V: the engine
+    stops rather than compact (and hand off) a KV cache it cannot keep right. A server bug or an
+    unsupported compile/backend configuration, never a client's fault."""
+
+    code = "kv_capture"

@@ -10,8 +10,10 @@ Matches vLLM 0.32 (``v1/attention/backends/cpu_attn.py``).
   spawned engine core). ``forward`` runs the stock op for the whole batch, then overwrites the output of
   each tree request's rows with the kernels' torch twin (``tree_attention_dense_ref``) over the prefix
   K/V gathered through the KV view (only the window's tail for sliding layers; visibility depends on
-  position differences only, so the tail is passed as a shorter prefix) plus the fresh tree K/V. ``do_kv_cache_update`` writes as stock and also captures the tree
-  rows' K/V (for compaction and the hand-off). Batches without trees are untouched.
+  position differences only, so the tail is passed as a shorter prefix) plus the fresh tree K/V (a
+  KV-shared layer, called with no key/value, takes its target layer's captured rows).
+  ``do_kv_cache_update`` writes as stock and also captures the tree rows' K/V (for compaction and the
+  hand-off); vLLM never calls it for a KV-shared layer. Batches without trees are untouched.
 * When it can go: when vLLM's CPU op takes a per-sequence tree mask and per-row positions.
 
 The runner publishes the step's trees with ``tree_plan.set_active_trees`` before the forward and clears
@@ -74,8 +76,14 @@ class HycoCPUAttentionImpl(CPUAttentionBackendImpl):
             slots = slots_for_positions(attn_metadata.block_table[tr.batch_idx], prefix_pos, block_size)
             k_pre, v_pre = view.gather(kv_cache, slots)  # [L, Hkv, D] each
             q = query[rows].view(tr.num_rows, self.num_heads, self.head_size)
-            k_tree = key[rows].view(tr.num_rows, self.num_kv_heads, self.head_size)
-            v_tree = value[rows].view(tr.num_rows, self.num_kv_heads, self.head_size)
+            if key is None:  # a KV-shared layer: the tree rows' K/V are what its target layer wrote this step
+                cap = tr.captured[layer.kv_sharing_target_layer_name]
+                k_tree, v_tree = cap.key, cap.value
+            else:
+                k_tree = key[rows]
+                v_tree = value[rows]
+            k_tree = k_tree.view(tr.num_rows, self.num_kv_heads, self.head_size)
+            v_tree = v_tree.view(tr.num_rows, self.num_kv_heads, self.head_size)
             window = self.sliding_window if self.sliding_window > 0 else None
             res = tree_attention_dense_ref(q, torch.cat([k_pre.to(q.dtype), k_tree]), torch.cat([v_pre.to(q.dtype), v_tree]),
                                            t - lo, tr.masks, tr.depths, self.scale, sliding_window=window,

@@ -7,11 +7,12 @@ experts top-8; ``kv_shared=True`` makes the last 4 of its 12 layers read the KV 
 
 vLLM builds that class's text model under ``language_model.`` and only the text model is served
 (``language_model_only``: the towers are skipped, the class and its prefixes stay). On this CPU machine
-the class needs :func:`use_torchvision_stand_in` first (see ``tests/stubs/torchvision``).
+the class needs :func:`torchvision_stand_in` around the engine's construction (see ``tests/stubs/torchvision``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import sys
@@ -23,16 +24,42 @@ LAYERS = 12
 FULL_LAYERS = (5, 11)
 
 
-def use_torchvision_stand_in() -> bool:
-    """Without an importable torchvision, put the tests' stand-in on the path of this process and of its
-    children (vLLM inspects the model class in a subprocess; the e2e server is one). Returns True if so."""
-    if importlib.util.find_spec("torchvision") is not None:
-        return False
+REAL_TORCHVISION = importlib.util.find_spec("torchvision") is not None
+
+
+def stand_in_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with the stand-in on PYTHONPATH (for a server process), unless torchvision is installed."""
+    if REAL_TORCHVISION:
+        return env
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {**env, "PYTHONPATH": os.pathsep.join([*paths, str(STUBS)])}
+
+
+@contextlib.contextmanager
+def torchvision_stand_in():
+    """Without an importable torchvision: the stand-in on this process's path and on its children's (vLLM
+    inspects the model class in a subprocess) while the engine is built, then gone again, so the other
+    tests of the pytest process see no torchvision. transformers' cached ``is_torchvision_available()`` is
+    evaluated first, so it keeps saying False."""
+    if REAL_TORCHVISION:
+        yield
+        return
+    from transformers.utils import is_torchvision_available
+
+    is_torchvision_available()
+    old = os.environ.get("PYTHONPATH")
     sys.path.append(str(STUBS))
-    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if str(STUBS) not in paths:
-        os.environ["PYTHONPATH"] = os.pathsep.join([*paths, str(STUBS)])
-    return True
+    os.environ["PYTHONPATH"] = stand_in_env(dict(os.environ))["PYTHONPATH"]
+    try:
+        yield
+    finally:
+        sys.path.remove(str(STUBS))
+        if old is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old
+        for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
+            del sys.modules[name]  # the Gemma-4 processor module keeps what it imported
 
 
 def bundle(kv_shared: bool) -> Path:
@@ -72,10 +99,9 @@ def start_server(verifier: Path, name: str, api_key: str, *, timeout_s: float = 
     from conftest import cache_dir
     from hyco_lab.bench.server import cli, free_port, stop_process
 
-    use_torchvision_stand_in()
     port = free_port()
     log_path = cache_dir() / f"e2e-{name}-{port}.log"
-    env = dict(os.environ)
+    env = stand_in_env(dict(os.environ))
     env.pop("VLLM_PLUGINS", None)
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     args = [*cli(), "serve", str(verifier), "--host", "127.0.0.1", "--port", str(port), "--served-model-name",

@@ -19,7 +19,7 @@ import random
 import pytest
 import torch
 from checkpoint_shaped import (LLM_KWARGS, SHARED_TARGETS, attn, bundle, handoff_layers, owners,
-                               use_torchvision_stand_in)
+                               torchvision_stand_in)
 from test_engine_kv import _plain_greedy, _runner, _session_kv
 from tolerances import tol
 
@@ -34,8 +34,9 @@ def shaped(request):
     from vllm_hyco.vllm_adapter.api import HycoEngine
 
     kv_shared = request.param
-    use_torchvision_stand_in()
-    llm = LLM(model=str(bundle(kv_shared) / "verifier"), speculative_config={"method": "hyco"}, **LLM_KWARGS)
+    with torchvision_stand_in():
+        llm = LLM(model=str(bundle(kv_shared) / "verifier"), speculative_config={"method": "hyco"},
+                  **LLM_KWARGS)
     yield llm, HycoEngine(llm), kv_shared
     llm.llm_engine.engine_core.shutdown()
     del llm
@@ -124,3 +125,18 @@ def _planted(root: int, greedy: list[int], depth: int, rng: random.Random, rows:
         tokens.append(5000 + len(tokens))
         parents.append(rng.choice(decoys))
     return tokens, parents
+
+
+@pytest.mark.parametrize("kwargs, option", [
+    ({"kv_cache_dtype": "fp8"}, "--kv-cache-dtype fp8"),
+    ({"compilation_config": {"use_inductor_graph_partition": True}}, "use_inductor_graph_partition"),
+    ({"compilation_config": {"splitting_ops": []}}, "splitting_ops"),
+])
+def test_llm_refuses_uncapturable_configs_before_the_engine_starts(kwargs, option):
+    from vllm import LLM
+
+    from vllm_hyco.errors import ConfigError
+
+    with torchvision_stand_in(), pytest.raises(ConfigError, match=option):
+        LLM(model=str(bundle(False) / "verifier"), speculative_config={"method": "hyco"},
+            **{**LLM_KWARGS, "enforce_eager": False, **kwargs})

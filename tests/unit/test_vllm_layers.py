@@ -32,6 +32,8 @@ def _context(kv_shared: bool) -> dict[str, object]:
 def test_discover_owners_shared_and_handoff_layers(kv_shared):
     groups = [SimpleNamespace(layer_names=owners(kv_shared)[:3]), SimpleNamespace(layer_names=owners(kv_shared)[3:])]
     kv = discover(_context(kv_shared), groups)
+    # the runner's copy of the groups also lists the KV-shared layers (in their target's group)
+    assert discover(_context(kv_shared), [*groups, SimpleNamespace(layer_names=list(kv.shared))]) == kv
     assert list(kv.owners) == owners(kv_shared)
     assert kv.handoff == handoff_layers(kv_shared)
     assert kv.shared == ({attn(i): attn(t) for i, t in SHARED_TARGETS.items()} if kv_shared else {})

@@ -77,8 +77,10 @@ def _kind(layer: object) -> str:
 def discover(context: Mapping[str, object], kv_cache_groups: Iterable[object] | None = None) -> KVLayers:
     """The cache owners, KV-shared layers and hand-off layers of ``context`` (the static forward context).
 
-    ``kv_cache_groups`` (``kv_cache_config.kv_cache_groups``), when given, must hold exactly the owners:
-    a mismatch means vLLM allocated caches this module does not know about (ConfigError).
+    ``kv_cache_groups`` (``kv_cache_config.kv_cache_groups``), when given, must hold every owner and
+    nothing else but KV-shared layers (the runner's copy lists them in their target's group, the
+    scheduler's does not): a mismatch means vLLM allocated caches this module does not know about
+    (ConfigError).
     """
     attn = [(name, layer) for name, layer in context.items() if _is_attention(layer)]
     attn = [item for _, item in sorted((_order(n, i), (n, lay)) for i, (n, lay) in enumerate(attn))]
@@ -93,7 +95,7 @@ def discover(context: Mapping[str, object], kv_cache_groups: Iterable[object] | 
                               f"attention layer of this model")
     owners = tuple(n for n, _ in attn if n not in shared)
     if kv_cache_groups is not None:
-        allocated = {n for g in kv_cache_groups for n in g.layer_names}
+        allocated = {n for g in kv_cache_groups for n in g.layer_names} - set(shared)
         if allocated != set(owners):
             raise ConfigError(f"vLLM allocated KV caches for {sorted(allocated ^ set(owners))[:4]} that HyCo's "
                               f"layer discovery disagrees on (cache owners: {len(owners)}, allocated: "

@@ -3,7 +3,10 @@
 Both variants (``tests/checkpoint_shaped.py``), one engine each: ``Gemma4ForConditionalGeneration`` with
 its text model under ``language_model.``, a 262,144-token vocabulary, 128 experts top-8, and a variant
 whose last 4 layers own no cache (KV-shared). The hand-off and the compaction must find the layers vLLM
-built (``vllm_adapter/layers.py``), never the names a causal model would have.
+built (``vllm_adapter/layers.py``), never the names a causal model would have. The first engine serves
+the text model only (``language_model_only``); the KV-shared one loads the towers too (one image per
+prompt allowed, ``skip_mm_profiling``: the CPU tests' torchvision stand-in cannot process the profiling
+images), which keeps the same class and prefixes.
 
 Random weights accept almost nothing, so the trees plant plain vLLM's greedy continuation (behind decoy
 siblings, so accepted rows are not contiguous) at depths 0 to 11: every round commits exactly the greedy
@@ -34,9 +37,12 @@ def shaped(request):
     from vllm_hyco.vllm_adapter.api import HycoEngine
 
     kv_shared = request.param
+    kwargs = dict(LLM_KWARGS)
+    if kv_shared:  # the towers too
+        kwargs.update(language_model_only=False, limit_mm_per_prompt={"image": 1, "video": 0, "audio": 0},
+                      skip_mm_profiling=True)
     with torchvision_stand_in():
-        llm = LLM(model=str(bundle(kv_shared) / "verifier"), speculative_config={"method": "hyco"},
-                  **LLM_KWARGS)
+        llm = LLM(model=str(bundle(kv_shared) / "verifier"), speculative_config={"method": "hyco"}, **kwargs)
     yield llm, HycoEngine(llm), kv_shared
     llm.llm_engine.engine_core.shutdown()
     del llm
@@ -47,6 +53,11 @@ def test_layers_are_the_ones_vllm_built(shaped):
     llm, _, kv_shared = shaped
     runner = _runner(llm)
     assert type(runner.model).__name__ == "Gemma4ForConditionalGeneration"
+    if kv_shared:  # loaded with its vision tower
+        assert type(runner.model.vision_tower).__name__ == "Gemma4VisionModel"
+        assert sum(p.numel() for p in runner.model.vision_tower.parameters()) > 0
+    rgroups = runner.kv_cache_config.kv_cache_groups  # the runner's copy also lists the KV-shared layers
+    assert sorted(n for g in rgroups for n in g.layer_names) == sorted(attn(i) for i in range(12))
     text = runner.model_config.hf_text_config
     assert (runner.model_config.get_vocab_size(), text.num_experts, text.top_k_experts) == (262_144, 128, 8)
     kv = runner._hyco_kv_layers()

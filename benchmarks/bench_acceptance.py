@@ -1,10 +1,10 @@
 """Batched tree verification time against the LM-head matmul that produced its logits.
 
 For B = 1, 16, 64 requests, each with a HyCo-like 33-row tree (root + 32 nodes), the LM head
-``logits = h @ W.T`` (hidden 2,816, vocabulary 262,144, bf16; Gemma-4 26B-A4B shapes, decisions.md) is
+``logits = h @ W.T`` (hidden 2,816, vocabulary 262,144, bf16; Gemma-4 26B-A4B shapes, docs/decisions.md) is
 the denominator. The numerator is ``verify_batch`` on those logits with the paper's sampling (T = 1,
 top-k 64, top-p 0.95), exact and ε = 0.005: p̃ (``sampling_support``), one seeded sample per row, the
-decision and the compaction plan. Ratios are measured inside one run (CPU-measured, decisions.md D8).
+decision and the compaction plan. Ratios are measured inside one run (CPU-measured, docs/decisions.md D8).
 
     .venv/bin/python benchmarks/bench_acceptance.py                 # prints a table, writes JSON
     .venv/bin/python benchmarks/bench_acceptance.py --batches 1 16 --sampling default nucleus --threads 1

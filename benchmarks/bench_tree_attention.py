@@ -9,7 +9,7 @@ Providers (per point: layer type x context x batch):
   flex          FlexAttention with a tree mask_mod over contiguous K/V (compiled; GPU, where present)
 Sliding layers give the SDPA/flex baselines only the keys inside the window (a fair dense baseline).
 
-Layer shapes are inferred from decisions.md (Gemma-4 26B-A4B, D1 byte counts; no config is available):
+Layer shapes are inferred from docs/decisions.md (Gemma-4 26B-A4B, D1 byte counts; no config is available):
 sliding = 16 query / 8 KV heads, head_dim 256, window 1,024; full = 16 query / 4 KV heads, head_dim 512,
 k_eq_v. Ratios are computed inside one run only; CPU timings are labelled CPU-measured (D8).
 

@@ -11,7 +11,7 @@ fixture, plus the expectation E * (1 - (1 - k/E)^R) for 128 experts top-8).
     .venv/bin/python benchmarks/bench_verify.py [--rounds 12] [--prompt-len 256]
 
 Writes benchmarks/out/bench_verify.json. On CPU compute grows with rows; the GPU ratio comes from the
-kernel issue's GPU run (decisions.md D8).
+kernel issue's GPU run (docs/decisions.md D8).
 """
 
 from __future__ import annotations

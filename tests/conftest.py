@@ -16,7 +16,7 @@ Shared session fixtures:
                         defaults (fp32, eager, in-process "uni"); every engine it made is shut down at the
                         end of the test, or earlier with make_llm.close(llm)
 
-The runtime environment of cpu-recipe.md §3.1 is set as defaults here (before vLLM is imported).
+The runtime environment of docs/vllm-notes.md §7 is set as defaults here (before vLLM is imported).
 """
 
 from __future__ import annotations

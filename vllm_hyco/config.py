@@ -19,9 +19,9 @@ Example::
     >>> HycoConfig.parse({"method": "hyco", "node_budgt": 8})  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    vllm_hyco.errors.ConfigError: unknown hyco option 'node_budgt'; valid options: epsilon, ..., window
+    vllm_hyco.errors.ConfigError: unknown hyco option 'node_budgt'; valid options: budget_policy, ..., window
 
-Exact verification is the default (``epsilon`` None, decisions.md D4); a lossy ε in (0, 1) is an operator
+Exact verification is the default (``epsilon`` None, docs/decisions.md D4); a lossy ε in (0, 1) is an operator
 option and is logged at startup.
 """
 
@@ -34,10 +34,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_hyco.errors import ConfigError
+from vllm_hyco.errors import ConfigError, RequestFieldError
+from vllm_hyco.handoff.tree_contract import DEFAULT_NODE_BUDGET
 
 METHOD = "hyco"
-MAX_NODE_BUDGET = 32  # decisions.md D3: n <= 32 real nodes plus the root
+# The operator may lower the node budget, not raise it past the paper's B (n <= 32 nodes plus the root).
+MAX_NODE_BUDGET = DEFAULT_NODE_BUDGET
+BUDGET_POLICIES = ("adaptive", "static")
 ADDITIONAL_CONFIG_KEY = "hyco"  # VllmConfig.additional_config[ADDITIONAL_CONFIG_KEY] = HycoConfig.to_dict()
 
 
@@ -48,7 +51,12 @@ class HycoConfig:
     Attributes:
         epsilon: None = exact (lossless) verification; a float in (0, 1) = lossy ε-threshold mode
             (the paper uses 0.005). Sessions may ask for stricter, never laxer.
-        node_budget: real tree nodes per round the server grants by default (1..32; root not counted).
+        node_budget: the cap on real tree nodes per round (1..32; root not counted): the most the server
+            grants and verifies. With ``budget_policy`` ``static`` it is every round's budget (the paper's B).
+        budget_policy: ``adaptive`` (default): the server verifies the prefix of each tree that pays under
+            its online step-cost model and grants each phone the nodes worth drafting next round
+            (``vllm_hyco.spec_decode.budget``, docs/engine.md); ``static``: every tree verified whole,
+            ``node_budget`` granted every round.
         window: hand-off window W in tokens (sliding-window K/V rows sent to the phone); None = the
             verifier's ``sliding_window`` (1,024 for Gemma 4 26B-A4B).
         max_sessions: concurrent phone sessions the server accepts.
@@ -58,24 +66,34 @@ class HycoConfig:
             recently used parked session is finished with ``session_evicted``. An integer is a block count,
             a float in (0, 1) a fraction of the engine's KV blocks; None = no cap (parked sessions are
             evicted only when a waiting request needs their blocks).
+        replica_id: this server's routing key among replicas behind a proxy (1-32 of a-z, 0-9, '-'): its
+            session ids are ``"<replica_id>.<random>"`` and a resume naming another replica is answered
+            ``unknown_session`` (``vllm_hyco.handoff.session_id``, docs/deploy.md). None: the
+            ``VLLM_HYCO_ROUTE_KEY`` environment variable, default ``hyco``.
     """
 
     epsilon: float | None = None
-    node_budget: int = MAX_NODE_BUDGET
+    node_budget: int = DEFAULT_NODE_BUDGET
+    budget_policy: str = "adaptive"
     window: int | None = None
     max_sessions: int = 16
     session_idle_timeout_s: float = 60.0
     max_session_tokens: int | None = None
     max_parked_blocks: int | float | None = None
+    replica_id: str | None = None
 
     def __post_init__(self):
         _check_epsilon(self.epsilon)
         _check_int("node_budget", self.node_budget, 1, MAX_NODE_BUDGET)
+        _check_choice("budget_policy", self.budget_policy, BUDGET_POLICIES,
+                      "adaptive: verify the prefix of each tree that pays (default); static: the paper's fixed "
+                      "node_budget")
         _check_int("window", self.window, 1, 1 << 20, optional=True)
         _check_int("max_sessions", self.max_sessions, 1, 1 << 16)
         _check_float("session_idle_timeout_s", self.session_idle_timeout_s, 0.0, 86400.0)
         _check_int("max_session_tokens", self.max_session_tokens, 2, 1 << 24, optional=True)
         _check_parked_blocks(self.max_parked_blocks)
+        _check_replica_id(self.replica_id)
 
     # ------------------------------------------------------------------ derived
     @property
@@ -178,9 +196,32 @@ class HycoConfig:
     def describe(self) -> str:
         mode = "exact (lossless)" if self.exact else f"LOSSY epsilon={self.epsilon}"
         window = self.window if self.window is not None else "verifier sliding_window"
-        return (f"HyCo: verification {mode}, node_budget {self.node_budget}, window {window}, "
+        return (f"HyCo: verification {mode}, node_budget {self.node_budget} ({self.budget_policy}), "
+                f"window {window}, "
                 f"max_sessions {self.max_sessions}, session_idle_timeout_s {self.session_idle_timeout_s}, "
-                f"max_parked_blocks {'none' if self.max_parked_blocks is None else self.max_parked_blocks}")
+                f"max_parked_blocks {'none' if self.max_parked_blocks is None else self.max_parked_blocks}"
+                + ("" if self.replica_id is None else f", replica_id {self.replica_id}"))
+
+
+def resolve_session_eps(server_eps: float | None, requested: float | str | None) -> float | None:
+    """The session's ε (None = exact) under D4: the server's by default; a session may be stricter.
+
+    Stricter means a larger ε (fewer ε-accepts); ``"exact"`` or any value >= 1 asks for exact mode.
+
+    >>> resolve_session_eps(0.005, None), resolve_session_eps(0.005, 0.01), resolve_session_eps(0.005, "exact")
+    (0.005, 0.01, None)
+    """
+    if requested is None:
+        return server_eps
+    if requested == "exact" or (isinstance(requested, (int, float)) and requested >= 1.0):
+        return None
+    if not isinstance(requested, (int, float)) or not 0.0 < requested < 1.0:
+        raise RequestFieldError("eps", f"eps must be in (0, 1), >= 1 or 'exact', got {requested!r}")
+    if server_eps is None or requested < server_eps:
+        raise RequestFieldError("eps", f"eps {requested} is laxer than the server's "
+                                       f"({'exact' if server_eps is None else server_eps}); a session may only "
+                                       f"ask for a stricter eps or exact (docs/decisions.md D4)")
+    return float(requested)
 
 
 def _check_epsilon(value: Any) -> None:
@@ -190,6 +231,18 @@ def _check_epsilon(value: Any) -> None:
             or not 0.0 < value < 1.0:
         raise ConfigError(f"hyco option epsilon={value!r} is out of range: valid values are a float in "
                           f"(0, 1) for lossy mode (0.005 recommended), or null/omitted for exact mode")
+
+
+def _check_replica_id(value: Any) -> None:
+    from vllm_hyco.handoff.session_id import check_route_key
+
+    if value is None:
+        return
+    try:
+        check_route_key(value)
+    except ConfigError as exc:
+        raise ConfigError(f"hyco option replica_id={value!r} is invalid: {exc}; or null for a single server "
+                          f"(then VLLM_HYCO_ROUTE_KEY, default 'hyco', names it)") from None
 
 
 def _check_parked_blocks(value: Any) -> None:
@@ -203,6 +256,12 @@ def _check_parked_blocks(value: Any) -> None:
                       f"block count in [1, {1 << 30}], a float in (0, 1) for a fraction of the engine's KV "
                       f"blocks, or null for no cap (evict parked sessions only when a waiting request needs "
                       f"their blocks)")
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...], meaning: str) -> None:
+    if not isinstance(value, str) or value not in choices:
+        raise ConfigError(f"hyco option {name}={value!r} is invalid: valid values are "
+                          f"{', '.join(repr(c) for c in choices)} ({meaning})")
 
 
 def _check_int(name: str, value: Any, lo: int, hi: int, *, optional: bool = False) -> None:

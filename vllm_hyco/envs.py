@@ -1,4 +1,4 @@
-"""Process-level switches of vllm_hyco, read lazily from the environment (style guide 9).
+"""Process-level switches of vllm_hyco, read lazily from the environment (docs/decisions.md D16).
 
 Only process-wide switches live here; everything about *how* HyCo runs is a HycoConfig option.
 
@@ -13,6 +13,7 @@ Only process-wide switches live here; everything about *how* HyCo runs is a Hyco
 | ``HYCO_CACHE`` | ``<repo>/.cache`` | where tests and the demo build fixtures once and reuse them |
 | ``VLLM_HYCO_BENCH_TIMING`` | 0 | benchmarks only: time the engine's model calls for g (``vllm_hyco.vllm_adapter.patches.step_timing``) |
 | ``VLLM_HYCO_BENCH_TIMING_DIR`` | unset | where each engine process writes ``timing-<pid>.json`` |
+| ``VLLM_HYCO_ROUTE_KEY`` | ``hyco`` | this replica's routing key, the prefix of the session ids it issues (docs/protocol.md section 3); the hyco option ``replica_id`` overrides it |
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     "HYCO_CACHE": _cache,
     "VLLM_HYCO_BENCH_TIMING": _flag("VLLM_HYCO_BENCH_TIMING"),
     "VLLM_HYCO_BENCH_TIMING_DIR": lambda: os.environ.get("VLLM_HYCO_BENCH_TIMING_DIR") or None,
+    "VLLM_HYCO_ROUTE_KEY": lambda: os.environ.get("VLLM_HYCO_ROUTE_KEY") or "hyco",
 }
 
 

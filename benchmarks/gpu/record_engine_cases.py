@@ -4,7 +4,8 @@ Runs the tiny fp32 Gemma-4 fixture of ``tests/integration/test_engine_sessions.p
 opens a few HyCo sessions whose contexts cross the sliding window and block boundaries, and drives tree
 rounds. Every call the CPU attention backend makes to ``tree_attention_dense_ref`` is captured. The calls
 are grouped by layer signature (heads, head_dim, window, softcap, scale), and each group becomes one paged
-batch case in ``benchmarks/gpu/replay/``, which ``gpu_checks.py`` replays through the kernel.
+batch case in ``benchmarks/gpu/replay/``, which ``tests/kernels/test_kernels_replay.py`` replays through the
+kernel.
 
     HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 \\
         .venv/bin/python benchmarks/gpu/record_engine_cases.py

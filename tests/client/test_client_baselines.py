@@ -16,7 +16,8 @@ from mobile_client.baselines import (
     proactive_draft,
     specedge_tree,
 )
-from mobile_client.tree import FrontierPlan, Source, TreeBuildError
+from mobile_client.tree import FrontierPlan, TreeBuildError
+from vllm_hyco.handoff.tree_contract import NodeLabel, validate_tree
 
 
 def _toy_logq(context: tuple[int, ...], v: int, levels: int) -> list[float]:
@@ -79,7 +80,7 @@ def test_worked_example_uniform_slm():
     tree = specedge_tree(9, uniform, passes=2, budget=4)
     assert tree.to_wire() == ([9, 0, 1, 2, 0], [-1, 0, 0, 0, 1])
     assert tree.scores[1] == (0.0 + math.log(1 / 3)) + DECAY
-    assert set(tree.sources[1:]) == {Source.SLM}
+    assert set(tree.sources[1:]) == {NodeLabel.SLM}
 
 
 def test_four_passes_32_nodes_shape():
@@ -130,10 +131,8 @@ def test_catch_up_goes_to_the_first_forward_only():
 
 
 def test_output_passes_server_validation():
-    mod = pytest.importorskip("vllm_hyco.spec_decode.tree",
-                              reason="vllm_hyco.spec_decode.tree (validate_tree) is not written yet")
     tree = specedge_tree(7, ToySlm([1, 2], v=200))
-    mod.validate_tree(*tree.to_wire(), vocab_size=200, budget=32, labels=list(tree.sources))
+    validate_tree(*tree.to_wire(), vocab_size=200, budget=32, labels=list(tree.sources))
 
 
 def test_bad_config():

@@ -16,12 +16,11 @@ from mobile_client.drafters.base import DraftContext, HybridDrafter, RowLogprobs
 from mobile_client.drafters.multipass import ROWS, MultiPassSlm
 from mobile_client.drafters.slm import SlmDrafter
 from mobile_client.drafters.spec import random_slm_state_dict, toy_slm_spec
-from mobile_client.tree import DraftTree, Source, frontier_plan, grow_tree, plant_tree
+from mobile_client.tree import DraftTree, frontier_plan, grow_tree, plant_tree
 
-from mobile_client import cli
+from mobile_client import bundle as bundle_mod
 from vllm_hyco.errors import ConfigError
-
-validate_tree = pytest.importorskip("vllm_hyco.spec_decode.tree").validate_tree
+from vllm_hyco.handoff.tree_contract import NodeLabel, validate_tree
 
 SPEC = toy_slm_spec()
 SD = random_slm_state_dict(SPEC, seed=7)
@@ -65,7 +64,7 @@ def test_two_pass_tree_is_valid_and_equals_two_plain_slm_runs():
     validate_tree(tokens, parents, vocab_size=SPEC.vocab, budget=32)
     assert tree.num_nodes == 32
     second_pass = [r for r in range(1, len(tokens))
-                   if tree.sources[r] == Source.SLM and tree.sources[parents[r]] == Source.SLM]
+                   if tree.sources[r] == NodeLabel.SLM and tree.sources[parents[r]] == NodeLabel.SLM]
     assert second_pass  # nodes under first-pass SLM nodes: the second pass ran and won places
     ref = _reference()
     assert (tokens, parents) == ref.to_wire()
@@ -81,8 +80,8 @@ def test_accept_after_a_two_pass_round_keeps_the_ring_consistent():
     rows = MultiPassSlm(slm)
     tree = HybridDrafter(FixedChain(), rows, two_pass=True).propose(
         DraftContext(root=ROOT, x_hat=np.zeros(4)), 32)
-    leaf = next(r for r in range(len(tree.tokens)) if tree.sources[r] == Source.SLM
-                and tree.sources[tree.parents[r]] == Source.SLM)
+    leaf = next(r for r in range(len(tree.tokens)) if tree.sources[r] == NodeLabel.SLM
+                and tree.sources[tree.parents[r]] == NodeLabel.SLM)
     path = tree.path(leaf)  # root ... first-pass SLM node -> second-pass SLM node
     committed = [tree.tokens[r] for r in path]
     kept = slm.accept(path, tokens=committed)  # by token path: the sent tree was trimmed (rows re-indexed)
@@ -103,12 +102,12 @@ def test_one_pass_drafter_and_compiled_backend_refuse_two_pass(monkeypatch, tmp_
     from test_client_loop_cli import ROPE, _save  # a bundle folder with an SLM only
 
     _save(tmp_path / "slm", {**slm_hf_config(SPEC), "rope_parameters": ROPE}, SD)
-    monkeypatch.setattr(cli, "_compiled_step", lambda ctx, notes, name: (lambda feeds: None))
+    monkeypatch.setattr(bundle_mod, "compiled_step", lambda ctx, notes, name: (lambda feeds: None))
     (tmp_path / "build").mkdir()
     (tmp_path / "build" / "slm_ctx.onnx").write_bytes(b"")  # a compiled SLM step (never loaded here)
     with pytest.raises(ConfigError, match="--slm-passes 2"):
-        cli.load_bundle(tmp_path, "compiled", slm_passes=2)
+        bundle_mod.load_bundle(tmp_path, "compiled", slm_passes=2)
     with pytest.raises(ConfigError, match="--slm-passes"):
-        cli.load_bundle(tmp_path, "torch", slm_passes=3)
-    bundle = cli.load_bundle(tmp_path, "torch", slm_passes=2)  # torch: HyCo-2P (SLM-only without scales)
+        bundle_mod.load_bundle(tmp_path, "torch", slm_passes=3)
+    bundle = bundle_mod.load_bundle(tmp_path, "torch", slm_passes=2)  # torch: HyCo-2P (SLM-only without scales)
     assert bundle.drafter.drafter.two_pass and isinstance(bundle.drafter.drafter.row_drafter, MultiPassSlm)

@@ -1,7 +1,7 @@
 """Our two drafters behind the tree builder's contracts (real: float torch on CPU).
 
 ``MtpDrafter`` as the ``ChainDrafter`` and ``SlmDrafter`` as the ``RowDrafter`` of
-``mobile_client.drafters.base.HybridDrafter``: the first round is SLM-only (decisions.md D2), later rounds
+``mobile_client.drafters.base.HybridDrafter``: the first round is SLM-only (docs/decisions.md D2), later rounds
 plant the MTP chain; the tree passes the server's validation; accepting a path moves the SLM's KV so that
 the next round's logits equal a fresh drafter's that prefilled the committed text.
 """
@@ -9,7 +9,6 @@ the next round's logits equal a fresh drafter's that prefilled the committed tex
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import torch
 
 from mobile_client.drafters.base import ChainDrafter, DraftContext, HybridDrafter, RowDrafter
@@ -22,8 +21,7 @@ from mobile_client.drafters.spec import (
     toy_slm_spec,
 )
 from mobile_client.tree import DraftTree, frontier_plan
-
-validate_tree = pytest.importorskip("vllm_hyco.spec_decode.tree").validate_tree
+from vllm_hyco.handoff.tree_contract import validate_tree
 
 W = 64
 

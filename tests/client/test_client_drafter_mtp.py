@@ -1,7 +1,7 @@
 """MTP Drafter parity (real: float torch on CPU, no device).
 
 Reference: transformers' ``Gemma4AssistantForCausalLM`` on the same random HF-layout weights, with the
-position convention mapped to vLLM's proposer (decisions.md D1): HF defaults the query to position t, vLLM
+position convention mapped to vLLM's proposer (docs/decisions.md D1): HF defaults the query to position t, vLLM
 (and we) use t - 1, so the reference is called with ``position_ids = t - 1``; HF applies no final soft-cap
 while vLLM's LogitsProcessor does, so the reference logits are soft-capped here (argmax is unchanged).
 K/V handed to the reference are cut to each layer's window; the drafter keeps the full ring and must mask

@@ -1,11 +1,11 @@
-"""MTP Drafter vs vLLM's own Gemma-4 MTP proposer (decisions.md D1's parity reference). SLOW, not CI.
+"""MTP Drafter vs vLLM's own Gemma-4 MTP proposer (docs/decisions.md D1's parity reference). SLOW, not CI.
 
 vLLM 0.32 (CPU build, fp32, eager, in-process) generates greedily from the fixture verifier with the fixture
 assistant as its MTP head (k = 4); every ``Gemma4Proposer.propose`` call is recorded: the bonus token, the
 query position P (the last committed row) and the 4 drafted ids. For each call our drafter gets the same
 inputs a hand-off would carry: rows of positions [0, P + 1) of the verifier's last sliding and last full
 layer and ``[e(bonus) * sqrt(H) ; h_P]``, captured with transformers' fp32 verifier on the same tokens (its
-greedy output equals vLLM's in fp32, cpu-recipe.md section 4.2). Contexts run past the sliding window (128).
+greedy output equals vLLM's in fp32, docs/vllm-notes.md §7). Contexts run past the sliding window (128).
 The chains must be equal (the numerics of two fp32 engines differ in the last bits, so a near-tie could
 flip; the test reports the share if one does). Measured: 32/32 proposer calls equal, contexts up to 165
 tokens, about 40 s on this box (vLLM import and engine start dominate).

@@ -23,7 +23,7 @@ from mobile_client.session import PhoneSession, SessionOptions
 from mobile_client.tree import DraftTree
 from vllm_hyco.errors import FrameError, HandoffSchemaError
 from vllm_hyco.handoff import (ErrorFrame, FinalFrame, HandoffPayload, HandoffScales, HandoffSpec, LayerSpec,
-                               StartFrame, TreeFrame, VerdictFrame, WireLimits, decode_client_frame,
+                               SessionFrame, StartFrame, TreeFrame, VerdictFrame, WireLimits, decode_client_frame,
                                encode_frame, openai_chunk, plan_handoff)
 
 V = 512  # the toy vocabulary (= the toy drafters' vocabulary)
@@ -93,6 +93,7 @@ class _State:
         self.sid, self.tokens, self.prompt_len, self.max_tokens = sid, list(prompt), len(prompt), max_tokens
         self.next_round, self.position, self.last_frames, self.last_round = 0, len(prompt) - 1, [], -1
         self.last_verdict_args = None
+        self.confirmed = False  # a tree since the last session frame carried the schema hash
 
 
 class FakeHycoServer:
@@ -102,18 +103,21 @@ class FakeHycoServer:
     "on_tree" (tree lost), "before_verdict" (verdict computed, never sent), "mid_chunks" (verdict and one
     chunk sent), "after_verdict" (all sent, then closed); ``busy`` = rounds answered once with server_busy;
     ``silent`` = rounds never answered (once); ``error_at`` = {round: (code, fatal)}; ``corrupt`` = rounds
-    whose last hand-off chunk arrives with a flipped byte (once). ``next_fn`` is the toy verifier.
+    whose last hand-off chunk arrives with a flipped byte (once). ``next_fn`` is the toy verifier. Like the
+    real server it answers every start with a ``session`` frame and wants the schema hash in the next tree.
     """
 
     def __init__(self, *, api_key=None, chunk_bytes=1 << 20, budgets=None, drops=(), busy=(), silent=(),
                  error_at=None, rng_drop: float = 0.0, seed: int = 0, corrupt=(), next_fn=next_token,
-                 spec=SPEC):
+                 spec=SPEC, version_1=False):
+        self.version_1 = version_1  # answer like a server that speaks protocol version 1 only
         self.api_key, self.budgets = api_key, budgets or (lambda r: 32)
         self.limits = WireLimits(chunk_bytes=chunk_bytes)
         self.drops, self.busy, self.silent = set(drops), set(busy), set(silent)
         self.error_at, self.rng_drop, self.rng = dict(error_at or {}), rng_drop, random.Random(seed)
         self.corrupt, self.next_fn, self.spec = set(corrupt), next_fn, spec
-        self.sessions: dict[bytes, _State] = {}
+        self.sessions: dict[str, _State] = {}
+        self.routes: list[str | None] = []  # the handshake's ?route= of every connection
         self.connections = self.resumes = self.trees = 0
         self.starts: list[StartFrame] = []
 
@@ -142,6 +146,7 @@ class FakeHycoServer:
         ws = web.WebSocketResponse()
         await ws.prepare(request)
         self.connections += 1
+        self.routes.append(request.query.get("route"))
         state = None
         async for msg in ws:
             if msg.type != WSMsgType.BINARY:
@@ -162,10 +167,15 @@ class FakeHycoServer:
 
     async def _start(self, ws, frame: StartFrame):
         self.starts.append(frame)
+        if self.version_1:
+            err = ErrorFrame("unsupported_version", "protocol version 2 is not supported (supported: [1])", True)
+            await ws.send_bytes(encode_frame(err, version=1))
+            return None
         if frame.request is not None:
-            sid = hashlib.sha256(str(len(self.sessions)).encode()).digest()[:16]
+            sid = "fake." + hashlib.sha256(str(len(self.sessions)).encode()).hexdigest()[:32]
             body = frame.request
             state = self.sessions[sid] = _State(sid, body["prompt"], body.get("max_tokens", 16))
+            await ws.send_bytes(encode_frame(SessionFrame(sid, -1, 32, self.spec)))
             return state
         self.resumes += 1
         r = frame.hyco.resume
@@ -179,12 +189,21 @@ class FakeHycoServer:
         frames = state.last_frames
         if r.need_seed:
             frames = self._verdict_frames(state, *state.last_verdict_args, seed=True)
-        for f in frames:
+        state.confirmed = False
+        budget = self.budgets(state.last_round) if state.last_round >= 0 else 32
+        for f in [encode_frame(SessionFrame(state.sid, state.last_round, budget, self.spec)), *frames]:
             await ws.send_bytes(f)
         return state
 
     async def _tree(self, ws, state: _State, tree: TreeFrame):
         rnd = tree.round
+        if tree.schema is not None and tree.schema != self.spec.schema_hash:
+            await ws.send_bytes(encode_frame(ErrorFrame("schema_mismatch", "other schema", True, rnd)))
+            return "close"
+        if not state.confirmed and tree.schema is None:
+            await ws.send_bytes(encode_frame(ErrorFrame("missing_field", "confirm the schema", False, rnd)))
+            return None
+        state.confirmed = True
         if rnd != state.next_round:
             await ws.send_bytes(encode_frame(ErrorFrame("bad_round", f"want {state.next_round}", False, rnd)))
             return None
@@ -247,7 +266,7 @@ class FakeHycoServer:
         chunk = openai_chunk("text_completion", "cmpl-fake", "toy", text_of(committed),
                              "length" if done else None, created=0)
         if done:
-            v = VerdictFrame(state.sid, rnd, tuple(path), tuple(committed), None, None, None, 0, chunk)
+            v = VerdictFrame(rnd, tuple(path), tuple(committed), None, None, None, 0, chunk)
             final = FinalFrame(state.sid, state.prompt_len, len(state.tokens) - state.prompt_len, rnd + 1,
                                1.0, 0, 0)
             return [encode_frame(v), encode_frame(final)]
@@ -255,7 +274,7 @@ class FakeHycoServer:
         span = max(0, root - W) if seed else a
         payload = HandoffPayload.make_dummy(self.spec, span, root, committed[-1], salt=rnd)
         inline, ref, chunks = plan_handoff(payload, rnd, self.limits)
-        v = VerdictFrame(state.sid, rnd, tuple(path), tuple(committed), committed[-1], inline, ref,
+        v = VerdictFrame(rnd, tuple(path), tuple(committed), committed[-1], inline, ref,
                          self.budgets(rnd), chunk)
         return [encode_frame(v)] + [encode_frame(c) for c in chunks]
 
@@ -309,9 +328,11 @@ def test_dropped_connection_resumes_without_losing_tokens(stage, rnd):
     assert result.resumes == 1 and server.connections == 2
     resumed = [s for s in server.starts if s.request is None]
     if rnd == 0 and stage in ("on_tree", "before_verdict"):
-        assert not resumed  # no verdict 0 seen: no session id yet, the phone starts over
+        assert not resumed  # no verdict 0 seen: the phone starts over
+        assert server.routes == [None, None]
     else:
         assert len(resumed) == 1 and resumed[0].hyco.resume.last_round in (rnd - 1, rnd)
+        assert server.routes == [None, "fake"]  # the resume presents the session id's routing key
 
 
 def test_random_disconnects_finish_exactly():
@@ -442,3 +463,17 @@ def test_stream_raises_what_run_raises():
                     parts.append(t)
             return parts
     assert len(asyncio.run(go())) == 1  # round 0's text came before the error
+
+
+def test_a_version_1_server_answer_is_a_typed_error():
+    with pytest.raises(HycoServerError) as e:
+        run({"version_1": True}, make_session(max_tokens=8))
+    assert e.value.code == "unsupported_version" and e.value.fatal and "supported: [1]" in str(e.value)
+
+
+def test_the_phone_confirms_the_schema_after_every_session_frame():
+    """The fake refuses an unconfirmed first tree (``missing_field``): finishing exactly through drops and
+    resumes means the phone sent the hash after every ``session`` frame."""
+    session = make_session(max_tokens=40)
+    result, server = run({"drops": {(1, "after_verdict"), (3, "before_verdict")}}, session)
+    assert result.token_ids == greedy(PROMPT, 40) and result.resumes == 2 and session.schema == SPEC

@@ -103,13 +103,14 @@ def test_compiled_mtp_step_reproduces_the_build_golden():
     import os
     from pathlib import Path
 
+    from mobile_client.bundle import compiled_step
     from mobile_client.drafters.mtp import MTP_INPUTS
 
     build = os.environ.get("HYCO_PHONE_BUILD")
     if not build or not (Path(build) / "mtp_ctx.onnx").exists():
         pytest.skip("set HYCO_PHONE_BUILD to a mobile_client.export.build output folder")
     notes = []
-    step = cli._compiled_step(Path(build) / "mtp_ctx.onnx", notes, "MTP")
+    step = compiled_step(Path(build) / "mtp_ctx.onnx", notes, "MTP")
     golden = np.load(Path(build) / "mtp_golden.npz")
     logits, h = step({n: golden[f"0/in/{n}"] for n in MTP_INPUTS})
     np.testing.assert_array_equal(logits.reshape(-1), golden["0/out/htp_emulator"].reshape(-1)[: logits.size])

@@ -10,11 +10,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mobile_client.session import HycoPhoneDrafter, PhoneSession, SessionOptions, fmt_round
+import dataclasses
+
+from mobile_client.session import HycoPhoneDrafter, PhoneSession, SessionOptions, fmt_round, node_values
 from mobile_client.tree import DraftTree
 from vllm_hyco.errors import FrameError, HandoffSchemaError, SessionError
-from vllm_hyco.handoff import (HandoffPayload, HandoffScales, HandoffSpec, LayerSpec, VerdictFrame,
-                               openai_chunk)
+from vllm_hyco.handoff import (HandoffPayload, HandoffScales, HandoffSpec, LayerSpec, SessionFrame, TreeFrame,
+                               VerdictFrame, encode_frame, openai_chunk)
 
 LAYERS = (LayerSpec(2, "sliding", kv_heads=2, head_dim=4, window=8),
           LayerSpec(3, "full", kv_heads=1, head_dim=8, window=0, k_eq_v=True, has_v=False))
@@ -22,7 +24,7 @@ SCALES = HandoffScales(np.full(6, 0.5, np.float32), np.full(6, 0.25, np.float32)
                        ((2, np.full((2, 4), 0.1, np.float32), np.full((2, 4), 0.2, np.float32)),
                         (3, np.full((1, 8), 0.3, np.float32), None)))
 SPEC = HandoffSpec.from_scales({"model_type": "toy"}, LAYERS, SCALES)
-SID = bytes(range(16))
+SID = "r1." + bytes(range(16)).hex()
 PROMPT = [5, 6, 7, 8]
 
 
@@ -40,7 +42,9 @@ class Recorder:
         r = context.root
         n = tree_budget + 1
         tokens, parents = [r, r + 1, r + 2, r + 3, r + 9][:n], [-1, 0, 1, 2, 0][:n]
-        return DraftTree.make_dummy(tokens, parents, budget=tree_budget)
+        a = -0.5  # the sibling scores last, so the value order the phone sends is this insertion order
+        scores, sources = [0.0, a, 2 * a, 3 * a, 4 * a][:n], [0, 1, 1, 1, 2][:n]
+        return DraftTree(tuple(tokens), tuple(parents), tuple(scores), tuple(sources), tree_budget)
 
     def accept(self, rows):
         self.calls.append(("accept", list(rows)))
@@ -56,11 +60,15 @@ def session(drafter=None, **opts):
                         endpoint="completions", spec=SPEC, options=SessionOptions(**opts))
 
 
-def verdict(rnd, path, tokens, a, root, *, budget=32, finish=None, handoff=True, sid=SID):
+def verdict(rnd, path, tokens, a, root, *, budget=32, finish=None, handoff=True):
     bonus = None if finish else tokens[-1]
     h = HandoffPayload.make_dummy(SPEC, a, root, bonus, salt=rnd) if handoff and not finish else None
     chunk = openai_chunk("text_completion", "c", "m", "".join(f"<{t}>" for t in tokens), finish, created=0)
-    return VerdictFrame(sid, rnd, tuple(path), tuple(tokens), bonus, h, None, 0 if finish else budget, chunk)
+    return VerdictFrame(rnd, tuple(path), tuple(tokens), bonus, h, None, 0 if finish else budget, chunk)
+
+
+def ack(last_round=-1, budget=32, sid=SID, spec=SPEC):
+    return SessionFrame(sid, last_round, budget, spec)
 
 
 def test_round0_is_rooted_at_last_prompt_token_with_prefill():
@@ -77,7 +85,12 @@ def test_start_frames_new_and_resume():
     start = s.start_frame()
     assert start.request == {"prompt": PROMPT} and start.hyco.resume is None
     assert start.hyco.capabilities.max_nodes == 16 and start.hyco.fingerprint == SPEC.fingerprint
+    assert start.hyco.capabilities.handoff_schemas == (2,)
     assert (start.hyco.mode, start.hyco.epsilon) == ("epsilon", 0.001)
+    s.apply_session(ack(budget=12))
+    assert s.sid == SID and s.budget == 12 and not s.resumable
+    assert s.start_frame().hyco.resume is None and s.sid is None  # no verdict yet: start over
+    s.apply_session(ack())
     s.next_tree()
     s.apply_verdict(verdict(0, [1, 2], [9, 10, 77], 0, 6))
     s.need_seed = True
@@ -107,29 +120,81 @@ def test_apply_verdict_commits_path_and_bonus_and_tracks_positions():
     (dict(path=[1, 4]), "bad_verdict"),  # row 4 is the root's child, not row 1's
     (dict(tokens=[9, 99, 77]), "bad_verdict"),  # ids differ from the path's tokens
     (dict(root=7), "bad_handoff"),  # hand-off root position != 3 + 2 + 1
-    (dict(sid=bytes(16)), None),  # first verdict: any sid is taken
 ])
 def test_contradicting_verdicts_commit_nothing(bad, code):
     s = session()
     frame = s.next_tree()
     kw = dict(rnd=0, path=[1, 2], tokens=[9, 10, 77], a=0, root=6) | bad
     v = verdict(kw.pop("rnd"), kw.pop("path"), kw.pop("tokens"), kw.pop("a"), kw.pop("root"), **kw)
-    if code is None:
-        assert s.apply_verdict(v) is not None
-        return
     with pytest.raises((FrameError, HandoffSchemaError)) as e:
         s.apply_verdict(v)
     assert e.value.code == code
     assert s.tokens == [] and s.held_round == -1 and s.next_tree() is frame
 
 
-def test_other_session_id_is_rejected():
+def test_the_first_trees_after_a_session_frame_confirm_its_schema():
     s = session()
+    s.apply_session(ack())
+    first = s.next_tree()
+    assert first.schema == SPEC.schema_hash and s.next_tree().schema == SPEC.schema_hash  # resent: still
+    s.apply_verdict(verdict(0, [1], [9, 40], 0, 5))
+    sent = s.next_tree()
+    assert sent.schema is None and s.resumable
+    # a resume: the new session frame asks for a confirmation again, and the replay of a verdict whose tree
+    # went out before it does not count as one
+    s.apply_session(ack(last_round=0))
+    assert s.next_tree().schema == SPEC.schema_hash
+    s2 = session()
+    s2.apply_session(ack())
+    s2.next_tree()
+    s2.apply_session(ack())  # reconnected before verdict 0 arrived... (same ack, a new epoch)
+    s2._pending.schema_epoch = 0  # ...and the tree in flight went out on the old connection
+    s2.apply_verdict(verdict(0, [1], [9, 40], 0, 5))
+    assert s2.next_tree().schema == SPEC.schema_hash
+
+
+@pytest.mark.parametrize("bad, code", [
+    (dict(sid="r2." + "0" * 32), "bad_field_value"),  # the server names another session
+    (dict(spec=dataclasses.replace(SPEC, fingerprint=bytes(16))), "fingerprint_mismatch"),
+    (dict(spec=dataclasses.replace(SPEC, layers=LAYERS[:1])), "layout_mismatch"),
+])
+def test_a_resumed_session_frame_must_be_the_same_session_and_schema(bad, code):
+    s = session()
+    s.apply_session(ack())
     s.next_tree()
-    s.apply_verdict(verdict(0, [], [50], 0, 4))
+    s.apply_verdict(verdict(0, [1], [9, 40], 0, 5))
+    with pytest.raises((FrameError, HandoffSchemaError)) as e:
+        s.apply_session(ack(last_round=0, **bad))
+    assert e.value.code == code
+
+
+def test_a_resume_checks_the_schema_hash_even_without_a_model_spec():
+    """A phone without a model bundle (SLM-only) takes the server's schema, and a resume must restate it."""
+    s = PhoneSession(Recorder(), prompt_tokens=PROMPT, request={"prompt": PROMPT}, endpoint="completions")
+    s.apply_session(ack())
     s.next_tree()
-    with pytest.raises(FrameError, match="session"):
-        s.apply_verdict(verdict(1, [], [51], 4, 5, sid=bytes(16)))
+    s.apply_verdict(verdict(0, [1], [9, 40], 0, 5))
+    other = dataclasses.replace(SPEC, scales_id=bytes(16))
+    with pytest.raises(HandoffSchemaError) as e:
+        s.apply_session(ack(last_round=0, spec=other))
+    assert e.value.code == "schema_mismatch"
+    restored = PhoneSession.restore(Recorder(), s.snapshot())
+    assert restored.sid == SID and restored.resumable and restored.schema_hash == SPEC.schema_hash
+    assert restored.start_frame().hyco.resume.session_id == SID
+    with pytest.raises(HandoffSchemaError):
+        restored.apply_session(ack(last_round=0, spec=other))
+    restored.apply_session(ack(last_round=0))
+    assert restored.schema == SPEC
+
+
+def test_node_values_are_sent_when_asked():
+    s = session(values=True)
+    frame = s.next_tree()
+    tree = s._pending.tree
+    assert frame.values == tuple(node_values(tree)) and frame.values[0] == 255
+    assert all(0 <= x <= 255 for x in frame.values)
+    back = TreeFrame.from_lists(0, frame.tokens, frame.parents, frame.labels, frame.values)
+    assert len(encode_frame(back)) == len(encode_frame(frame)) and session().next_tree().values is None
 
 
 def test_replays_are_ignored_and_a_seed_is_taken():
@@ -159,7 +224,7 @@ def test_missing_handoff_on_unfinished_verdict():
     s.next_tree()
     v = verdict(0, [], [40], 0, 4)
     with pytest.raises(FrameError):
-        s.apply_verdict(VerdictFrame(v.session_id, 0, (), (40,), 40, None, None, 32, v.chunk))
+        s.apply_verdict(VerdictFrame(0, (), (40,), 40, None, None, 32, v.chunk))
 
 
 def test_drafter_over_budget_is_refused():

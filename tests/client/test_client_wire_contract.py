@@ -1,8 +1,9 @@
-"""Golden files, phone direction (decisions.md D6): what mobile_client decodes and encodes.
+"""Golden files, phone direction (docs/decisions.md D6): what mobile_client decodes and encodes.
 
-The phone loads the shipped scales file, derives its HandoffSpec, decodes every server frame with it
-(inline hand-offs checked against its model), reassembles the chunked seed, and builds its own client
-frames; every re-encoding must equal the golden bytes. The wire module must import without vLLM/torch.
+The phone loads the shipped scales file, derives its HandoffSpec, checks the ``session`` frame's schema
+against it (and its hash), decodes every server frame with the session's schema, reassembles the chunked
+seed, and builds its own client frames (the first tree confirms the schema hash); every re-encoding must
+equal the golden bytes. The wire module must import without vLLM/torch.
 """
 
 import json
@@ -17,6 +18,7 @@ from vllm_hyco.handoff import (
     HandoffAssembler,
     HycoOptions,
     ResumeRequest,
+    SessionFrame,
     StartFrame,
     TreeFrame,
     VerdictFrame,
@@ -51,17 +53,32 @@ def test_the_manifest_config_is_the_fixture_config():
     assert phone_spec().fingerprint.hex() == MANIFEST["fingerprint"]
 
 
+def session_schema():
+    """What the phone agrees at the session's start: the session frame's schema, checked against its model."""
+    ack = decode_server_frame(read("frame_session.msgpack"))
+    assert isinstance(ack, SessionFrame) and ack.last_round == -1
+    ack.schema.check_matches(phone_spec())
+    assert ack.schema == phone_spec() and ack.schema_hash.hex() == MANIFEST["schema_hash"]
+    return ack.schema
+
+
 @pytest.mark.parametrize("name", [n for n, e in MANIFEST["files"].items() if e["kind"] == "server_frame"])
 def test_phone_decodes_server_frames_and_reencodes_identically(name):
-    frame = decode_server_frame(read(name), expect=phone_spec())
-    assert encode_frame(frame) == read(name)
+    frame = decode_server_frame(read(name), schema=session_schema())
+    assert encode_frame(frame, MANIFEST["files"][name]["v"]) == read(name)
 
 
 @pytest.mark.parametrize("name", [n for n, e in MANIFEST["files"].items() if e["kind"] == "handoff"])
-def test_phone_decodes_handoffs_with_its_own_spec(name):
-    payload = decode_handoff(read(name), expect=phone_spec())
+def test_phone_decodes_handoffs_with_the_session_schema(name):
+    payload = decode_handoff(read(name), session_schema())
     assert encode_handoff(payload) == read(name)
     assert payload.header.spec == phone_spec()
+
+
+def test_a_resumed_session_restates_the_same_schema():
+    again = decode_server_frame(read("frame_session_resume.msgpack"))
+    assert again.schema_hash == session_schema().schema_hash and again.last_round == 2
+    assert again.session_id == MANIFEST["session_id"] and again.session_id.startswith("r1.")
 
 
 def test_phone_applies_the_chunked_seed():
@@ -73,13 +90,13 @@ def test_phone_applies_the_chunked_seed():
         for i in range(verdict.handoff_ref.chunks)
     ]
     assert done[-1] and not any(done[:-1])
-    seed = asm.payload(expect=phone_spec())
+    seed = asm.payload(session_schema())
     assert seed.bonus_token == verdict.bonus and seed.header.span_start == 0
     assert seed.header.num_positions == 16
 
 
 def test_phone_built_client_frames_equal_the_golden_bytes():
-    caps = ClientCapabilities(max_nodes=32, labels=True, handoff_schemas=(1,))
+    caps = ClientCapabilities(max_nodes=32, labels=True, handoff_schemas=(2,))
     ksh = decode_client_frame(read("frame_start_chat.msgpack")).hyco.keep_set_hash
     resume = StartFrame(
         "chat.completions",
@@ -89,12 +106,17 @@ def test_phone_built_client_frames_equal_the_golden_bytes():
             None,
             caps,
             ksh,
-            ResumeRequest(bytes.fromhex(MANIFEST["session_id"]), 2, True),
+            ResumeRequest(MANIFEST["session_id"], 2, True),
             phone_spec().fingerprint,
         ),
     )
     assert encode_frame(resume) == read("frame_start_resume.msgpack")
     assert encode_frame(TreeFrame.from_lists(0, [2], [-1])) == read("frame_tree_root_only.msgpack")
+    first = decode_client_frame(read("frame_tree_first.msgpack"))
+    assert first.schema == session_schema().schema_hash
+    rebuilt = TreeFrame.from_lists(0, first.tokens, first.parents, first.labels, first.values,
+                                   session_schema().schema_hash)
+    assert encode_frame(rebuilt) == read("frame_tree_first.msgpack")
     for name in ("frame_start_chat.msgpack", "frame_start_completions.msgpack", "frame_tree_32.msgpack"):
         assert encode_frame(decode_client_frame(read(name))) == read(name)
 

@@ -3,6 +3,12 @@ wrong types, huge arrays, bad parents, wrong rounds, unknown sessions, text and 
 handshakes without or with a wrong API key. The server never dies, answers every frame with exactly one
 ``error`` frame (a protocol code, a message, never ``internal_error``) or the handshake with 401, and a
 well-behaved phone session running at the same time finishes with plain greedy decoding's text.
+
+``start`` frames that are well-formed msgpack but that vLLM's own validation rejects (:data:`INVALID_STARTS`:
+negative temperature, ``top_k`` -2, a prompt longer than the context, ids outside the vocabulary, another
+model, ``n`` > 1, bad ``stop`` types...) get the client code the OpenAI routes would give (400-class, the
+field named in the message), never ``internal_error``; edge values vLLM accepts (``top_k`` 0, ``max_tokens``
+beyond the context, which is cut to the room left as the OpenAI routes do) open a session that verifies.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from vllm_hyco.errors import HycoError
 from vllm_hyco.handoff.client_frames import StartFrame
 from vllm_hyco.handoff.frames import decode_client_frame, encode_frame, frame_to_wire
 from vllm_hyco.handoff.limits import ERROR_CODES
-from vllm_hyco.handoff.server_frames import ErrorFrame, VerdictFrame
+from vllm_hyco.handoff.server_frames import ErrorFrame, SessionFrame, VerdictFrame
 
 PROMPT = "And the LORD spake unto Moses, saying,"
 MAX_TOKENS = 32
@@ -39,6 +45,40 @@ BATCH = 300
 SERVER_CODES = set(ERROR_CODES) - {"bad_verdict", "bad_handoff", "layout_mismatch", "scales_mismatch",
                                    "chunk_missing", "chunk_duplicate", "chunk_out_of_order", "chunk_corrupt"}
 TEXT = object()  # marker: send as a text message
+# OpenAI-body overrides of a valid completions `start` -> (code, field named in the message)
+INVALID_STARTS = [
+    ({"temperature": -1.0}, "bad_request", "temperature"),
+    ({"temperature": "hot"}, "bad_request", "temperature"),
+    ({"temperature": float("nan")}, "bad_request", "temperature"),
+    ({"top_k": -2}, "bad_request", "top_k"),
+    ({"top_k": 1.5}, "bad_request", "top_k"),
+    ({"top_p": 0.0}, "bad_request", "top_p"),
+    ({"top_p": 1.5}, "bad_request", "top_p"),
+    ({"max_tokens": 0}, "bad_request", "max_tokens"),
+    ({"max_tokens": -5}, "bad_request", "max_tokens"),
+    ({"max_tokens": "8"}, "bad_request", "max_tokens"),
+    ({"max_completion_tokens": 0, "max_tokens": None}, "bad_request", "max_tokens"),
+    ({"min_tokens": 50, "max_tokens": 8}, "bad_request", "min_tokens"),
+    ({"min_tokens": -1}, "bad_request", "min_tokens"),
+    ({"stop": 5}, "bad_request", "stop"),
+    ({"stop": [1, 2]}, "bad_request", "stop"),
+    ({"stop": [""]}, "bad_request", "stop"),
+    ({"seed": "x"}, "bad_request", "seed"),
+    ({"seed": 1.5}, "bad_request", "seed"),
+    ({"ignore_eos": "yes"}, "bad_request", "ignore_eos"),
+    ({"n": 2}, "unsupported_field", "n"),
+    ({"n": 0}, "bad_request", "n"),
+    ({"model": "gpt-4"}, "model_not_found", "model"),
+    ({"logprobs": 3}, "unsupported_field", "logprobs"),
+    ({"presence_penalty": 0.5}, "unsupported_field", "presence_penalty"),
+    ({"prompt": "and " * 2000}, "bad_request", "prompt"),  # longer than the 1,024-token context
+    ({"prompt": list(range(5, 1500))}, "bad_request", "prompt"),
+    ({"prompt": [2, 5, 1 << 20]}, "bad_request", "prompt"),  # an id outside the vocabulary
+    ({"prompt": [2, -1, 5]}, "bad_request", "prompt"),
+    ({"prompt": [5]}, "bad_request", "prompt"),  # a session needs a root and one token before it
+]
+VALID_EDGES = [{"top_k": 0}, {"top_k": -1}, {"max_tokens": 1 << 40}, {"stop": "never-seen"},
+               {"max_completion_tokens": 4, "max_tokens": None}, {"seed": -3, "temperature": 0.7}]
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +109,8 @@ def _valid_wires(rng: random.Random) -> list[dict]:
                       labels=[0, 1, 1, 2, 3, 4])
     from test_e2e_phone_support import resume_frame
 
-    return [frame_to_wire(tree), frame_to_wire(resume_frame(rng.randbytes(16), rng.randrange(-1, 3))),
+    sid = "hyco." + rng.randbytes(16).hex()  # a well-formed id nobody holds
+    return [frame_to_wire(tree), frame_to_wire(resume_frame(sid, rng.randrange(-1, 3))),
             frame_to_wire(start_frame(PROMPT))]
 
 
@@ -84,7 +125,7 @@ def _mutate_wire(rng: random.Random, wire: dict):
     elif op == 2:
         w["unknown_" + str(rng.randrange(9))] = 1
     elif op == 3:
-        w["v"] = rng.choice([0, 2, -1, "1", None])
+        w["v"] = rng.choice([0, 1, 3, -1, "2", None])  # 1: answered in a version-1 error frame
     elif op == 4 and "tokens" in w:  # huge arrays
         w["tokens"] = rng.randbytes(rng.choice([4 * 40, 4 * 300, 4 * 60000]))
         w["parents"] = bytes([255] + [0] * (len(w["tokens"]) // 4 - 1))
@@ -161,21 +202,22 @@ async def _no_session_fuzz(http, server: str, seed: int, count: int) -> dict[str
     return codes
 
 
-def _bad_tree(rng: random.Random, root: int, expected_round: int) -> tuple[bytes, set[str]]:
+def _bad_tree(rng: random.Random, root: int, expected_round: int, schema: bytes) -> tuple[bytes, set[str]]:
     kind = rng.randrange(6)
     nodes = [rng.randrange(4096) for _ in range(rng.randrange(1, 10))]
+    s = {"schema": schema}  # every tree confirms the session's schema hash
     if kind == 0:  # wrong round
         rnd = rng.choice([expected_round + 1, expected_round + 7, max(0, expected_round - 1) + 100])
-        return encode_frame(tree_frame(rnd, root, nodes)), {"bad_round"}
+        return encode_frame(tree_frame(rnd, root, nodes, **s)), {"bad_round"}
     if kind == 1:  # wrong root
-        return encode_frame(tree_frame(expected_round, (root + 1) % 4096, nodes)), {"bad_tree"}
+        return encode_frame(tree_frame(expected_round, (root + 1) % 4096, nodes, **s)), {"bad_tree"}
     if kind == 2:  # duplicate siblings
-        return encode_frame(tree_frame(expected_round, root, [7, 7], [-1, 0, 0])), {"bad_tree"}
+        return encode_frame(tree_frame(expected_round, root, [7, 7], [-1, 0, 0], **s)), {"bad_tree"}
     if kind == 3:  # token outside the vocabulary
-        return encode_frame(tree_frame(expected_round, root, [1 << 20])), {"bad_tree"}
+        return encode_frame(tree_frame(expected_round, root, [1 << 20], **s)), {"bad_tree"}
     if kind == 4:  # over the node limit
-        return encode_frame(tree_frame(expected_round, root, list(range(40)))), {"too_many_nodes"}
-    wire = frame_to_wire(tree_frame(expected_round, root, nodes))  # a parent after its child
+        return encode_frame(tree_frame(expected_round, root, list(range(40)), **s)), {"too_many_nodes"}
+    wire = frame_to_wire(tree_frame(expected_round, root, nodes, **s))  # a parent after its child
     p = bytearray(wire["parents"])
     p[-1] = len(p) - 1
     wire["parents"] = bytes(p)
@@ -187,9 +229,11 @@ async def _in_session_fuzz(http, server: str, tok, seed: int) -> int:
     ids = tok.encode(PROMPT)
     async with RawPhone(http, server) as phone:
         await phone.send(start_frame(PROMPT, 4))
+        ack = await phone.recv()
+        assert isinstance(ack, SessionFrame)
         sent = 0
         while sent < FRAMES_IN_SESSION:
-            batch = [_bad_tree(rng, ids[-1], 0) for _ in range(BATCH)]
+            batch = [_bad_tree(rng, ids[-1], 0, ack.schema_hash) for _ in range(BATCH)]
             replies = await _exchange(phone, [b for b, _ in batch])
             for (_, want), e in zip(batch, replies):
                 assert e.code in want and not e.fatal, (e, want)
@@ -197,6 +241,42 @@ async def _in_session_fuzz(http, server: str, tok, seed: int) -> int:
         await phone.send(tree_frame(0, ids[-1], []))  # the session survived every refusal
         assert isinstance(await phone.recv(), VerdictFrame)
     return sent
+
+
+def _start(overrides: dict) -> bytes:
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0.0}
+    body.update(overrides)
+    wire = frame_to_wire(start_frame(PROMPT))
+    wire["request"] = {k: v for k, v in body.items() if v is not None}
+    return msgpack.packb(wire, use_bin_type=True)
+
+
+async def _invalid_starts(http, server: str, tok) -> dict[str, int]:
+    """Every INVALID_STARTS body gets its client code, naming the field, on a connection that stays open;
+    every VALID_EDGES body opens a session that verifies round 0."""
+    codes: dict[str, int] = {}
+    async with RawPhone(http, server) as phone:
+        for _ in range(3):
+            for overrides, code, name in INVALID_STARTS:
+                await phone.send(_start(overrides))
+                e = await phone.recv(timeout=120)
+                assert isinstance(e, ErrorFrame) and e.code == code and e.fatal, (overrides, e)
+                assert name in e.message and ERROR_CODES[code].side == "client", (overrides, e)
+                codes[code] = codes.get(code, 0) + 1
+        for overrides in VALID_EDGES:
+            await phone.send(_start(overrides))
+            ack = await phone.recv(timeout=120)  # protocol v2: the session frame comes first
+            assert isinstance(ack, SessionFrame), (overrides, ack)
+            prompt = overrides.get("prompt", PROMPT)
+            await phone.send(tree_frame(0, tok.encode(prompt)[-1], []))
+            v = await phone.recv(timeout=120)
+            assert isinstance(v, VerdictFrame), (overrides, v)
+            while True:  # drain the round's hand-off chunks and a `final`, if any
+                try:
+                    await phone.recv(timeout=0.5)
+                except asyncio.TimeoutError:
+                    break
+    return codes
 
 
 async def _bad_keys(server: str, count: int) -> int:
@@ -230,13 +310,15 @@ def test_fuzz_frames_while_a_phone_decodes(server, fixtures_dir):
                 _no_session_fuzz(http, server, 1, FRAMES_NO_SESSION // 2),
                 _no_session_fuzz(http, server, 2, FRAMES_NO_SESSION // 2),
                 _in_session_fuzz(http, server, tok, 3), _bad_keys(server, 40),
-                make_client(server, http=http).run(session))
+                _invalid_starts(http, server, tok), make_client(server, http=http).run(session))
         return session, results
 
-    session, (codes_a, codes_b, in_session, refused, _) = asyncio.run(run())
+    session, (codes_a, codes_b, in_session, refused, invalid, _) = asyncio.run(run())
     codes = {k: codes_a.get(k, 0) + codes_b.get(k, 0) for k in set(codes_a) | set(codes_b)}
     total = sum(codes.values()) + in_session
-    print(f"fuzz: {total} frames refused, codes {sorted(codes.items())}, {refused} handshakes refused")
+    print(f"fuzz: {total} frames refused, codes {sorted(codes.items())}, {refused} handshakes refused, "
+          f"invalid starts {sorted(invalid.items())}")
+    assert sum(invalid.values()) == 3 * len(INVALID_STARTS)
     assert total >= 10_000 and refused == 40
     assert {"bad_msgpack", "bad_field_type", "unknown_field", "unknown_session", "no_session",
             "frame_too_large", "unsupported_version"} <= set(codes)

@@ -27,7 +27,7 @@ from test_e2e_phone_support import (
     wait_drained,
 )
 
-from vllm_hyco.handoff.server_frames import ErrorFrame, FinalFrame, VerdictFrame
+from vllm_hyco.handoff.server_frames import ErrorFrame, FinalFrame, SessionFrame, VerdictFrame
 
 PROMPTS = ["In the beginning God created", "And the LORD said unto Moses,", "Blessed are the",
            "The LORD is my shepherd;", "For God so loved", "Jesus wept. And", "Let there be light:",
@@ -196,7 +196,8 @@ def test_session_limit_refuses_and_closes(server, tok):
                 with pytest.raises(ConnectionError):
                     await extra.recv(timeout=30)
             for p in phones:
-                await p.send(tree_frame(0, ids[-1], []))
+                assert isinstance(await p.recv(), SessionFrame)
+                await p.send(tree_frame(0, ids[-1], []))  # RawPhone adds the schema hash
             for p in phones:
                 v = await p.recv()
                 while isinstance(v, ErrorFrame) and v.code == "server_busy":  # more sessions than batch slots

@@ -130,6 +130,35 @@ def server_rss_bytes() -> int:
     return total
 
 
+def _rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def process_rss_bytes() -> dict[str, int]:
+    """Resident memory of the API-server process and, apart, of its engine core (the descendant whose
+    command line names ``EngineCore``; with an in-process engine core the API server holds both)."""
+    if "proc" not in _SERVER and not os.environ.get("HYCO_E2E_SERVER_PID"):
+        return {}
+    pid = _SERVER["proc"].pid if "proc" in _SERVER else int(os.environ["HYCO_E2E_SERVER_PID"])
+    out = {"api": _rss(pid), "engine_core": 0}
+    todo = [pid]
+    while todo:
+        kids = subprocess.run(["pgrep", "-P", str(todo.pop())], capture_output=True, text=True,
+                              check=False).stdout.split()
+        for k in map(int, kids):
+            try:
+                name = Path(f"/proc/{k}/cmdline").read_bytes() + Path(f"/proc/{k}/comm").read_bytes()
+                if b"EngineCore" in name:
+                    out["engine_core"] += _rss(k)
+            except OSError:
+                continue
+            todo.append(k)
+    return out
+
+
 def metric_values(base: str, name: str) -> dict[str, float]:
     """``{labels: value}`` of one metric family from ``/metrics``."""
     _, body = http_get(f"{base}/metrics", headers={"Authorization": f"Bearer {API_KEY}"})
@@ -201,10 +230,15 @@ def make_client(base: str, **kw) -> HycoClient:
 
 # -- raw frames -------------------------------------------------------------------------------------------
 class RawPhone:
-    """A bare WebSocket to the session route: send frames (objects or bytes), receive decoded frames."""
+    """A bare WebSocket to the session route: send frames (objects or bytes), receive decoded frames.
+
+    It keeps the schema of the last ``session`` frame received: server frames are decoded with it, and tree
+    frame objects sent without ``schema`` get its hash (the confirmation; the server takes it on every tree).
+    """
 
     def __init__(self, http, base: str, key: str | None = API_KEY):
         self.http, self.url, self.key, self.ws = http, base.replace("http", "ws", 1) + "/v1/hyco/session", key, None
+        self.schema = None
 
     async def __aenter__(self):
         headers = {"Authorization": f"Bearer {self.key}"} if self.key else {}
@@ -215,8 +249,13 @@ class RawPhone:
         await self.ws.close()
 
     async def send(self, frame) -> None:
+        import dataclasses
+
+        from vllm_hyco.handoff.client_frames import TreeFrame
         from vllm_hyco.handoff.frames import encode_frame
 
+        if isinstance(frame, TreeFrame) and frame.schema is None and self.schema is not None:
+            frame = dataclasses.replace(frame, schema=self.schema.schema_hash)
         await self.ws.send_bytes(frame if isinstance(frame, (bytes, bytearray)) else encode_frame(frame))
 
     async def recv_raw(self, timeout: float = 300.0) -> bytes:
@@ -229,8 +268,12 @@ class RawPhone:
 
     async def recv(self, timeout: float = 300.0):
         from vllm_hyco.handoff.frames import decode_server_frame
+        from vllm_hyco.handoff.server_frames import SessionFrame
 
-        return decode_server_frame(await self.recv_raw(timeout))
+        frame = decode_server_frame(await self.recv_raw(timeout), schema=self.schema)
+        if isinstance(frame, SessionFrame):
+            self.schema = frame.schema
+        return frame
 
 
 def start_frame(prompt: str, max_tokens: int = 16, **hyco):
@@ -240,18 +283,19 @@ def start_frame(prompt: str, max_tokens: int = 16, **hyco):
     return StartFrame("completions", body, HycoOptions(**hyco))
 
 
-def resume_frame(sid: bytes, last_round: int, need_seed: bool = False):
+def resume_frame(sid: str, last_round: int, need_seed: bool = False):
     from vllm_hyco.handoff.client_frames import HycoOptions, ResumeRequest, StartFrame
 
     return StartFrame("completions", None, HycoOptions(resume=ResumeRequest(sid, last_round, need_seed)))
 
 
-def tree_frame(round_: int, root: int, extra: list[int] = (), parents: list[int] | None = None, labels=None):
+def tree_frame(round_: int, root: int, extra: list[int] = (), parents: list[int] | None = None, labels=None,
+               schema: bytes | None = None):
     from vllm_hyco.handoff.client_frames import TreeFrame
 
     tokens = [root, *extra]
     parents = parents if parents is not None else [-1, *range(len(extra))]
-    return TreeFrame.from_lists(round_, tokens, parents, labels)
+    return TreeFrame.from_lists(round_, tokens, parents, labels, schema=schema)
 
 
 class KillingProxy:

@@ -1,11 +1,14 @@
 """Resume on the real server (issue 6 item 4, docs/protocol.md section 3 "Resume"): a phone whose
 connection is killed mid-round reconnects and finishes with no token lost; replays are byte-identical;
 ``need_seed`` replays carry a seed ``[max(0, t' - W), t')``; impossible or unknown resumes are refused.
+Protocol version 2: every start and resume is answered by a ``session`` frame with the same schema hash,
+which the next tree confirms; a version-1 phone gets ``unsupported_version`` in its own version.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import aiohttp
 import pytest
@@ -23,7 +26,9 @@ from test_e2e_phone_support import (
 )
 
 from vllm_hyco.handoff.chunks import HandoffAssembler
-from vllm_hyco.handoff.server_frames import ErrorFrame, FinalFrame, HandoffChunkFrame, VerdictFrame
+from vllm_hyco.handoff.frames import encode_frame, frame_to_wire
+from vllm_hyco.handoff.server_frames import ErrorFrame, FinalFrame, HandoffChunkFrame, SessionFrame, VerdictFrame
+from vllm_hyco.handoff.session_id import route_key
 
 PROMPT = "And God said, Let there be"
 MAX_TOKENS = 64
@@ -76,8 +81,17 @@ async def _verdict_with_handoff(phone: RawPhone):
             chunk = await phone.recv()
             assert isinstance(chunk, HandoffChunkFrame)
             asm.add(chunk)
-        handoff = asm.payload()
+        handoff = asm.payload(phone.schema)
     return v, handoff
+
+
+async def _resumed(phone: RawPhone, sid: str, last_round: int, need_seed: bool = False, schema_hash=None):
+    """Send a resume; return its `session` frame (checked: same session, same schema) or the error."""
+    await phone.send(resume_frame(sid, last_round, need_seed))
+    ack = await phone.recv()
+    if isinstance(ack, SessionFrame):
+        assert ack.session_id == sid and (schema_hash is None or ack.schema_hash == schema_hash)
+    return ack
 
 
 def test_replays_seeds_and_refusals(server, tok, plain):
@@ -87,33 +101,37 @@ def test_replays_seeds_and_refusals(server, tok, plain):
         async with aiohttp.ClientSession() as http:
             async with RawPhone(http, server) as phone:
                 await phone.send(start_frame(PROMPT, MAX_TOKENS))
-                await phone.send(tree_frame(0, ids[-1], plain[1][:2]))
-                v0_raw = await phone.recv_raw()
-                v0 = __import__("vllm_hyco.handoff.frames", fromlist=["x"]).decode_server_frame(v0_raw)
+                ack = await phone.recv()
+                assert isinstance(ack, SessionFrame) and ack.last_round == -1 and route_key(ack.session_id) == "hyco"
+                await phone.send(tree_frame(0, ids[-1], plain[1][:2]))  # with the schema hash (RawPhone)
+                v0 = await phone.recv()
                 assert v0.handoff is not None and v0.handoff.header.span_start == 0  # seed: prompt < W
                 assert v0.handoff.header.root_position == len(ids) + len(v0.path)
                 await phone.send(tree_frame(1, v0.bonus, plain[1][len(v0.tokens):len(v0.tokens) + 3]))
                 v1, h1 = await _verdict_with_handoff(phone)
-            sid = v0.session_id
+            sid, hash_ = ack.session_id, ack.schema_hash
             async with RawPhone(http, server) as phone:  # resume after verdict 0 only: replay of verdict 1
-                await phone.send(resume_frame(sid, 0))
+                again = await _resumed(phone, sid, 0, schema_hash=hash_)
+                assert again.last_round == 1 and again.schema == ack.schema
                 r1, rh1 = await _verdict_with_handoff(phone)
                 assert r1 == v1 and rh1.header.span_start == h1.header.span_start
-                await phone.send(resume_frame(sid, 1, need_seed=True))  # a seed for the same verdict
+                await _resumed(phone, sid, 1, need_seed=True, schema_hash=hash_)  # a seed for the same verdict
                 s1, sh1 = await _verdict_with_handoff(phone)
                 t = sh1.header.root_position
                 assert s1.round == 1 and sh1.header.span_start == max(0, t - WINDOW)
                 assert sh1.k[0].shape[0] == t - sh1.header.span_start
                 assert (sh1.k[0][-h1.k[0].shape[0]:] == h1.k[0]).all()  # the ring ends with round 1's rows
-                await phone.send(resume_frame(sid, 5))
-                err = await phone.recv()
+                err = await _resumed(phone, sid, 5)
                 assert isinstance(err, ErrorFrame) and err.code == "bad_round" and err.fatal
-                await phone.send(resume_frame(b"\x01" * 16, 0))
-                err = await phone.recv()
+                err = await _resumed(phone, "hyco." + "01" * 16, 0)
                 assert isinstance(err, ErrorFrame) and err.code == "unknown_session" and err.fatal
                 # finish the session on this connection, then resume it: the last verdict and `final`
-                await phone.send(resume_frame(sid, 1))
+                await _resumed(phone, sid, 1, schema_hash=hash_)
                 await _verdict_with_handoff(phone)
+                # the first tree after a session frame must confirm its schema (bytes: RawPhone would add it)
+                await phone.send(encode_frame(tree_frame(2, v1.bonus, [])))
+                err = await phone.recv()
+                assert isinstance(err, ErrorFrame) and err.code == "missing_field" and not err.fatal
                 done, rnd, root = list(v0.tokens) + list(v1.tokens), 2, v1.bonus
                 while True:
                     await phone.send(tree_frame(rnd, root, plain[1][len(done):len(done) + 4]))
@@ -126,9 +144,104 @@ def test_replays_seeds_and_refusals(server, tok, plain):
                 assert isinstance(final, FinalFrame) and final.completion_tokens == MAX_TOKENS
             assert done == plain[1]
             async with RawPhone(http, server) as phone:
-                await phone.send(resume_frame(sid, rnd - 1))
+                await _resumed(phone, sid, rnd - 1, schema_hash=hash_)
                 rv, _ = await _verdict_with_handoff(phone)
                 assert rv.round == rnd and rv.finish_reason == "length"
                 assert isinstance(await phone.recv(), FinalFrame)
 
     asyncio.run(run())
+
+
+def test_schema_mismatch_ends_the_session_and_version_1_phones_are_told_to_upgrade(server, tok):
+    import msgpack
+
+    ids = tok.encode(PROMPT)
+
+    async def run():
+        async with aiohttp.ClientSession() as http:
+            async with RawPhone(http, server) as phone:
+                # a version-1 phone: the answer is a version-1 error frame it can read
+                await phone.send(msgpack.packb({**frame_to_wire(start_frame(PROMPT, 4)), "v": 1}))
+                raw = msgpack.unpackb(await phone.recv_raw())
+                assert raw["type"] == "error" and raw["v"] == 1 and raw["code"] == "unsupported_version"
+                assert raw["fatal"] and "version 2" in raw["message"] and "upgrade" in raw["message"]
+                # the same connection then opens a version-2 session; a wrong schema hash ends it
+                await phone.send(start_frame(PROMPT, 4))
+                ack = await phone.recv()
+                assert isinstance(ack, SessionFrame)
+                await phone.send(tree_frame(0, ids[-1], [], schema=bytes(8)))
+                err = await phone.recv()
+                assert isinstance(err, ErrorFrame) and err.code == "schema_mismatch" and err.fatal
+            async with RawPhone(http, server) as phone:
+                err = await _resumed(phone, ack.session_id, -1)
+                assert isinstance(err, ErrorFrame) and err.code == "unknown_session"
+
+    asyncio.run(run())
+
+
+def test_a_phone_without_verdict_0_does_not_hold_its_session_until_the_idle_timeout(server, tok, plain):
+    """A phone that leaves before its first verdict never learnt the session id, so nobody can resume the
+    session: the server frees it (and its KV) when the socket drops. One whose verdict 0 reached the socket
+    but was never read (the phone showed nothing after it) is kept only the short unconfirmed grace, not the
+    idle timeout. A phone that did read verdict 0 and resumes keeps the usual resume semantics."""
+    from test_e2e_phone_support import IDLE_TIMEOUT_S, hyco_stats, wait_drained
+
+    from vllm_hyco.serving.table import UNCONFIRMED_GRACE_S
+
+    grace = min(IDLE_TIMEOUT_S, UNCONFIRMED_GRACE_S)
+    assert grace <= IDLE_TIMEOUT_S / 2
+    ids = tok.encode(PROMPT)
+    base = wait_drained(server)
+
+    def held_for() -> float:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < IDLE_TIMEOUT_S * 2:
+            st = hyco_stats(server)
+            if st["sessions"] == 0 and st["engine"]["live"] == 0:
+                assert st["engine"]["kv_blocks_used"] <= base["engine"]["kv_blocks_used"]
+                return time.monotonic() - t0
+            time.sleep(0.1)
+        raise AssertionError(f"session still held: {hyco_stats(server)}")
+
+    async def leave(how: str):
+        rounds = _rounds(server)
+        async with aiohttp.ClientSession() as http, RawPhone(http, server) as phone:
+            await phone.send(start_frame(PROMPT, MAX_TOKENS))
+            await phone.recv()  # the session frame
+            if how != "before_tree":  # round 0 in flight when the socket closes, or its verdict unread
+                await phone.send(tree_frame(0, ids[-1], plain[1][:2]))
+            if how == "verdict_unread":  # the server built verdict 0 (and writes it at once); never read
+                while _rounds(server) == rounds:
+                    await asyncio.sleep(0.05)
+                await asyncio.sleep(0.5)
+
+    for how in ("before_tree", "round_in_flight"):
+        asyncio.run(leave(how))
+        assert held_for() < grace  # freed as the socket drops (plus the sweeper's polling)
+    asyncio.run(leave("verdict_unread"))
+    assert held_for() < IDLE_TIMEOUT_S * 0.9  # the unconfirmed grace, not the idle timeout
+
+    async def resumable():
+        async with aiohttp.ClientSession() as http:
+            async with RawPhone(http, server) as phone:
+                await phone.send(start_frame(PROMPT, MAX_TOKENS))
+                ack = await phone.recv()  # the session frame names the session (protocol v2)
+                await phone.send(tree_frame(0, ids[-1], plain[1][:2]))
+                v0 = await phone.recv()
+            async with RawPhone(http, server) as phone:
+                assert isinstance(await _resumed(phone, ack.session_id, 0), SessionFrame)
+                assert await phone.recv() == v0  # replayed byte-identical
+            await asyncio.sleep(grace + 2.0)  # confirmed: held past the grace, for the idle timeout
+            assert hyco_stats(server)["sessions"] == 1
+            async with RawPhone(http, server) as phone:
+                assert isinstance(await _resumed(phone, ack.session_id, 0), SessionFrame)
+                assert await phone.recv() == v0
+
+    asyncio.run(resumable())
+    wait_drained(server)
+
+
+def _rounds(server: str) -> float:
+    from test_e2e_phone_support import metric_values
+
+    return metric_values(server, "vllm_hyco_rounds_total").get("", 0.0)

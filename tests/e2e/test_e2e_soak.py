@@ -29,6 +29,7 @@ from test_e2e_phone_support import (
     make_phone,
     metric_values,
     phone_server,
+    process_rss_bytes,
     server_rss_bytes,
 )
 from tolerances import TOLERANCES
@@ -115,9 +116,9 @@ def _soak(server: str, tok, duration_s: float) -> dict:
     # half warms batch shapes and allocator arenas up)
     asyncio.run(run(duration_s / 2, with_idle=True))
     drained()
-    counts["rss_warm"] = server_rss_bytes()
+    counts["rss_warm"], counts["procs_warm"] = server_rss_bytes(), process_rss_bytes()
     asyncio.run(run(duration_s / 2, with_idle=False))
-    counts.update(baseline=baseline, after=drained(), rss_end=server_rss_bytes())
+    counts.update(baseline=baseline, after=drained(), rss_end=server_rss_bytes(), procs_end=process_rss_bytes())
     print(f"soak {duration_s:g}s: {counts}")
     return counts
 
@@ -131,6 +132,9 @@ def _check(server: str, c: dict) -> None:
     if c["rss_warm"]:  # only when this process started the server
         growth_mib = (c["rss_end"] - c["rss_warm"]) / (1 << 20)
         assert growth_mib <= TOLERANCES[("soak_server_rss_growth_mib", torch.float32)][0], growth_mib
+        core_mib = (c["procs_end"]["engine_core"] - c["procs_warm"]["engine_core"]) / (1 << 20)
+        assert c["procs_end"]["engine_core"] > 0  # the engine core is its own process, measured apart
+        assert core_mib <= TOLERANCES[("soak_engine_core_rss_growth_mib", torch.float32)][0], core_mib
 
 
 @pytest.fixture(scope="module")
@@ -147,3 +151,64 @@ def test_soak_60s(server, tok):
 @pytest.mark.slow
 def test_soak_10min(server, tok):
     _check(server, _soak(server, tok, 600.0))
+
+
+def _rss_curve(server: str, tok, phases: int, phase_s: float) -> list[dict]:
+    """Clean phones (no cuts, no abandons) for ``phases`` phases; after each, once no session is held, the
+    resident memory of the API server and of the engine core and the sessions run so far."""
+    refs = {}
+    import openai
+
+    oai = openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, timeout=300, max_retries=0)
+    for p in PROMPTS:
+        c = oai.completions.create(model=MODEL, prompt=p, max_tokens=LONGEST, temperature=0,
+                                   extra_body={"ignore_eos": True, "return_token_ids": True}).choices[0]
+        refs[p] = list(c.model_extra["token_ids"])
+    total = {"sessions": 0}
+
+    async def phone(i: int, http, end: float, rng: random.Random):
+        while time.monotonic() < end:
+            prompt, m = rng.choice(PROMPTS), rng.randint(8, LONGEST)
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": m, "temperature": 0.0, "ignore_eos": True}
+            s = make_phone(tok.encode(prompt), prompt, m, refs[prompt], len(tok), seed=rng.randrange(1 << 30),
+                           p_plant=rng.random(), request=body)
+            await make_client(server, http=http).run(s)
+            assert s.tokens == refs[prompt][:m]
+            total["sessions"] += 1
+
+    async def run(seconds: float, seed: int):
+        async with aiohttp.ClientSession() as http:
+            end = time.monotonic() + seconds
+            await asyncio.gather(*(phone(i, http, end, random.Random(seed * 100 + i)) for i in range(PHONES)))
+
+    curve = []
+    for k in range(phases):
+        asyncio.run(run(phase_s, k))
+        after = _stats(server)
+        while after["sessions"] or after["engine"]["live"]:
+            time.sleep(0.5)
+            after = _stats(server)
+        rss = process_rss_bytes()
+        curve.append({"phase": k, "sessions": total["sessions"], "api_mib": rss.get("api", 0) / (1 << 20),
+                      "engine_core_mib": rss.get("engine_core", 0) / (1 << 20)})
+        print(f"rss curve: {curve[-1]}", flush=True)
+    return curve
+
+
+@pytest.mark.slow
+def test_engine_core_rss_flattens_after_warm_up(server, tok):
+    """The measurement behind docs/serving.md "Memory": the engine core's RSS over thousands of sessions.
+    ``HYCO_RSS_PHASES`` x ``HYCO_RSS_PHASE_S`` seconds (default 8 x 45 s); the growth over the second half
+    of the phases stays under the soak tolerance."""
+    import os
+
+    phases = int(os.environ.get("HYCO_RSS_PHASES", "8"))
+    curve = _rss_curve(server, tok, phases, float(os.environ.get("HYCO_RSS_PHASE_S", "45")))
+    if not curve[-1]["engine_core_mib"]:
+        pytest.skip("the server was not started by this process (set HYCO_E2E_SERVER_PID)")
+    half = curve[phases // 2 - 1]
+    growth = curve[-1]["engine_core_mib"] - half["engine_core_mib"]
+    print(f"engine core: {curve[0]['engine_core_mib']:.0f} MiB after phase 0, {half['engine_core_mib']:.0f} "
+          f"after phase {phases // 2 - 1}, {curve[-1]['engine_core_mib']:.0f} at the end "
+          f"({curve[-1]['sessions']} sessions); growth over the second half {growth:+.1f} MiB")
+    assert growth <= TOLERANCES[("soak_engine_core_rss_growth_mib", torch.float32)][0]

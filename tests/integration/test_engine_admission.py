@@ -92,7 +92,7 @@ def _prompts(rng, lengths):
 
 
 def test_more_trees_than_batch_slots_get_server_busy_and_resend(llm, hy):
-    from vllm_hyco.vllm_adapter import core_utils
+    from vllm_hyco.vllm_adapter import core_ext
 
     rng = random.Random(3)
     prompts = _prompts(rng, (12, 20, 7, 16, 9))
@@ -127,13 +127,17 @@ def test_more_trees_than_batch_slots_get_server_busy_and_resend(llm, hy):
                 assert r.finish_reason == "length" and st["out"] == st["ref"]
                 del state[sid]
     assert busy >= 3  # 5 sessions on 2 slots: at least the first round refused 3
-    # The WebSocket route's utility method answers with the same code from the same guard.
+    # The engine-core method the WebSocket route's client calls answers with the same code from the same
+    # guard, in the one error format.
     core = _core(llm)
-    core_utils.install()
+    core_ext.install()
     handles = [hy.open(prompt_token_ids=p, temperature=0.0, max_tokens=4, ignore_eos=True)
                for p in prompts[:3]]
-    acks = [core.hyco_srv_submit(h.sid, 0, [h.root], [-1]) for h in handles]
-    assert acks[:2] == [{"ok": True}] * 2 and acks[2]["error"] == "server_busy"
+    acks = [core.hyco_submit_tree(h.sid, 0, [h.root], [-1]) for h in handles]
+    assert [a["num_rows"] for a in acks[:2]] == [1, 1] and acks[2]["hyco_error"]["code"] == "server_busy"
+    with pytest.raises(SessionError) as e:
+        core_ext.raise_if_error(acks[2])
+    assert e.value.code == "server_busy"
     assert len(core.scheduler.running) == SLOTS
     for h in handles:
         hy.close(h.sid)

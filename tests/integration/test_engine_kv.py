@@ -113,6 +113,11 @@ def test_kv_after_rounds_equals_fresh_prefill(llm, hy):
 
 
 def test_handoff_rows_and_seed_match_the_cache(llm, hy):
+    """The hand-off leaves the engine as int8, quantized on the device with the model's scales: it equals
+    the quantizer's torch twin on the paged cache rows / the embedding, bit for bit."""
+    from vllm_hyco.kernels import quantize_int8_ref
+    from vllm_hyco.vllm_adapter.tree_step import handoff_scales
+
     rng = random.Random(11)
     prompt = [2] + [rng.randrange(5, VOCAB) for _ in range(44)]  # longer than the window (32)
     ref = _plain_greedy(hy, prompt, 60, "ref-handoff")
@@ -125,24 +130,27 @@ def test_handoff_rows_and_seed_match_the_cache(llm, hy):
         out += v.committed
         root = v.bonus
         h, d = v.handoff, len(v.path_rows)
+        scales = handoff_scales(runner)
         num_kv = len(prompt) + len(out) - 1  # positions with K/V: the bonus has none yet
         assert h["position"] == num_kv - 1 and h["start"] == num_kv - 1 - d
         with torch.no_grad():
-            torch.testing.assert_close(h["e_bonus"], runner.model.embed_input_ids(torch.tensor([v.bonus]))[0],
-                                       **tol("kv_copy", torch.float32))
-        assert h["h"].shape == (64,) and torch.isfinite(h["h"]).all()
+            e = runner.model.embed_input_ids(torch.tensor([v.bonus]))[0]
+        assert h["e_bonus"].dtype == torch.int8 and torch.equal(h["e_bonus"], quantize_int8_ref(e, scales["e"]))
+        assert h["h"].shape == (64,) and h["h"].dtype == torch.int8
         kv = _session_kv(llm, s.engine_req_id, num_kv)
         for kind in ("full", "sliding"):
             k, vv = kv[h["layers"][kind]]
-            torch.testing.assert_close(h[f"{kind}_k"], k[-(d + 1):], **tol("kv_copy", torch.float32))
-            torch.testing.assert_close(h[f"{kind}_v"], vv[-(d + 1):], **tol("kv_copy", torch.float32))
+            ks, vs = scales[kind]
+            assert torch.equal(h[f"{kind}_k"], quantize_int8_ref(k[-(d + 1):], ks))
+            assert torch.equal(h[f"{kind}_v"], quantize_int8_ref(vv[-(d + 1):], vs))
         if rnd == 0:  # D2: the first verdict carries the seed, the last W positions, from the paged cache
             seed = h["seed"]
             assert (seed["start"], seed["end"]) == (num_kv - 32, num_kv)
             for kind in ("full", "sliding"):
                 k, vv = kv[h["layers"][kind]]
-                torch.testing.assert_close(seed[f"{kind}_k"], k[-32:], **tol("kv_copy", torch.float32))
-                torch.testing.assert_close(seed[f"{kind}_v"], vv[-32:], **tol("kv_copy", torch.float32))
+                ks, vs = scales[kind]
+                assert torch.equal(seed[f"{kind}_k"], quantize_int8_ref(k[-32:], ks))
+                assert torch.equal(seed[f"{kind}_v"], quantize_int8_ref(vv[-32:], vs))
         else:
             assert "seed" not in h
     assert out == ref[:len(out)]

@@ -53,7 +53,10 @@ def tiny_hyco_llm(tmp_path_factory, name: str, **overrides):
 
     kwargs = dict(dtype="float32", max_model_len=512, max_num_seqs=16, enforce_eager=True,
                   distributed_executor_backend="uni", skip_tokenizer_init=True, block_size=BLOCK, seed=0,
-                  enable_prefix_caching=False, speculative_config={"method": "hyco"})
+                  enable_prefix_caching=False,
+                  # whole trees: these tests plant paths at known depths; the adaptive budget, which may
+                  # verify only a prefix, has its own tests (test_engine_budget.py)
+                  speculative_config={"method": "hyco", "budget_policy": "static"})
     engine = LLM(model=_build_tiny(tmp_path_factory.mktemp(name)), **{**kwargs, **overrides})
     yield engine
     engine.llm_engine.engine_core.shutdown()

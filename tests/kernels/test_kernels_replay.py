@@ -41,19 +41,20 @@ def test_record_is_compact_and_replays_exactly(tmp_path, k_eq_v):
 
 def test_dense_calls_pack_into_one_paged_batch(tmp_path):
     """What the CPU engine records (dense twin calls, shortened prefixes) replays as one paged batch."""
-    from vllm_hyco.kernels import ancestor_masks_from_parents, tree_attention_dense_ref
+    from vllm_hyco.handoff.tree_contract import ancestor_mask, depths
+    from vllm_hyco.kernels import tree_attention_dense_ref
     from vllm_hyco.kernels.replay import record_dense_calls
 
     g = torch.Generator().manual_seed(1)
     calls = []
     for prefix, parents, share in ((20, [-1, 0, 1, 1], False), (37, [-1, 0], True),
                                    (3, [-1, 0, 0, 2, 3], False)):
-        masks, depths = (torch.tensor(x) for x in ancestor_masks_from_parents(parents))
+        masks, row_depths = torch.from_numpy(ancestor_mask(parents)), torch.from_numpy(depths(parents))
         n = len(parents)
         q = torch.randn(n, 4, 32, generator=g)
         k = torch.randn(prefix + n, 2, 32, generator=g)
         v = k if share else torch.randn(prefix + n, 2, 32, generator=g)
-        args = dict(q=q, k=k, v=v, prefix_len=prefix, ancestor_mask=masks, depths=depths, scale=0.3,
+        args = dict(q=q, k=k, v=v, prefix_len=prefix, ancestor_mask=masks, depths=row_depths, scale=0.3,
                     sliding_window=16, softcap=None)
         calls.append({**args, "out": tree_attention_dense_ref(**args)})
     path = record_dense_calls(tmp_path / "dense.pt", calls, block_size=16, note="unit")

@@ -15,10 +15,11 @@ import torch
 from kernel_support import DEVICE, needs_triton, random_tree
 from tolerances import tol
 
+from vllm_hyco.errors import TreeValidationError
+from vllm_hyco.handoff.tree_contract import ancestor_mask
 from vllm_hyco.kernels import (
     KernelInputError,
     TreeAttentionMetadata,
-    ancestor_masks_from_parents,
     tree_attention,
     tree_attention_dense_ref,
     tree_attention_ref,
@@ -144,12 +145,14 @@ def test_metadata_make_dummy_worked_example():
 
 
 def test_bad_trees_and_shapes_raise():
-    with pytest.raises(KernelInputError):
-        ancestor_masks_from_parents([0, 0])
-    with pytest.raises(KernelInputError):
-        ancestor_masks_from_parents([-1, 1])
-    with pytest.raises(KernelInputError):
-        ancestor_masks_from_parents(random_tree(65, 0))
+    with pytest.raises(TreeValidationError):
+        ancestor_mask([0, 0])
+    with pytest.raises(TreeValidationError):
+        ancestor_mask([-1, 1])
+    with pytest.raises(TreeValidationError):
+        ancestor_mask(random_tree(65, 0))
+    with pytest.raises(TreeValidationError):
+        TreeAttentionMetadata.make_dummy([3], [[-1, 1]], block_size=4)
     q, kc, vc, meta = make_case([4], [TREES["chain5"]], 3, 2, 64, 16, torch.float32)
     with pytest.raises(KernelInputError):
         tree_attention(q, kc, vc, meta, 0.1, backend="torch")

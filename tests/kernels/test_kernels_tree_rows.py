@@ -12,7 +12,7 @@ K/V, non-contiguous blocks, a context across block boundaries and past the slidi
 The step's K/V rows are written at their sequential slots through ``BlockMajorKVView.scatter`` (where
 vLLM's writer puts them before attention), so the paged paths read them from the cache and the CPU
 override's path takes them fresh. Also: the view's gather/scatter round trip, and compaction on the
-block-major layout (the runner's ``_hyco_compact`` through the view, and ``kernels.compact_kv``) against a
+block-major layout (``vllm_adapter.tree_step.compact``, the engine's, and ``kernels.compact_kv``) against a
 dense per-position reference. No vLLM import: the device machine (torch + Triton only) runs this file.
 """
 
@@ -27,19 +27,19 @@ import torch
 from kernel_support import DEVICE, TRITON_OK, needs_triton, random_tree
 from tolerances import tol
 
-from vllm_hyco.vllm_adapter.kv_view import BlockMajorKVView, slots_for_positions
-from vllm_hyco.vllm_adapter.runner_mixin import HycoRunnerMixin
-from vllm_hyco.vllm_adapter.tree_plan import CapturedKV, TreeRows, TreeStep
 from vllm_hyco.errors import HardwareUnsupportedError
+from vllm_hyco.handoff import tree_contract
 from vllm_hyco.kernels import (
     KernelInputError,
-    ancestor_masks_from_parents,
     compact_kv,
     compaction_moves,
     tree_attention_dense_ref,
 )
 from vllm_hyco.kernels.tree_attention import first_visible_key
 from vllm_hyco.kernels.tree_rows import block_major_views, paged_tree_rows_attention, tree_rows_attention
+from vllm_hyco.vllm_adapter import tree_step
+from vllm_hyco.vllm_adapter.kv_view import BlockMajorKVView, slots_for_positions
+from vllm_hyco.vllm_adapter.tree_plan import TreeRows, TreeStep
 
 
 class PagedRequests:
@@ -67,12 +67,11 @@ class PagedRequests:
             k = self._randn(n, hkv, dim)
             v = self._randn(n, hkv, dim)
             self.view.scatter(self.kv, self.slots(r, torch.arange(t, t + n)), k, v)  # vLLM's sequential slots
-            m, d = ancestor_masks_from_parents(parents)
             self.fresh_k.append(k)
             self.fresh_v.append(v)
             self.q.append(self._randn(n, hq, dim))
-            self.masks.append(torch.tensor(m, dtype=torch.int64))
-            self.depths.append(torch.tensor(d, dtype=torch.int64))
+            self.masks.append(torch.from_numpy(tree_contract.ancestor_mask(parents)))
+            self.depths.append(torch.from_numpy(tree_contract.depths(parents)))
 
     def _randn(self, *shape):
         return torch.randn(*shape, generator=self.gen).to(self.dtype).to(DEVICE)
@@ -224,14 +223,38 @@ def test_block_major_view_refuses_quantized_caches():
     BlockMajorKVView("bfloat16")
 
 
-def _layer():
-    return SimpleNamespace(_k_scale_float=1.0, _v_scale_float=1.0)
+def _runner(groups: dict, t: int, n: int, window: int | None = None, scales: dict | None = None):
+    """What ``vllm_adapter.tree_step`` reads from vLLM's runner, for one tree at batch row 0 (q_start 0):
+    one KV group per layer, its slot mapping holding the sequential slots of positions t .. t + n - 1."""
+    layers = {name: SimpleNamespace(kv_cache=g.kv, kv_cache_dtype="auto") for name, g in groups.items()}
+    tables = [SimpleNamespace(slot_mapping=SimpleNamespace(gpu=g.slots(0, torch.arange(t, t + n))),
+                              block_table=SimpleNamespace(gpu=g.block_tables.to(DEVICE)), block_size=g.bs)
+              for g in groups.values()]
+    state = {"scales": scales}
+    hidden = next(iter(groups.values())).dim
+    return SimpleNamespace(
+        _hyco_state=lambda: state, device=torch.device(DEVICE),
+        kv_cache_config=SimpleNamespace(kv_cache_groups=[SimpleNamespace(layer_names=[k]) for k in groups]),
+        compilation_config=SimpleNamespace(static_forward_context=layers),
+        input_batch=SimpleNamespace(block_table=tables), _hyco_window=lambda: window,
+        _hyco_handoff_layers=lambda: {k: k for k in groups},
+        _hyco_kv_layers=lambda: SimpleNamespace(owners=tuple(groups)),  # layers.discover's cache owners
+        model=SimpleNamespace(embed_input_ids=lambda ids: ids.float().unsqueeze(1).expand(-1, hidden)))
+
+
+def _compact(runner, tr, path_rows):
+    step = tree_step.StepTrees.build([tr], [0], DEVICE)
+    verdict = SimpleNamespace(path_rows=torch.tensor([path_rows], dtype=torch.int64).view(1, -1).to(DEVICE),
+                              num_accepted=torch.tensor([len(path_rows)], device=DEVICE),
+                              bonus=torch.tensor([5], device=DEVICE))
+    tree_step.compact(runner, step, verdict)
+    return step, verdict
 
 
 @pytest.mark.parametrize("path_rows", [[1, 2, 3], [2, 5, 11, 30], [], [7], [1, 4, 5, 9, 10, 20, 26, 32]])
 def test_compaction_on_block_major_layout_equals_dense_reference(path_rows):
-    """Two KV groups (sliding: bs 16, full: bs 32, different tables): the runner's ``_hyco_compact`` through
-    the view moves rows t + r_i to t + i; afterwards positions 0 .. t + d read the committed sequence
+    """Two KV groups (sliding: bs 16, full: bs 32, different tables): ``tree_step.compact`` (the engine's
+    compaction: ``kernels.compact_kv`` over vLLM's slot mapping) moves rows t + r_i to t + i; afterwards positions 0 .. t + d read the committed sequence
     (prefix, root, path) exactly, every other slot is unchanged, and ``kernels.compact_kv`` gives the same
     caches from the same moves."""
     parents = random_tree(33, 9)
@@ -247,9 +270,7 @@ def test_compaction_on_block_major_layout_equals_dense_reference(path_rows):
         keep = list(range(t + 1)) + [t + r for r in path_rows]
         dense[name] = (k_all[keep], v_all[keep])
         before[name] = g.kv.clone()
-        tr.captured[name] = CapturedKV(key=g.fresh_k[0], value=g.fresh_v[0], slots=g.slots(0, torch.arange(t, t + n)),
-                                       layer=_layer(), kv_cache=g.kv, view=g.view)
-    HycoRunnerMixin._hyco_compact(None, tr, path_rows)
+    _compact(_runner(groups, t, n), tr, path_rows)
     for name, g in groups.items():
         d = len(path_rows)
         k_got, v_got = g.view.gather(g.kv, g.slots(0, torch.arange(0, t + 1 + d)))
@@ -268,13 +289,21 @@ def test_compaction_on_block_major_layout_equals_dense_reference(path_rows):
         assert torch.equal(ref, g.kv)
 
 
-def test_seed_gather_after_compaction_reads_the_committed_window():
-    """Round 0's seed (``_hyco_gather_seed``) through the block-major view: the last W committed positions
-    of both hand-off layers, read from the paged cache after compaction, equal the dense committed rows."""
+def test_handoff_gather_after_compaction_is_the_committed_rows_in_int8():
+    """``tree_step.handoff`` after ``tree_step.compact``: the root + path rows and round 0's seed (the last W
+    committed positions) of both hand-off layers, read from the paged cache and quantized on the device,
+    equal the int8 of the dense committed rows; h and e(bonus) are quantized with their scales."""
+    from vllm_hyco.kernels import quantize_int8_ref
+
     parents, path_rows = random_tree(33, 4), [3, 9, 17]
     t, n, window = 41, 33, 24
     layers = {"full": PagedRequests([t], [parents], 2, 1, 64, 32, torch.float32, seed=6),
               "sliding": PagedRequests([t], [parents], 2, 2, 32, 16, torch.float32, seed=7)}
+    gen = torch.Generator().manual_seed(3)
+    scales = {"e": torch.rand(64, generator=gen).to(DEVICE) + 0.01, "h": torch.rand(64, generator=gen).to(DEVICE) + 0.01}
+    for kind, g in layers.items():
+        scales[kind] = (torch.rand(g.hkv, g.dim, generator=gen).to(DEVICE) * 0.05 + 0.005,
+                        torch.rand(g.hkv, g.dim, generator=gen).to(DEVICE) * 0.05 + 0.005)
     tr = TreeRows.build(req_id="s", batch_idx=0, q_start=0, num_rows=n, context_len=t, round=0,
                         tokens=list(range(n)), parents=parents, eps=None)
     dense = {}
@@ -282,18 +311,24 @@ def test_seed_gather_after_compaction_reads_the_committed_window():
         k_all, v_all = g.view.gather(g.kv, g.slots(0, torch.arange(0, t + n)))
         keep = list(range(t + 1)) + [t + r for r in path_rows]
         dense[kind] = (k_all[keep], v_all[keep])
-        tr.captured[kind] = CapturedKV(key=g.fresh_k[0], value=g.fresh_v[0], slots=g.slots(0, torch.arange(t, t + n)),
-                                       layer=_layer(), kv_cache=g.kv, view=g.view)
-        tr.block_rows[kind] = g.block_tables[0].to(DEVICE)
-    HycoRunnerMixin._hyco_compact(None, tr, path_rows)
-    runner = SimpleNamespace(_hyco_window=lambda: window, _hyco_handoff_layers=lambda: {k: k for k in layers})
+    runner = _runner(layers, t, n, window, scales)
+    step, verdict = _compact(runner, tr, path_rows)
+    hidden = torch.randn(n, 64, generator=gen).to(DEVICE)
+    dec = tree_step.StepDecision(verdict=verdict, path_rows=[path_rows], bonus=[5], hits=[0], samples=[[]])
+    (h,) = tree_step.handoff(runner, step, dec, hidden)
     committed = t + 1 + len(path_rows)
-    seed = HycoRunnerMixin._hyco_gather_seed(runner, tr, committed)
+    assert (h["position"], h["start"]) == (committed - 1, t)
+    assert torch.equal(h["h"], quantize_int8_ref(hidden[path_rows[-1]], scales["h"]).cpu())
+    assert torch.equal(h["e_bonus"], quantize_int8_ref(torch.full((64,), 5.0, device=DEVICE), scales["e"]).cpu())
+    seed = h["seed"]
     assert (seed["start"], seed["end"]) == (committed - window, committed)
     for kind in layers:
-        assert seed[f"{kind}_k"].device.type == "cpu"
-        assert torch.equal(seed[f"{kind}_k"], dense[kind][0][committed - window:].cpu())
-        assert torch.equal(seed[f"{kind}_v"], dense[kind][1][committed - window:].cpu())
+        ks, vs = scales[kind]
+        for got, want, sc in ((h[f"{kind}_k"], dense[kind][0][t:], ks), (h[f"{kind}_v"], dense[kind][1][t:], vs),
+                              (seed[f"{kind}_k"], dense[kind][0][committed - window:], ks),
+                              (seed[f"{kind}_v"], dense[kind][1][committed - window:], vs)):
+            assert got.device.type == "cpu" and got.dtype == torch.int8
+            assert torch.equal(got, quantize_int8_ref(want, sc).cpu())
 
 
 def test_tree_step_stacks_rows_in_tree_order():

@@ -114,6 +114,9 @@ def test_config_selection():
 
 
 def test_engine_timer_wraps_a_worker_class(monkeypatch, tmp_path):
+    import sys
+    import types
+
     class Worker:
         def execute_model(self, scheduler_output):
             return "out"
@@ -124,7 +127,9 @@ def test_engine_timer_wraps_a_worker_class(monkeypatch, tmp_path):
     class Sched:
         total_num_scheduled_tokens = 33
 
-    monkeypatch.setattr(timing, "_worker_classes", lambda: [Worker])
+    monkeypatch.setitem(sys.modules, "_timing_demo", types.SimpleNamespace(Worker=Worker))
+    patches = timing.patches_for("_timing_demo:Worker")  # take_draft_token_ids: absent, skipped
+    monkeypatch.setattr(timing, "PATCHES", patches)
     monkeypatch.setattr(timing, "TIMER", timing.EngineTimer())
     monkeypatch.setenv(timing.ENV, "1")
     monkeypatch.setenv(timing.DIR_ENV, str(tmp_path))
@@ -135,5 +140,8 @@ def test_engine_timer_wraps_a_worker_class(monkeypatch, tmp_path):
     assert (snap["steps"], snap["rows"]) == (1, 33) and snap["busy_s"] > 0
     on_disk = timing.read_dir(tmp_path)
     assert (on_disk["steps"], on_disk["rows"]) == (1, 33)
+    for p in patches:
+        p.revert()
+    assert not hasattr(Worker, "hyco_bench_timing") and Worker().execute_model(Sched()) == "out"
     monkeypatch.setenv(timing.ENV, "0")
     assert timing.install() is False

@@ -44,7 +44,8 @@ def test_unknown_option_named_with_valid_list():
     ("epsilon", "0.1", "(0, 1)"), ("epsilon", True, "(0, 1)"), ("epsilon", float("nan"), "(0, 1)"),
     ("node_budget", 0, "[1, 32]"), ("node_budget", 33, "[1, 32]"), ("node_budget", 2.0, "[1, 32]"),
     ("window", 0, "[1,"), ("max_sessions", 0, "[1,"), ("session_idle_timeout_s", 0, "(0.0,"),
-    ("max_session_tokens", 1, "[2,"),
+    ("max_session_tokens", 1, "[2,"), ("budget_policy", "dynamic", "'adaptive', 'static'"),
+    ("budget_policy", None, "'adaptive', 'static'"),
 ])
 def test_bad_values_name_field_and_range(field, value, needle):
     with pytest.raises(ConfigError) as err:
@@ -123,3 +124,10 @@ def test_lossy_mode_logged(caplog, monkeypatch):
     caplog.clear()
     expand_engine_args(_args(), is_cpu=True)
     assert not any("LOSSY" in r.getMessage() and r.levelname == "WARNING" for r in caplog.records)
+
+
+def test_budget_policy_defaults_to_adaptive_and_round_trips():
+    assert HycoConfig().budget_policy == "adaptive"
+    cfg = HycoConfig.parse('{"method": "hyco", "budget_policy": "static", "node_budget": 8}')
+    assert (cfg.budget_policy, cfg.node_budget) == ("static", 8)
+    assert HycoConfig.from_dict(cfg.to_dict()) == cfg and "node_budget 8 (static)" in cfg.describe()

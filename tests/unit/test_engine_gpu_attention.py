@@ -5,8 +5,8 @@ The stock Triton forward and KV writer cannot run without a GPU; they are replac
 fills every row with a sentinel, the writer stores rows where vLLM's ``triton_reshape_and_cache_flash``
 does). What is checked is our hook: exactly the tree rows are recomputed, by
 ``kernels.paged_tree_rows_attention``, with the step's plan and this layer's block-table rows, window,
-softcap and scale; the other rows keep the stock output; the tree rows' K/V are captured with the
-block-major view. Also: registration over the static CUSTOM member, the start-up backend check, and the
+softcap and scale; the other rows keep the stock output; the layer's write is recorded (no copy of the
+rows). Also: registration over the static CUSTOM member, the start-up backend check, and the
 GPU config expansion (attention backend CUSTOM, other backends refused).
 """
 
@@ -123,10 +123,8 @@ def test_forward_hook_recomputes_exactly_the_tree_rows(stub_stock, monkeypatch, 
         want = tree_attention_dense_ref(query[rows], torch.cat([k_pre, key[rows]]), torch.cat([v_pre, value[rows]]),
                                         t - lo, tr.masks, tr.depths, impl.scale, window, softcap)
         torch.testing.assert_close(out[rows], want, **tol("attention", torch.float32))
-        cap = tr.captured[layer.layer_name]
-        assert isinstance(cap.view, BlockMajorKVView) and cap.kv_cache is kv
-        assert torch.equal(cap.key, key[rows]) and torch.equal(cap.slots, slot_mapping[rows])
-        assert torch.equal(tr.block_rows[layer.layer_name], table[b])
+    # the write is recorded per layer and step, nothing is copied (compaction reads the paged cache)
+    assert tree_plan.layers_written() == {layer.layer_name}
 
 
 def test_no_tree_means_stock_only(stub_stock, monkeypatch):

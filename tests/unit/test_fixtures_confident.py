@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hyco_lab.fixtures import confident
+from hyco_lab.fixtures import kinds as confident  # the experiment's data (kinds.py)
 from hyco_lab.fixtures.corpus import chat_sample
 
 

@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from vllm_hyco.errors import ConfigError
+from vllm_hyco.handoff.tree_contract import NodeLabel
 from vllm_hyco.spec_decode.acceptance import AcceptanceMode, acceptance_mode, select_path
 from vllm_hyco.spec_decode.sampling import SamplingSpec, sample_rows, sampling_probs
 from vllm_hyco.spec_decode.stats import RoundStats
-from vllm_hyco.spec_decode.tree import NodeSource, TokenTree
+from vllm_hyco.spec_decode.tree import TokenTree
 from vllm_hyco.spec_decode.verify import PackedTrees, verify_batch, verify_batch_from_probs
 
 
@@ -237,7 +238,7 @@ def test_verdict_counts_sources_depths_and_compaction():
     assert d["mean_accepted_length"] == 2.0 and d["drafted"] == 6
     assert isinstance(RoundStats() + stats, RoundStats)
     assert verdict.total_stats().to_dict() == (stats + RoundStats()).to_dict() | {"drafted": 0}
-    assert NodeSource.SLM == 3
+    assert NodeLabel.SLM == 3
 
 
 def test_sparse_support_path_matches_dense_reference_on_a_larger_vocabulary():

@@ -1,4 +1,5 @@
-"""TokenTree: validation codes, derived fields against brute force, padding, wire round trip."""
+"""TokenTree (the tree contract's torch edge): validation codes on torch and list inputs, derived fields
+against brute force, padding, wire round trip. The contract itself: tests/unit/test_tree_contract.py."""
 
 import random
 
@@ -6,7 +7,8 @@ import pytest
 import torch
 
 from vllm_hyco.errors import TreeValidationError
-from vllm_hyco.spec_decode.tree import NodeSource, TokenTree, validate_tree
+from vllm_hyco.handoff.tree_contract import validate_tree
+from vllm_hyco.spec_decode.tree import TokenTree
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -145,7 +147,3 @@ def test_wire_round_trip_and_validation():
         TokenTree.from_wire({"tokens": [1, 2, 2], "parents": [-1, 0, 0]}, vocab_size=V)
     assert err.value.code == "duplicate_sibling"
 
-
-def test_node_source_values_are_the_wire_values():
-    assert [int(s) for s in NodeSource] == [0, 1, 2, 3, 4]
-    assert [s.name for s in NodeSource] == ["ROOT", "CHAIN", "RUNNER_UP", "SLM", "OTHER"]

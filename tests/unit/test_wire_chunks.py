@@ -29,7 +29,7 @@ def test_split_sizes_and_reassembly_through_encoded_frames():
     asm = HandoffAssembler(0, ref, LIMITS)
     done = [asm.add(decode_server_frame(encode_frame(f), LIMITS)) for f in frames]
     assert done == [False] * (len(frames) - 1) + [True]
-    assert asm.payload(expect=SPEC) == SEED
+    assert asm.payload(SPEC) == SEED
 
 
 def expect_error(code, feed, finish=False):
@@ -39,7 +39,7 @@ def expect_error(code, feed, finish=False):
         for f in feed(frames):
             asm.add(f)
         if finish:
-            asm.payload()
+            asm.payload(SPEC)
     assert e.value.code == code
     return str(e.value)
 

@@ -7,7 +7,6 @@ from vllm_hyco.errors import ConfigError, FrameError, HandoffSchemaError
 from vllm_hyco.handoff.client_frames import (
     ClientCapabilities,
     HycoOptions,
-    NodeLabel,
     ResumeRequest,
     StartFrame,
     TreeFrame,
@@ -20,11 +19,13 @@ from vllm_hyco.handoff.server_frames import (
     FinalFrame,
     HandoffChunkFrame,
     HandoffRef,
+    SessionFrame,
     VerdictFrame,
     openai_chunk,
 )
+from vllm_hyco.handoff.tree_contract import NodeLabel
 
-SID = bytes(range(16))
+SID = "r1." + bytes(range(16)).hex()
 SPEC = HandoffSpec(
     bytes(16), 4, (LayerSpec(0, "sliding", 1, 4, 16), LayerSpec(1, "full", 1, 8, 0, True)), bytes(16)
 )
@@ -39,7 +40,6 @@ def tree32(labels=True):
 
 def verdict(**kw):
     args = dict(
-        session_id=SID,
         round=2,
         path=(1, 3),
         tokens=(7, 8, 9),
@@ -78,10 +78,13 @@ CLIENT_FRAMES = [
         {"prompt": [1, 2, 3]},
         HycoOptions("epsilon", 0.002, ClientCapabilities(8, False), b"\x01" * 32),
     ),
-    StartFrame("chat.completions", None, HycoOptions(resume=ResumeRequest(SID, -1, True), fingerprint=SID)),
+    StartFrame(
+        "chat.completions", None, HycoOptions(resume=ResumeRequest(SID, -1, True), fingerprint=bytes(16))
+    ),
     tree32(),
     tree32(labels=False),
     TreeFrame.from_lists(0, [5], [-1], [0]),
+    TreeFrame.from_lists(0, [5, 6, 7], [-1, 0, 1], None, [255, 100, 3], SPEC.schema_hash),
 ]
 SERVER_FRAMES = [
     verdict(),
@@ -97,6 +100,8 @@ SERVER_FRAMES = [
     ErrorFrame("bad_round", "send round 3", False, 2),
     ErrorFrame("internal_error", "boom", True),
     FinalFrame(SID, 10, 20, 6, 20 / 6, 1000, 90000),
+    SessionFrame(SID, -1, 32, SPEC),
+    SessionFrame(SID, 7, 0, SPEC),
 ]
 
 
@@ -110,7 +115,7 @@ def test_client_frames_round_trip(frame):
 @pytest.mark.parametrize("frame", SERVER_FRAMES, ids=lambda f: f.TYPE)
 def test_server_frames_round_trip(frame):
     data = encode_frame(frame)
-    back = decode_server_frame(data, expect=SPEC)
+    back = decode_server_frame(data, schema=SPEC)
     assert back == frame and encode_frame(back) == data
 
 
@@ -149,7 +154,12 @@ def test_tree_wire_layout():
         (dict(round=1.0), "bad_field_type"),
         (dict(round=KeyError), "missing_field"),
         (dict(session="x"), "unknown_field"),
-        (dict(v=2), "unsupported_version"),
+        (dict(v=1), "unsupported_version"),
+        (dict(v=3), "unsupported_version"),
+        (dict(values=b"\x00" * 33), "bad_field_value"),
+        (dict(values=b"\xff" * 3), "bad_field_value"),
+        (dict(values=[255] * 33), "bad_field_type"),
+        (dict(schema=b"\x00" * 16), "bad_field_value"),
         (dict(type="verdict"), "unknown_type"),
         (dict(type=None), "bad_field_type"),
     ],
@@ -221,8 +231,20 @@ START = CLIENT_FRAMES[0]
                     "resume": {"session_id": b"x", "last_round": 0, "need_seed": False},
                 }
             ),
-            "bad_hyco",
+            "bad_field_type",
         ),
+        *[
+            (
+                dict(
+                    hyco={
+                        **HycoOptions().to_wire(),
+                        "resume": {"session_id": sid, "last_round": 0, "need_seed": False},
+                    }
+                ),
+                "bad_hyco",
+            )
+            for sid in ("x", SID.upper(), "-r." + "0" * 32, SID + "0", "r1" + "0" * 33, "a" * 33 + "." + "0" * 32)
+        ],
         (dict(hyco={**HycoOptions().to_wire(), "resume": ResumeRequest(SID, 0).to_wire()}), "bad_request"),
     ],
 )
@@ -254,7 +276,6 @@ def test_completions_start_needs_a_prompt():
             ),
             "bad_verdict",
         ),
-        (dict(session_id=b"short"), "bad_field_value"),
         (dict(chunk={"id": "c"}), "missing_field"),
         (
             dict(chunk={**openai_chunk("text_completion", "c", "m", "x", created=1), "choices": []}),
@@ -272,17 +293,66 @@ def test_completions_start_needs_a_prompt():
     ],
 )
 def test_verdict_defects(kw, code):
-    err(decode_server_frame, encode_frame(verdict(**kw)), code)
+    err(decode_server_frame, encode_frame(verdict(**kw)), code, schema=SPEC)
 
 
-def test_verdict_checks_its_inline_handoff_against_the_phone_model():
+def test_an_inline_handoff_needs_the_session_schema():
+    err(decode_server_frame, encode_frame(verdict()), "bad_verdict")
+    other = HandoffSpec(bytes(16), 4, SPEC.layers[:1], bytes(16))  # one layer: the kv list does not fit
+    err(decode_server_frame, encode_frame(verdict()), "bad_handoff", schema=other)
+
+
+def test_verdicts_carry_no_session_id_and_no_header():
+    w = frame_to_wire(verdict())
+    assert "sid" not in w and list(w["handoff"]) == ["span", "bonus", "e", "h", "kv"]
+
+
+@pytest.mark.parametrize(
+    "changes, code",
+    [
+        (dict(sid=bytes(16)), "bad_field_type"),
+        (dict(sid="r1.short"), "bad_field_value"),
+        (dict(schema_hash=bytes(8)), "bad_field_value"),
+        (dict(last_round=-2), "bad_field_value"),
+        (dict(budget=33), "bad_field_value"),
+        (dict(schema={**SPEC.to_wire(), "version": 1}), "handoff_version"),
+        (dict(schema={**SPEC.to_wire(), "hidden": 0}), "bad_field_value"),
+        (dict(schema={**SPEC.to_wire(), "layers": []}), "bad_handoff"),
+        (dict(schema={**SPEC.to_wire(), "span": [0, 1]}), "unknown_field"),
+        (dict(schema_hash=KeyError), "missing_field"),
+    ],
+)
+def test_session_frame_defects(changes, code):
+    err(decode_server_frame, raw(SessionFrame(SID, -1, 32, SPEC), **changes), code)
+
+
+def test_schema_hash_is_of_the_schema_encoding():
+    import hashlib
+
+    assert SPEC.schema_hash == hashlib.sha256(msgpack.packb(SPEC.to_wire(), use_bin_type=True)).digest()[:8]
     other = HandoffSpec(b"\x01" * 16, 4, SPEC.layers, bytes(16))
-    err(decode_server_frame, encode_frame(verdict()), "fingerprint_mismatch", expect=other)
+    assert other.schema_hash != SPEC.schema_hash and HandoffSpec.from_wire(other.to_wire()) == other
+
+
+def test_version_1_frames_get_an_unsupported_version_answer_they_can_read():
+    from vllm_hyco.handoff.frames import reply_version
+
+    v1 = raw(tree32(), v=1)
+    msg = err(decode_client_frame, v1, "unsupported_version")
+    assert "version 2" in msg and "upgrade the phone app" in msg
+    assert reply_version(v1) == 1 and reply_version(b"\xc1") == 2 and reply_version(raw(tree32(), v=7)) == 2
+    answer = encode_frame(ErrorFrame("unsupported_version", msg, True), version=1)
+    assert msgpack.unpackb(answer)["v"] == 1
+    assert decode_server_frame(answer).code == "unsupported_version"  # error frames decode in every version
+    with pytest.raises(ValueError):
+        encode_frame(SessionFrame(SID, -1, 32, SPEC), version=1)
+    err(decode_server_frame, raw(SessionFrame(SID, -1, 32, SPEC), v=1), "unsupported_version")
 
 
 def test_verdict_passes_extra_openai_fields_through():
     chunk = {**openai_chunk("chat.completion.chunk", "c", "m", "x", created=1), "system_fingerprint": "fp"}
-    assert decode_server_frame(encode_frame(verdict(chunk=chunk))).chunk["system_fingerprint"] == "fp"
+    back = decode_server_frame(encode_frame(verdict(chunk=chunk)), schema=SPEC)
+    assert back.chunk["system_fingerprint"] == "fp"
 
 
 @pytest.mark.parametrize(
@@ -296,7 +366,7 @@ def test_handoff_ref_defects(frame, changes, code):
     v = verdict(handoff=None, handoff_ref=frame)
     obj = frame_to_wire(v)
     obj["handoff_ref"].update(changes)
-    err(decode_server_frame, msgpack.packb(obj, use_bin_type=True), code)
+    err(decode_server_frame, msgpack.packb(obj, use_bin_type=True), code, schema=SPEC)
 
 
 @pytest.mark.parametrize(

@@ -32,7 +32,10 @@ def payload(a=5, t=8, **kw):
 
 
 def wire(**changes):
-    obj = handoff_to_wire(payload())
+    return msgpack.packb(edit(handoff_to_wire(payload()), changes), use_bin_type=True)
+
+
+def edit(obj, changes):
     for path, value in changes.items():
         target = obj
         *parents, last = path.split(".")
@@ -44,13 +47,13 @@ def wire(**changes):
             target[int(last)] = value
         else:
             target[last] = value
-    return msgpack.packb(obj, use_bin_type=True)
+    return obj
 
 
 def test_round_trip_is_exact_and_byte_stable():
     p = payload()
     data = encode_handoff(p)
-    back = decode_handoff(data, expect=SPEC)
+    back = decode_handoff(data, SPEC)
     assert back == p
     assert encode_handoff(back) == data
     assert back.header.num_positions == 3 and back.k[0].shape == (3, 2, 4) and back.v[1].shape == (3, 1, 8)
@@ -60,7 +63,7 @@ def test_layer_without_v_round_trips_with_nil():
     layers = (LAYERS[0], dataclasses.replace(LAYERS[1], has_v=False))
     spec = dataclasses.replace(SPEC, layers=layers)
     p = HandoffPayload.make_dummy(spec, 0, 2)
-    back = decode_handoff(encode_handoff(p), expect=spec)
+    back = decode_handoff(encode_handoff(p), spec)
     assert back.v[1] is None and back == p
     assert spec.values_per_position == 2 * 4 * 2 + 8
 
@@ -80,7 +83,7 @@ def test_quantized_payload_dequantizes_within_half_a_step():
     v = [rng.uniform(-3, 3, (3, ly.kv_heads, ly.head_dim)).astype(np.float32) for ly in LAYERS]
     e, h = rng.uniform(-5, 5, 6).astype(np.float32), rng.uniform(-5, 5, 6).astype(np.float32)
     p = HandoffPayload.quantized(header, scales, 9, e, h, k, v)
-    back = decode_handoff(encode_handoff(p))
+    back = decode_handoff(encode_handoff(p), SPEC)
     assert np.all(np.abs(dequantize(back.k[0], scales.layer(2)[0]) - k[0]) <= 0.025 + 1e-6)
     assert np.all(np.abs(dequantize(back.e_bonus, scales.e) - e) <= 0.05 + 1e-6)
 
@@ -104,33 +107,57 @@ def test_fingerprint_is_deterministic_and_sensitive():
         (dict(fingerprint=bytes(16)), "fingerprint_mismatch"),
     ],
 )
-def test_expect_reports_the_first_difference(change, code):
+def test_the_session_schema_check_reports_the_first_difference(change, code):
     other = dataclasses.replace(SPEC, **change)
     with pytest.raises(HandoffSchemaError) as e:
-        decode_handoff(encode_handoff(payload()), expect=other)
+        HandoffSpec.from_wire(other.to_wire()).check_matches(SPEC)
+    assert e.value.code == code
+    assert other.schema_hash != SPEC.schema_hash
+
+
+def test_a_handoff_is_read_with_the_session_schema_only():
+    with pytest.raises(HandoffSchemaError) as e:
+        decode_handoff(encode_handoff(payload()), None)
+    assert e.value.code == "bad_handoff" and "schema" in str(e.value)
+    assert list(handoff_to_wire(payload())) == ["span", "bonus", "e", "h", "kv"]
+
+
+@pytest.mark.parametrize(
+    "changes, code, text",
+    [
+        ({"version": 1}, "handoff_version", "schema 1"),
+        ({"version": True}, "bad_field_type", "version"),
+        ({"fingerprint": b"short"}, "bad_handoff", "fingerprint"),
+        ({"hidden": 0}, "bad_field_value", "hidden"),
+        ({"layers": []}, "bad_handoff", "0 layers"),
+        ({"layers.0.kind": "local"}, "bad_field_value", "kind"),
+        ({"layers.0.window": 0}, "bad_handoff", "window"),
+        ({"layers.1.window": 4}, "bad_handoff", "window"),
+        ({"layers.1.id": 2}, "bad_handoff", "twice"),
+        ({"layers.0.extra": 1}, "unknown_field", "extra"),
+        ({"layers.0.kv_heads": KeyError}, "missing_field", "kv_heads"),
+        ({"quant.scheme": "fp8"}, "bad_field_value", "scheme"),
+        ({"quant.scales_id": b"x"}, "bad_handoff", "scales_id"),
+        ({"span": [0, 1]}, "unknown_field", "span"),
+    ],
+)
+def test_every_schema_defect_raises_a_typed_error(changes, code, text):
+    with pytest.raises(HandoffSchemaError, match=text) as e:
+        HandoffSpec.from_wire(edit(SPEC.to_wire(), changes))
     assert e.value.code == code
 
 
 @pytest.mark.parametrize(
     "changes, code, text",
     [
-        ({"header.schema": 2}, "handoff_version", "schema 2"),
-        ({"header.schema": True}, "bad_field_type", "schema"),
-        ({"header.fingerprint": b"short"}, "bad_handoff", "fingerprint"),
-        ({"header.hidden": 0}, "bad_field_value", "hidden"),
-        ({"header.layers": []}, "bad_handoff", "0 layers"),
-        ({"header.layers.0.kind": "local"}, "bad_field_value", "kind"),
-        ({"header.layers.0.window": 0}, "bad_handoff", "window"),
-        ({"header.layers.1.window": 4}, "bad_handoff", "window"),
-        ({"header.layers.1.id": 2}, "bad_handoff", "twice"),
-        ({"header.layers.0.extra": 1}, "unknown_field", "extra"),
-        ({"header.layers.0.kv_heads": KeyError}, "missing_field", "kv_heads"),
-        ({"header.quant.scheme": "fp8"}, "bad_field_value", "scheme"),
-        ({"header.span": [6, 8]}, "bad_handoff", "k of layer 2"),
-        ({"header.span": [5, 9]}, "bad_handoff", "span"),
-        ({"header.span": [8, 8], "header.root": 8}, "bad_handoff", "span"),
-        ({"header.span": [-1, 8]}, "bad_handoff", "span"),
-        ({"header.span": [0, 2000], "header.root": 2000}, "bad_handoff", "over the limit"),
+        ({"span": [6, 8]}, "bad_handoff", "k of layer 2"),
+        ({"span": [5, 9]}, "bad_handoff", "k of layer 2"),
+        ({"span": [8, 8]}, "bad_handoff", "span"),
+        ({"span": [-1, 8]}, "bad_handoff", "span"),
+        ({"span": [5]}, "bad_handoff", "span"),
+        ({"span": [0, 2**31]}, "bad_handoff", "span"),
+        ({"span": [0, 2000]}, "bad_handoff", "over the limit"),
+        ({"span": KeyError}, "missing_field", "span"),
         ({"bonus": -1}, "bad_field_value", "bonus"),
         ({"e": b"\x00" * 5}, "bad_handoff", "e must be"),
         ({"h": "text"}, "bad_field_type", "'h'"),
@@ -142,7 +169,7 @@ def test_expect_reports_the_first_difference(change, code):
 )
 def test_every_defect_raises_a_typed_error(changes, code, text):
     with pytest.raises(HandoffSchemaError, match=text) as e:
-        decode_handoff(wire(**changes))
+        decode_handoff(wire(**changes), SPEC)
     assert e.value.code == code
 
 
@@ -151,20 +178,20 @@ def test_v_rows_for_a_layer_without_v_are_rejected():
     obj = handoff_to_wire(HandoffPayload.make_dummy(spec, 0, 1))
     obj["kv"][1][1] = b"\x00" * 8
     with pytest.raises(HandoffSchemaError, match="has_v=false"):
-        decode_handoff(msgpack.packb(obj, use_bin_type=True))
+        decode_handoff(msgpack.packb(obj, use_bin_type=True), spec)
 
 
 def test_size_and_msgpack_errors_are_typed():
     data = encode_handoff(payload())
     with pytest.raises(HandoffSchemaError) as e:
-        decode_handoff(data, limits=WireLimits(max_handoff_bytes=100))
+        decode_handoff(data, SPEC, limits=WireLimits(max_handoff_bytes=100))
     assert e.value.code == "frame_too_large"
     for bad in (data[:-3], data + b"\x00", b"\xc1", "text"):
         with pytest.raises(HandoffSchemaError) as e:
-            decode_handoff(bad)
+            decode_handoff(bad, SPEC)
         assert e.value.code == "bad_msgpack"
     with pytest.raises(HandoffSchemaError) as e:
-        decode_handoff(msgpack.packb([1, 2]))
+        decode_handoff(msgpack.packb([1, 2]), SPEC)
     assert e.value.code == "bad_field_type"
 
 

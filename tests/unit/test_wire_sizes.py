@@ -10,6 +10,7 @@ from vllm_hyco.handoff.sizes import (
     layers_from_hf_config,
     paper_handoff_bytes,
     seed_bytes,
+    session_frame_bytes,
     size_report,
     spec_from_hf_config,
     tree_frame_bytes,
@@ -29,10 +30,19 @@ def test_each_position_costs_exactly_its_int8_values_on_the_wire():
         assert handoff_bytes(spec, 3) - handoff_bytes(spec, 2) == spec.values_per_position
 
 
-def test_our_fixed_overhead_over_the_paper_is_small_and_bounded():
+@pytest.mark.parametrize("positions", [1, 2, 5, 64])
+def test_per_round_handoff_is_within_64_bytes_of_the_paper(positions):
+    """Protocol 2: the schema travels once per session, a hand-off carries span, bonus and framing only."""
     spec = spec_from_hf_config(GEMMA4_26B_A4B_CONFIG)
-    extra = handoff_bytes(spec, 1) - paper_handoff_bytes(spec, 1)
-    assert 0 < extra <= 400  # header map, layer list, bin length prefixes
+    extra = handoff_bytes(spec, positions) - paper_handoff_bytes(spec, positions)
+    assert 0 < extra <= 64
+
+
+def test_the_schema_costs_once_per_session():
+    spec = spec_from_hf_config(GEMMA4_26B_A4B_CONFIG)
+    assert 0 < session_frame_bytes(spec) <= 512
+    r = size_report(GEMMA4_26B_A4B_CONFIG, 1024, max_accepted=0)
+    assert r["handoff_over_paper_bytes"] <= 64 and r["session_frame_bytes"] == session_frame_bytes(spec)
 
 
 def test_seed_is_about_6_3_mb_and_every_chunk_frame_fits_aiohttp_default():
@@ -44,6 +54,12 @@ def test_seed_is_about_6_3_mb_and_every_chunk_frame_fits_aiohttp_default():
 @pytest.mark.parametrize("labels", [True, False])
 def test_32_node_tree_frame_is_at_most_256_bytes(labels):
     assert tree_frame_bytes(32, labels=labels, round=2**31 - 1, token=262_000) <= 256
+
+
+def test_node_values_and_the_schema_confirmation_cost_their_bytes_only():
+    base = tree_frame_bytes(32)
+    assert tree_frame_bytes(32, values=True) == base + len("values") + 1 + 2 + 33
+    assert tree_frame_bytes(32, schema=True) == base + len("schema") + 1 + 2 + 8
 
 
 def test_fixture_config_matches_the_fixture_generator_defaults():

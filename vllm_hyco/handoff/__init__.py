@@ -1,16 +1,17 @@
 """The wire format's single owner (numpy + msgpack, no vLLM, no torch): hand-off, tree and verdict frames.
 
-Modules: ``quant`` (fixed-scale int8 and the scales file), ``schema`` (the hand-off), ``client_frames``
-(start, tree), ``server_frames`` (verdict, handoff_chunk, error, final), ``frames`` (envelope, encode,
-decode), ``chunks`` (seed chunking and reassembly), ``limits`` (WireLimits, error codes), ``sizes``
-(byte counts), ``golden`` (``python -m vllm_hyco.handoff.golden DIR``). docs/protocol.md is the spec.
+Modules: ``quant`` (fixed-scale int8 and the scales file), ``schema`` (the session's hand-off schema and the
+per-round hand-off), ``client_frames`` (start, tree), ``server_frames`` (session, verdict, handoff_chunk,
+error, final), ``frames`` (envelope, versions, encode, decode), ``session_id`` (``"<routing-key>.<random>"``),
+``chunks`` (seed chunking and reassembly), ``limits`` (WireLimits, error codes), ``tree_contract``
+(what a tree is: labels, depth, ancestor masks, padding, ``validate_tree``), ``sizes`` (byte counts),
+``golden`` (``python -m vllm_hyco.handoff.golden DIR``). docs/protocol.md is the spec (protocol version 2).
 """
 
 from vllm_hyco.handoff.chunks import HandoffAssembler, plan_handoff, split_handoff
 from vllm_hyco.handoff.client_frames import (
     ClientCapabilities,
     HycoOptions,
-    NodeLabel,
     ResumeRequest,
     StartFrame,
     TreeFrame,
@@ -20,6 +21,7 @@ from vllm_hyco.handoff.limits import DEFAULT_LIMITS, ERROR_CODES, WireLimits
 from vllm_hyco.handoff.quant import HandoffScales, dequantize, load_scales, quantize, save_scales
 from vllm_hyco.handoff.schema import (
     HANDOFF_SCHEMA_VERSION,
+    SCHEMA_HASH_BYTES,
     HandoffHeader,
     HandoffPayload,
     HandoffSpec,
@@ -33,9 +35,12 @@ from vllm_hyco.handoff.server_frames import (
     FinalFrame,
     HandoffChunkFrame,
     HandoffRef,
+    SessionFrame,
     VerdictFrame,
     openai_chunk,
 )
+from vllm_hyco.handoff.session_id import new_session_id, route_key
+from vllm_hyco.handoff.tree_contract import NodeLabel
 
 __all__ = [
     "ClientCapabilities",
@@ -56,6 +61,8 @@ __all__ = [
     "NodeLabel",
     "PROTOCOL_VERSION",
     "ResumeRequest",
+    "SCHEMA_HASH_BYTES",
+    "SessionFrame",
     "StartFrame",
     "TreeFrame",
     "VerdictFrame",
@@ -68,9 +75,11 @@ __all__ = [
     "encode_handoff",
     "load_scales",
     "model_fingerprint",
+    "new_session_id",
     "openai_chunk",
     "plan_handoff",
     "quantize",
+    "route_key",
     "save_scales",
     "split_handoff",
 ]

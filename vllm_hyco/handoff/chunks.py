@@ -126,5 +126,6 @@ class HandoffAssembler:
             )
         return data
 
-    def payload(self, expect: HandoffSpec | None = None) -> HandoffPayload:
-        return decode_handoff(self.data(), expect=expect, limits=self.limits)
+    def payload(self, schema: HandoffSpec) -> HandoffPayload:
+        """The reassembled hand-off, read with the session's schema."""
+        return decode_handoff(self.data(), schema, limits=self.limits)

@@ -2,13 +2,15 @@
 
 Each class has ``to_wire()`` (the frame's fields, without the ``type``/``v`` envelope that
 ``frames.encode_frame`` adds) and ``from_wire(fields, limits)``. Validation here is structural; the
-semantic tree rules (duplicate siblings, vocabulary) belong to ``vllm_hyco.spec_decode.tree``.
+semantic tree rules (duplicate siblings, vocabulary) belong to ``tree_contract.validate_tree``.
 
-The tree frame (decisions.md D3): rows in insertion order, row 0 is the root, no padding::
+The tree frame (docs/decisions.md D3): rows in insertion order, row 0 is the root, no padding::
 
     tokens  = bin[(n+1) * 4]   uint32 little-endian token ids
     parents = bin[n+1]         uint8 row of each parent, 0xFF for the root; 0 <= parents[i] < i
     labels  = bin[n+1]         optional, uint8 NodeLabel per row, ROOT (0) for row 0
+    values  = bin[n+1]         optional, uint8 per row: round(255 * the phone's acceptance estimate), 255 for row 0
+    schema  = bin[8]           optional; required in the first tree after each ``session`` frame: its schema_hash
 
 >>> t = TreeFrame.from_lists(round=3, tokens=[7, 8, 9], parents=[-1, 0, 0], labels=[0, 1, 2])
 >>> t.to_wire()["parents"]
@@ -18,38 +20,29 @@ b'\\xff\\x00\\x00'
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import IntEnum
 
 import numpy as np
 
 from vllm_hyco.errors import FrameError
 from vllm_hyco.handoff._fields import Fields, pack
 from vllm_hyco.handoff.limits import AIOHTTP_DEFAULT_MAX_MSG, WireLimits
-from vllm_hyco.handoff.schema import FINGERPRINT_BYTES
+from vllm_hyco.handoff.schema import FINGERPRINT_BYTES, HANDOFF_SCHEMA_VERSION, SCHEMA_HASH_BYTES
+from vllm_hyco.handoff.session_id import session_id_problem
+from vllm_hyco.handoff.tree_contract import DEFAULT_NODE_BUDGET, NodeLabel
 
-SESSION_ID_BYTES = 16
 ROOT_PARENT = 0xFF
+ROOT_VALUE = 0xFF  # the root is always committed
 ENDPOINTS = ("chat.completions", "completions")
 MODES = ("exact", "epsilon")
 MIN_CLIENT_MESSAGE_BYTES = 64 << 10
 _E = FrameError
 
 
-class NodeLabel(IntEnum):
-    """Where a tree node came from (optional per-node labels; statistics only, never acceptance)."""
-
-    ROOT = 0
-    CHAIN = 1
-    RUNNER_UP = 2
-    SLM = 3
-    OTHER = 4
-
-
 @dataclass(frozen=True)
 class ClientCapabilities:
-    max_nodes: int = 32  # the most draft nodes this phone can build per tree
+    max_nodes: int = DEFAULT_NODE_BUDGET  # the most draft nodes this phone can build per tree
     labels: bool = True  # the phone sends per-node source labels
-    handoff_schemas: tuple[int, ...] = (1,)  # hand-off schema versions it decodes
+    handoff_schemas: tuple[int, ...] = (HANDOFF_SCHEMA_VERSION,)  # hand-off schema versions it decodes
     max_message_bytes: int = AIOHTTP_DEFAULT_MAX_MSG  # its WebSocket receive limit
 
     def to_wire(self) -> dict:
@@ -81,7 +74,7 @@ class ClientCapabilities:
 
 @dataclass(frozen=True)
 class ResumeRequest:
-    session_id: bytes  # 16 bytes, from the session's verdicts
+    session_id: str  # "<routing-key>.<random>", from the session's `session` frame (session_id.py)
     last_round: int  # the last round whose verdict (and hand-off) the phone holds; -1 for none
     need_seed: bool = False  # the phone lost its drafter state: resend a seed hand-off (<= W positions)
 
@@ -91,12 +84,10 @@ class ResumeRequest:
     @classmethod
     def from_wire(cls, obj, limits: WireLimits) -> ResumeRequest:
         f = Fields(obj, _E, "start.hyco.resume")
-        sid = f.bin("session_id")
-        if len(sid) != SESSION_ID_BYTES:
-            raise _E(
-                f"start.hyco.resume.session_id must be {SESSION_ID_BYTES} bytes, got {len(sid)}",
-                code="bad_hyco",
-            )
+        sid = f.get("session_id", str)
+        problem = session_id_problem(sid)
+        if problem is not None:
+            raise _E(f"start.hyco.resume.session_id: {problem}", code="bad_hyco")
         out = cls(sid, f.int("last_round", -1, limits.max_round), f.get("need_seed", bool))
         f.done()
         return out
@@ -226,43 +217,57 @@ class TreeFrame:
     tokens: tuple[int, ...]  # [n + 1] token ids
     parents: tuple[int, ...]  # [n + 1] parent rows, parents[0] = -1
     labels: tuple[int, ...] | None = None  # [n + 1] NodeLabel values, labels[0] = ROOT
+    values: tuple[int, ...] | None = None  # [n + 1] uint8 acceptance estimates, values[0] = 255 (issue 16)
+    schema: bytes | None = None  # the session's schema_hash: confirms the `session` frame's schema
 
     @property
     def num_nodes(self) -> int:
         return len(self.tokens) - 1
 
     @classmethod
-    def from_lists(cls, round: int, tokens, parents, labels=None) -> TreeFrame:
+    def from_lists(cls, round: int, tokens, parents, labels=None, values=None, schema=None) -> TreeFrame:
         return cls(
             int(round),
             tuple(int(t) for t in tokens),
             tuple(int(p) for p in parents),
             None if labels is None else tuple(int(x) for x in labels),
+            None if values is None else tuple(int(x) for x in values),
+            None if schema is None else bytes(schema),
         )
 
     def tree_dict(self) -> dict:
         """``{"tokens", "parents", "labels"}`` as lists (labels None if absent), the form
-        ``vllm_hyco.spec_decode.tree.TokenTree.from_wire`` validates semantically."""
+        ``tree_contract.validate_tree`` (and ``vllm_hyco.spec_decode.tree.TokenTree.from_wire``) checks."""
         labels = None if self.labels is None else list(self.labels)
         return {"tokens": list(self.tokens), "parents": list(self.parents), "labels": labels}
 
     def to_wire(self) -> dict:
         parents = [ROOT_PARENT if p < 0 else p for p in self.parents]
-        out = {
-            "round": self.round,
-            "tokens": np.asarray(self.tokens, dtype="<u4").tobytes(),
-            "parents": bytes(parents),
-        }
+        out: dict = {"round": self.round}
+        if self.schema is not None:
+            out["schema"] = self.schema
+        out["tokens"] = np.asarray(self.tokens, dtype="<u4").tobytes()
+        out["parents"] = bytes(parents)
         if self.labels is not None:
             out["labels"] = bytes(self.labels)
+        if self.values is not None:
+            out["values"] = bytes(self.values)
         return out
 
     @classmethod
     def from_wire(cls, f: Fields, limits: WireLimits) -> TreeFrame:
         rnd = f.int("round", 0, limits.max_round)
+        schema = f.bin("schema", optional=True)
         tokens_raw, parents_raw = f.bin("tokens"), f.bin("parents")
         labels_raw = f.bin("labels", optional=True)
+        values_raw = f.bin("values", optional=True)
         f.done()
+        if schema is not None and len(schema) != SCHEMA_HASH_BYTES:
+            raise _E(
+                f"tree.schema must be the {SCHEMA_HASH_BYTES}-byte schema_hash of the session frame, got "
+                f"{len(schema)} bytes",
+                code="bad_field_value",
+            )
         if len(tokens_raw) % 4 or not tokens_raw:
             raise _E(
                 f"tree.tokens must be (n+1) x 4 bytes of uint32 ids, got {len(tokens_raw)} bytes",
@@ -276,7 +281,14 @@ class TreeFrame:
             raise _E(
                 f"tree.tokens holds id {int(tokens.max())}, over {limits.max_token_id}", code="bad_tokens"
             )
-        return cls(rnd, tuple(int(t) for t in tokens), _parents(parents_raw, n), _labels(labels_raw, n))
+        return cls(
+            rnd,
+            tuple(int(t) for t in tokens),
+            _parents(parents_raw, n),
+            _labels(labels_raw, n),
+            _values(values_raw, n),
+            schema,
+        )
 
 
 def _parents(raw: bytes, n: int) -> tuple[int, ...]:
@@ -305,5 +317,17 @@ def _labels(raw: bytes | None, n: int) -> tuple[int, ...] | None:
             f"tree.labels must be 0 (ROOT) for row 0 and 1..4 (CHAIN, RUNNER_UP, SLM, OTHER) for the "
             f"others, got {list(raw)}",
             code="bad_labels",
+        )
+    return tuple(raw)
+
+
+def _values(raw: bytes | None, n: int) -> tuple[int, ...] | None:
+    if raw is None:
+        return None
+    if len(raw) != n + 1 or raw[0] != ROOT_VALUE:
+        raise _E(
+            f"tree.values must be n+1 = {n + 1} bytes (one uint8 per row) with 255 for the root, got "
+            f"{len(raw)} bytes" + (f" starting with {raw[0]}" if raw else ""),
+            code="bad_field_value",
         )
     return tuple(raw)

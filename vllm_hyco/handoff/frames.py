@@ -5,7 +5,13 @@ Every frame is one binary WebSocket message holding one msgpack map whose first 
 (``client_frames.py``, ``server_frames.py``; docs/protocol.md is the spec)::
 
     phone -> server:  start, tree
-    server -> phone:  verdict, handoff_chunk, error, final
+    server -> phone:  session, verdict, handoff_chunk, error, final
+
+Version 2 (this one) moved the hand-off's self-describing header to the session's start (``session``
+frame) and added the session id's routing key and the tree's optional node values. The ``error`` frame has
+the same fields in every version, so a server answers a phone that speaks another version with an
+``unsupported_version`` error in *that* version's envelope (:func:`reply_version`), and decoders accept
+``error`` frames of every version in ``ERROR_FRAME_VERSIONS``.
 
 Decoding validates everything and raises only FrameError or HandoffSchemaError (``vllm_hyco.errors``),
 each with a stable ``code`` from ``limits.ERROR_CODES``.
@@ -23,24 +29,53 @@ from vllm_hyco.handoff._fields import Fields, pack, unpack
 from vllm_hyco.handoff.client_frames import StartFrame, TreeFrame
 from vllm_hyco.handoff.limits import DEFAULT_LIMITS, WireLimits
 from vllm_hyco.handoff.schema import HandoffSpec
-from vllm_hyco.handoff.server_frames import ErrorFrame, FinalFrame, HandoffChunkFrame, VerdictFrame
+from vllm_hyco.handoff.server_frames import (
+    ErrorFrame,
+    FinalFrame,
+    HandoffChunkFrame,
+    SessionFrame,
+    VerdictFrame,
+)
 
-PROTOCOL_VERSION = 1
-SUPPORTED_PROTOCOL_VERSIONS = (1,)
+PROTOCOL_VERSION = 2
+SUPPORTED_PROTOCOL_VERSIONS = (2,)
+ERROR_FRAME_VERSIONS = (1, 2)  # versions whose `error` frame has this layout (type, v, code, message, ...)
+UPGRADE_HINT = (
+    "upgrade the phone app (hyco-mobile-client, or an app following docs/protocol.md) to a release that "
+    "speaks HyCo protocol version 2"
+)
 
 ClientFrame = StartFrame | TreeFrame
-ServerFrame = VerdictFrame | HandoffChunkFrame | ErrorFrame | FinalFrame
+ServerFrame = SessionFrame | VerdictFrame | HandoffChunkFrame | ErrorFrame | FinalFrame
 CLIENT_FRAMES = {cls.TYPE: cls for cls in (StartFrame, TreeFrame)}
-SERVER_FRAMES = {cls.TYPE: cls for cls in (VerdictFrame, HandoffChunkFrame, ErrorFrame, FinalFrame)}
+SERVER_FRAMES = {
+    cls.TYPE: cls for cls in (SessionFrame, VerdictFrame, HandoffChunkFrame, ErrorFrame, FinalFrame)
+}
 
 
-def frame_to_wire(frame) -> dict:
-    return {"type": frame.TYPE, "v": PROTOCOL_VERSION, **frame.to_wire()}
+def frame_to_wire(frame, version: int = PROTOCOL_VERSION) -> dict:
+    return {"type": frame.TYPE, "v": version, **frame.to_wire()}
 
 
-def encode_frame(frame: ClientFrame | ServerFrame) -> bytes:
-    """One frame -> the bytes of one binary WebSocket message (deterministic: same frame, same bytes)."""
-    return pack(frame_to_wire(frame))
+def encode_frame(frame: ClientFrame | ServerFrame, version: int = PROTOCOL_VERSION) -> bytes:
+    """One frame -> the bytes of one binary WebSocket message (deterministic: same frame, same bytes).
+
+    ``version`` other than PROTOCOL_VERSION only for an ``error`` frame answering a phone that speaks
+    another version (:func:`reply_version`)."""
+    if version != PROTOCOL_VERSION and (frame.TYPE != ErrorFrame.TYPE or version not in ERROR_FRAME_VERSIONS):
+        raise ValueError(f"only error frames are encoded in versions {ERROR_FRAME_VERSIONS}, not {frame.TYPE}")
+    return pack(frame_to_wire(frame, version))
+
+
+def reply_version(data) -> int:
+    """The version to answer a (possibly undecodable) phone message in: the message's own ``v`` when it is
+    one whose error frame we can write, else ours. Never raises."""
+    try:
+        obj = unpack(data, FrameError, DEFAULT_LIMITS.max_client_frame_bytes, "frame")
+    except FrameError:
+        return PROTOCOL_VERSION
+    v = obj.get("v") if isinstance(obj, dict) else None
+    return v if type(v) is int and v in ERROR_FRAME_VERSIONS else PROTOCOL_VERSION
 
 
 def decode_client_frame(data, limits: WireLimits = DEFAULT_LIMITS) -> ClientFrame:
@@ -50,12 +85,13 @@ def decode_client_frame(data, limits: WireLimits = DEFAULT_LIMITS) -> ClientFram
 
 
 def decode_server_frame(
-    data, limits: WireLimits = DEFAULT_LIMITS, expect: HandoffSpec | None = None
+    data, limits: WireLimits = DEFAULT_LIMITS, schema: HandoffSpec | None = None
 ) -> ServerFrame:
-    """What the phone calls on each message from the server; ``expect`` checks inline hand-offs."""
+    """What the phone calls on each message from the server; ``schema`` (the session's, from its
+    ``session`` frame) reads inline hand-offs."""
     f, ftype = _envelope(data, limits.max_server_frame_bytes, SERVER_FRAMES, "server -> phone")
     if ftype == VerdictFrame.TYPE:
-        return VerdictFrame.from_wire(f, limits, expect)
+        return VerdictFrame.from_wire(f, limits, schema)
     return SERVER_FRAMES[ftype].from_wire(f, limits)
 
 
@@ -64,9 +100,12 @@ def _envelope(data, max_bytes: int, allowed: dict, direction: str) -> tuple[Fiel
     f = Fields(obj, FrameError, f"{direction} frame")
     ftype = f.get("type", str)
     version = f.get("v", int)
-    if version not in SUPPORTED_PROTOCOL_VERSIONS:
+    speaks_error = ftype == ErrorFrame.TYPE and allowed is SERVER_FRAMES and version in ERROR_FRAME_VERSIONS
+    if version not in SUPPORTED_PROTOCOL_VERSIONS and not speaks_error:
+        hint = f"; {UPGRADE_HINT}" if allowed is CLIENT_FRAMES and 0 < version < PROTOCOL_VERSION else ""
         raise FrameError(
-            f"protocol version {version} is not supported (supported: {list(SUPPORTED_PROTOCOL_VERSIONS)})",
+            f"protocol version {version} is not supported: this side speaks HyCo protocol version "
+            f"{PROTOCOL_VERSION} (supported: {list(SUPPORTED_PROTOCOL_VERSIONS)}){hint}",
             code="unsupported_version",
         )
     if ftype not in allowed:

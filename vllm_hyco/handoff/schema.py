@@ -1,33 +1,38 @@
-"""The hand-off H = (t', a, x_hat, R) of Algorithms 2 and 4 on the wire: a versioned, self-describing map.
+"""The hand-off H = (t', a, x_hat, R) of Algorithms 2 and 4 on the wire (hand-off schema 2).
 
-A hand-off carries what the phone's MTP head reads (decisions.md D1): the bonus token id, e(bonus) and the
+A hand-off carries what the phone's MTP head reads (docs/decisions.md D1): the bonus token id, e(bonus) and the
 verifier's last hidden state h as int8 [hidden] each, and for every hand-off layer the K (and V) rows of
 positions [a, t') as int8 [positions, kv_heads, head_dim], quantized with the model's fixed per-channel
 scales (``quant.py``). The next tree's root (the bonus) sits at position t' = ``root_position``.
 
-Wire form (msgpack map, keys in this order; ``bin`` = msgpack bin, raw little-endian bytes)::
+What never changes within a session (the layer layout, the quantization, the model fingerprint) is the
+session's **schema** (:class:`HandoffSpec`), stated once in the server's ``session`` frame and confirmed by
+the phone with its 8-byte hash (protocol version 2, docs/protocol.md section 5). Per-round hand-offs carry
+only what changes. Wire forms (msgpack maps, keys in this order; ``bin`` = raw little-endian bytes)::
 
-    {"header": {"schema": 1,
-                "fingerprint": bin[16],                 # model_fingerprint(verifier config, scales_id)
-                "hidden": int,                          # H
-                "layers": [{"id": int, "kind": "full"|"sliding", "kv_heads": int, "head_dim": int,
-                            "window": int (0 for full), "k_eq_v": bool, "has_v": bool}, ...],
-                "quant": {"scheme": "int8_sym_per_channel", "scales_id": bin[16]},
-                "span": [a, t'],                        # K/V rows cover positions a <= p < t'
-                "root": t'},                            # root position of the next tree
-     "bonus": int,                                      # token id of the bonus (next root)
-     "e": bin[H], "h": bin[H],                          # int8
-     "kv": [[k: bin[P*kv_heads*head_dim], v: bin[...] | nil], ...]}   # one pair per header layer
+    schema:   {"version": 2,
+               "fingerprint": bin[16],                  # model_fingerprint(verifier config, scales_id)
+               "hidden": int,                           # H
+               "layers": [{"id": int, "kind": "full"|"sliding", "kv_heads": int, "head_dim": int,
+                           "window": int (0 for full), "k_eq_v": bool, "has_v": bool}, ...],
+               "quant": {"scheme": "int8_sym_per_channel", "scales_id": bin[16]}}
+    hand-off: {"span": [a, t'],                         # K/V rows cover a <= p < t'; the next root sits at t'
+               "bonus": int,                            # token id of the bonus (next root)
+               "e": bin[H], "h": bin[H],                # int8
+               "kv": [[k: bin[P*kv_heads*head_dim], v: bin[...] | nil], ...]}   # one pair per schema layer
 
-``has_v`` is true for Gemma-4's ``k_eq_v`` full layers too: K is stored after k_norm and RoPE, V after
-v_norm only (vLLM 0.32 ``gemma4.py`` Gemma4Attention.forward), so the rows differ. The paper's 6,144
-values per position for 26B-A4B (8 x 256 x 2 + 2 x 512 x 2) confirm it sends both.
+``schema_hash`` = the first 8 bytes of sha256(the schema map encoded as above). ``has_v`` is true for
+Gemma-4's ``k_eq_v`` full layers too: K is stored after k_norm and RoPE, V after v_norm only (vLLM 0.32
+``gemma4.py`` Gemma4Attention.forward), so the rows differ. The paper's 6,144 values per position for
+26B-A4B (8 x 256 x 2 + 2 x 512 x 2) confirm it sends both.
 
 >>> spec = HandoffSpec(fingerprint=bytes(16), hidden_size=4, scales_id=bytes(16),
 ...                    layers=(LayerSpec(3, "full", kv_heads=1, head_dim=2, window=0),))
 >>> p = HandoffPayload.make_dummy(spec, span_start=5, root_position=7, bonus_token=9)
->>> decode_handoff(encode_handoff(p), expect=spec).header.num_positions
+>>> decode_handoff(encode_handoff(p), spec).header.num_positions
 2
+>>> HandoffSpec.from_wire(spec.to_wire()) == spec and len(spec.schema_hash)
+8
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -43,9 +49,10 @@ from vllm_hyco.handoff._fields import Fields, pack, unpack
 from vllm_hyco.handoff.limits import DEFAULT_LIMITS, WireLimits
 from vllm_hyco.handoff.quant import SCHEME, HandoffScales, quantize
 
-HANDOFF_SCHEMA_VERSION = 1
-SUPPORTED_HANDOFF_SCHEMAS = (1,)
+HANDOFF_SCHEMA_VERSION = 2
+SUPPORTED_HANDOFF_SCHEMAS = (2,)
 FINGERPRINT_BYTES = 16
+SCHEMA_HASH_BYTES = 8
 MAX_POSITION = 2**31 - 1
 LAYER_KINDS = ("full", "sliding")
 _E = HandoffSchemaError
@@ -82,7 +89,8 @@ class LayerSpec:
 
 @dataclass(frozen=True)
 class HandoffSpec:
-    """The static, per-model part of every hand-off header (checked against the phone's own)."""
+    """The session's hand-off schema: the static, per-model layout of every hand-off (stated once in the
+    ``session`` frame, checked against the phone's own model, confirmed by ``schema_hash``)."""
 
     fingerprint: bytes  # 16 bytes, model_fingerprint()
     hidden_size: int
@@ -129,6 +137,50 @@ class HandoffSpec:
                 code="fingerprint_mismatch",
             )
 
+    def to_wire(self) -> dict:
+        """The session's schema map (the ``session`` frame's ``schema``)."""
+        return {
+            "version": HANDOFF_SCHEMA_VERSION,
+            "fingerprint": self.fingerprint,
+            "hidden": self.hidden_size,
+            "layers": [layer.to_wire() for layer in self.layers],
+            "quant": {"scheme": self.scheme, "scales_id": self.scales_id},
+        }
+
+    @cached_property
+    def schema_hash(self) -> bytes:
+        """8 bytes: sha256 of the schema map's encoding (keys in ``to_wire`` order), truncated."""
+        return hashlib.sha256(pack(self.to_wire())).digest()[:SCHEMA_HASH_BYTES]
+
+    @classmethod
+    def from_wire(cls, obj, limits: WireLimits = DEFAULT_LIMITS) -> HandoffSpec:
+        """A decoded schema map -> HandoffSpec; HandoffSchemaError (``handoff_version``, ``bad_handoff``)."""
+        f = Fields(obj, _E, "hand-off schema")
+        version = f.get("version", int)
+        if version not in SUPPORTED_HANDOFF_SCHEMAS:
+            raise _E(
+                f"hand-off schema {version} is not supported here (supported: "
+                f"{list(SUPPORTED_HANDOFF_SCHEMAS)}); upgrade the older side",
+                code="handoff_version",
+            )
+        fingerprint = _bin16(f.bin("fingerprint"), "fingerprint")
+        hidden = f.int("hidden", 1, limits.max_hidden_size)
+        layers_raw = f.get("layers", list)
+        if not 1 <= len(layers_raw) <= limits.max_layers:
+            raise _E(
+                f"hand-off schema: {len(layers_raw)} layers; expected 1..{limits.max_layers}",
+                code="bad_handoff",
+            )
+        layers = tuple(_layer_from_wire(x, i, limits) for i, x in enumerate(layers_raw))
+        if len({layer.layer_id for layer in layers}) != len(layers):
+            raise _E("hand-off schema: a layer id is listed twice", code="bad_handoff")
+        q = Fields(f.get("quant", dict), _E, "hand-off schema quant")
+        scheme = q.choice("scheme", (SCHEME,))
+        scales_id = _bin16(q.bin("scales_id"), "scales_id")
+        q.done()
+        f.done()
+        return cls(fingerprint, hidden, layers, scales_id, scheme)
+
     @classmethod
     def from_scales(
         cls, verifier_config: dict, layers: tuple[LayerSpec, ...], scales: HandoffScales
@@ -145,6 +197,8 @@ class HandoffSpec:
 
 @dataclass(frozen=True)
 class HandoffHeader:
+    """A hand-off's position part, with the session schema that describes its arrays (not on the wire)."""
+
     spec: HandoffSpec
     span_start: int  # a: the first position whose K/V rows are carried
     root_position: int  # t': the rows cover [a, t'); the next tree's root sits at t'
@@ -163,9 +217,9 @@ class HandoffPayload:
     e_bonus: np.ndarray
     # [hidden] int8
     h: np.ndarray
-    # per header layer: [positions, kv_heads, head_dim] int8
+    # per schema layer: [positions, kv_heads, head_dim] int8
     k: tuple[np.ndarray, ...]
-    # per header layer: [positions, kv_heads, head_dim] int8, or None where the layer has has_v=False
+    # per schema layer: [positions, kv_heads, head_dim] int8, or None where the layer has has_v=False
     v: tuple[np.ndarray | None, ...]
 
     def __post_init__(self):
@@ -175,7 +229,7 @@ class HandoffPayload:
         if len(self.k) != len(spec.layers) or len(self.v) != len(spec.layers):
             raise _E(
                 f"hand-off payload has {len(self.k)} K and {len(self.v)} V entries for "
-                f"{len(spec.layers)} header layers",
+                f"{len(spec.layers)} schema layers",
                 code="bad_handoff",
             )
         for layer, k, v in zip(spec.layers, self.k, self.v):
@@ -266,18 +320,16 @@ def model_fingerprint(verifier_config: dict, scales_id: bytes) -> bytes:
 
 
 def handoff_to_wire(p: HandoffPayload) -> dict:
-    hd, spec = p.header, p.header.spec
-    header = {
-        "schema": hd.schema_version,
-        "fingerprint": spec.fingerprint,
-        "hidden": spec.hidden_size,
-        "layers": [layer.to_wire() for layer in spec.layers],
-        "quant": {"scheme": spec.scheme, "scales_id": spec.scales_id},
-        "span": [hd.span_start, hd.root_position],
-        "root": hd.root_position,
-    }
+    """A per-round hand-off: only what changes (the session's schema describes the arrays)."""
+    hd = p.header
     kv = [[_bytes(k), None if v is None else _bytes(v)] for k, v in zip(p.k, p.v)]
-    return {"header": header, "bonus": p.bonus_token, "e": _bytes(p.e_bonus), "h": _bytes(p.h), "kv": kv}
+    return {
+        "span": [hd.span_start, hd.root_position],
+        "bonus": p.bonus_token,
+        "e": _bytes(p.e_bonus),
+        "h": _bytes(p.h),
+        "kv": kv,
+    }
 
 
 def _bytes(a: np.ndarray) -> bytes:
@@ -289,31 +341,41 @@ def encode_handoff(p: HandoffPayload) -> bytes:
     return pack(handoff_to_wire(p))
 
 
-def decode_handoff(
-    data, *, expect: HandoffSpec | None = None, limits: WireLimits = DEFAULT_LIMITS
-) -> HandoffPayload:
-    """bytes (or an already-unpacked map) -> HandoffPayload, validating everything.
+def decode_handoff(data, schema: HandoffSpec, *, limits: WireLimits = DEFAULT_LIMITS) -> HandoffPayload:
+    """bytes (or an already-unpacked map) -> HandoffPayload, validating everything against ``schema``.
 
-    ``expect``: this side's spec; any difference raises HandoffSchemaError (layout_mismatch,
-    scales_mismatch, fingerprint_mismatch). Every other defect raises HandoffSchemaError too.
+    ``schema``: the session's schema (its ``session`` frame); a hand-off cannot be read without it. Any
+    defect raises HandoffSchemaError (``bad_handoff``).
     """
+    if not isinstance(schema, HandoffSpec):
+        raise _E(
+            "a hand-off decodes only with its session's schema (the `session` frame); none was given",
+            code="bad_handoff",
+        )
     obj = data if isinstance(data, dict) else unpack(data, _E, limits.max_handoff_bytes, "hand-off")
     top = Fields(obj, _E, "hand-off")
-    header = _header_from_wire(top.get("header", dict), limits)
-    spec = header.spec
-    if expect is not None:
-        spec.check_matches(expect)
+    span = top.get("span", list)
+    if len(span) != 2 or not all(type(x) is int for x in span) or not 0 <= span[0] < span[1] <= MAX_POSITION:
+        raise _E(f"hand-off: span {span} must be [a, t'] with 0 <= a < t' < 2^31", code="bad_handoff")
+    if span[1] - span[0] > limits.max_handoff_positions:
+        raise _E(
+            f"hand-off: span {span} has {span[1] - span[0]} positions, over the limit of "
+            f"{limits.max_handoff_positions}",
+            code="bad_handoff",
+        )
+    header = HandoffHeader(schema, span[0], span[1])
     bonus = top.int("bonus", 0, limits.max_token_id)
-    e = _int8(top.bin("e"), (spec.hidden_size,), "e")
-    h = _int8(top.bin("h"), (spec.hidden_size,), "h")
+    e = _int8(top.bin("e"), (schema.hidden_size,), "e")
+    h = _int8(top.bin("h"), (schema.hidden_size,), "h")
     kv = top.get("kv", list)
     top.done()
-    if len(kv) != len(spec.layers):
+    if len(kv) != len(schema.layers):
         raise _E(
-            f"hand-off: kv has {len(kv)} entries for {len(spec.layers)} header layers", code="bad_handoff"
+            f"hand-off: kv has {len(kv)} entries for the schema's {len(schema.layers)} layers",
+            code="bad_handoff",
         )
     ks, vs = [], []
-    for layer, pair in zip(spec.layers, kv):
+    for layer, pair in zip(schema.layers, kv):
         if not isinstance(pair, list) or len(pair) != 2:
             raise _E(f"hand-off: kv entry of layer {layer.layer_id} must be [k, v|nil]", code="bad_handoff")
         shape = (header.num_positions, layer.kv_heads, layer.head_dim)
@@ -339,56 +401,16 @@ def _int8(raw, shape: tuple[int, ...], what: str) -> np.ndarray:
     return np.frombuffer(raw, dtype=np.int8).reshape(shape)
 
 
-def _header_from_wire(obj: dict, limits: WireLimits) -> HandoffHeader:
-    f = Fields(obj, _E, "hand-off header")
-    version = f.get("schema", int)
-    if version not in SUPPORTED_HANDOFF_SCHEMAS:
-        raise _E(
-            f"hand-off schema {version} is not supported here (supported: "
-            f"{list(SUPPORTED_HANDOFF_SCHEMAS)}); upgrade the older side",
-            code="handoff_version",
-        )
-    fingerprint = _bin16(f.bin("fingerprint"), "fingerprint")
-    hidden = f.int("hidden", 1, limits.max_hidden_size)
-    layers_raw = f.get("layers", list)
-    if not 1 <= len(layers_raw) <= limits.max_layers:
-        raise _E(
-            f"hand-off header: {len(layers_raw)} layers; expected 1..{limits.max_layers}", code="bad_handoff"
-        )
-    layers = tuple(_layer_from_wire(x, i, limits) for i, x in enumerate(layers_raw))
-    if len({layer.layer_id for layer in layers}) != len(layers):
-        raise _E("hand-off header: a layer id is listed twice", code="bad_handoff")
-    q = Fields(f.get("quant", dict), _E, "hand-off header quant")
-    scheme = q.choice("scheme", (SCHEME,))
-    scales_id = _bin16(q.bin("scales_id"), "scales_id")
-    q.done()
-    span = f.get("span", list)
-    root = f.int("root", 1, MAX_POSITION)
-    f.done()
-    if len(span) != 2 or not all(type(x) is int for x in span) or span[1] != root or not 0 <= span[0] < root:
-        raise _E(
-            f"hand-off header: span {span} must be [a, root] with 0 <= a < root = {root}", code="bad_handoff"
-        )
-    if root - span[0] > limits.max_handoff_positions:
-        raise _E(
-            f"hand-off header: span {span} has {root - span[0]} positions, over the limit of "
-            f"{limits.max_handoff_positions}",
-            code="bad_handoff",
-        )
-    spec = HandoffSpec(fingerprint, hidden, layers, scales_id, scheme)
-    return HandoffHeader(spec, span[0], root, version)
-
-
 def _bin16(raw: bytes, what: str) -> bytes:
     if len(raw) != FINGERPRINT_BYTES:
         raise _E(
-            f"hand-off header: {what} must be {FINGERPRINT_BYTES} bytes, got {len(raw)}", code="bad_handoff"
+            f"hand-off schema: {what} must be {FINGERPRINT_BYTES} bytes, got {len(raw)}", code="bad_handoff"
         )
     return raw
 
 
 def _layer_from_wire(obj, index: int, limits: WireLimits) -> LayerSpec:
-    f = Fields(obj, _E, f"hand-off header layer {index}")
+    f = Fields(obj, _E, f"hand-off schema layer {index}")
     layer = LayerSpec(
         layer_id=f.int("id", 0, 1 << 16),
         kind=f.choice("kind", LAYER_KINDS),
@@ -401,13 +423,13 @@ def _layer_from_wire(obj, index: int, limits: WireLimits) -> LayerSpec:
     f.done()
     if layer.kv_heads * layer.head_dim > limits.max_kv_channels:
         raise _E(
-            f"hand-off header layer {index}: kv_heads x head_dim = {layer.kv_heads * layer.head_dim} is over "
+            f"hand-off schema layer {index}: kv_heads x head_dim = {layer.kv_heads * layer.head_dim} is over "
             f"{limits.max_kv_channels}",
             code="bad_handoff",
         )
     if (layer.kind == "full") != (layer.window == 0):
         raise _E(
-            f"hand-off header layer {index}: a {layer.kind} layer must have window "
+            f"hand-off schema layer {index}: a {layer.kind} layer must have window "
             f"{'0' if layer.kind == 'full' else '> 0'}, got {layer.window}",
             code="bad_handoff",
         )

@@ -1,9 +1,12 @@
-"""Server -> phone frames: ``verdict``, ``handoff_chunk``, ``error`` and ``final``.
+"""Server -> phone frames: ``session``, ``verdict``, ``handoff_chunk``, ``error`` and ``final``.
 
-A verdict answers tree round r: the accepted path (rows of that tree, root excluded), the committed
+``session`` acknowledges every accepted ``start`` (new or resumed): the session id (with the replica's
+routing key, ``session_id.py``), the round of the last verdict (-1: none; on a resume a replay of it
+follows), the node budget for the next round, and the session's hand-off schema with its hash, which the
+phone confirms in its next tree (protocol version 2). A verdict answers tree round r: the accepted path (rows of that tree, root excluded), the committed
 token ids (the path's tokens, then the bonus), the bonus (the next root), the hand-off for the next
 round (inline, or ``handoff_ref`` plus ``handoff_chunk`` frames when it is bigger than one chunk), the
-node budget granted for round r + 1 (decisions.md D3) and the new text as an OpenAI streaming chunk.
+node budget granted for round r + 1 (docs/decisions.md D3) and the new text as an OpenAI streaming chunk.
 When the request finishes (the chunk's ``finish_reason`` is set) the verdict carries no bonus, no
 hand-off and budget 0, and its tokens may stop early (EOS, stop string, max_tokens).
 """
@@ -17,9 +20,15 @@ import numpy as np
 
 from vllm_hyco.errors import FrameError
 from vllm_hyco.handoff._fields import Fields
-from vllm_hyco.handoff.client_frames import SESSION_ID_BYTES
 from vllm_hyco.handoff.limits import WireLimits
-from vllm_hyco.handoff.schema import HandoffPayload, HandoffSpec, decode_handoff, handoff_to_wire
+from vllm_hyco.handoff.schema import (
+    SCHEMA_HASH_BYTES,
+    HandoffPayload,
+    HandoffSpec,
+    decode_handoff,
+    handoff_to_wire,
+)
+from vllm_hyco.handoff.session_id import session_id_problem
 
 SHA256_BYTES = 32
 CHUNK_OBJECTS = ("chat.completion.chunk", "text_completion")
@@ -116,9 +125,48 @@ class HandoffRef:
 
 
 @dataclass(frozen=True)
+class SessionFrame:
+    """The start acknowledgement: the session id and the session's hand-off schema, stated once."""
+
+    TYPE = "session"
+    session_id: str  # "<routing-key>.<random>"
+    last_round: int  # the round of the server's last verdict; -1: none (a new session)
+    budget: int  # draft nodes granted for the next round (0 once finished)
+    schema: HandoffSpec  # the layout of every hand-off of this session
+
+    @property
+    def schema_hash(self) -> bytes:
+        return self.schema.schema_hash
+
+    def to_wire(self) -> dict:
+        return {
+            "sid": self.session_id,
+            "last_round": self.last_round,
+            "budget": self.budget,
+            "schema": self.schema.to_wire(),
+            "schema_hash": self.schema.schema_hash,
+        }
+
+    @classmethod
+    def from_wire(cls, f: Fields, limits: WireLimits) -> SessionFrame:
+        sid = _sid(f.get("sid", str), "session")
+        last_round = f.int("last_round", -1, limits.max_round)
+        budget = f.int("budget", 0, limits.max_nodes)
+        schema = HandoffSpec.from_wire(f.get("schema", dict), limits)
+        stated = f.bin("schema_hash")
+        f.done()
+        if stated != schema.schema_hash:
+            raise _E(
+                f"session.schema_hash {stated.hex()} is not the hash of session.schema "
+                f"({schema.schema_hash.hex()}: the first {SCHEMA_HASH_BYTES} bytes of sha256 of its encoding)",
+                code="bad_field_value",
+            )
+        return cls(sid, last_round, budget, schema)
+
+
+@dataclass(frozen=True)
 class VerdictFrame:
     TYPE = "verdict"
-    session_id: bytes
     round: int
     path: tuple[int, ...]  # accepted rows of the round's tree, root excluded, increasing
     tokens: tuple[int, ...]  # committed ids: the path's tokens, then the bonus
@@ -134,7 +182,6 @@ class VerdictFrame:
 
     def to_wire(self) -> dict:
         out = {
-            "sid": self.session_id,
             "round": self.round,
             "path": bytes(self.path),
             "tokens": np.asarray(self.tokens, dtype="<u4").tobytes(),
@@ -149,8 +196,8 @@ class VerdictFrame:
         return out
 
     @classmethod
-    def from_wire(cls, f: Fields, limits: WireLimits, expect: HandoffSpec | None = None) -> VerdictFrame:
-        sid = _sid(f.bin("sid"), "verdict")
+    def from_wire(cls, f: Fields, limits: WireLimits, schema: HandoffSpec | None = None) -> VerdictFrame:
+        """``schema``: the session's (from its ``session`` frame); needed to read an inline hand-off."""
         rnd = f.int("round", 0, limits.max_round)
         path, tokens_raw = f.bin("path"), f.bin("tokens")
         bonus = f.int("bonus", 0, limits.max_token_id, optional=True)
@@ -176,8 +223,13 @@ class VerdictFrame:
             )
         tokens = tuple(int(t) for t in np.frombuffer(tokens_raw, dtype="<u4"))
         ref = None if ref_raw is None else HandoffRef.from_wire(ref_raw, limits)
-        handoff = None if handoff_raw is None else decode_handoff(handoff_raw, expect=expect, limits=limits)
-        verdict = cls(sid, rnd, tuple(path), tokens, bonus, handoff, ref, budget, chunk)
+        if handoff_raw is not None and schema is None:
+            raise _E(
+                "verdict: an inline hand-off arrived before the session frame stated the schema",
+                code="bad_verdict",
+            )
+        handoff = None if handoff_raw is None else decode_handoff(handoff_raw, schema, limits=limits)
+        verdict = cls(rnd, tuple(path), tokens, bonus, handoff, ref, budget, chunk)
         _check_verdict(verdict, reason)
         return verdict
 
@@ -207,9 +259,10 @@ def _check_verdict(v: VerdictFrame, reason: str | None) -> None:
         )
 
 
-def _sid(raw: bytes, where: str) -> bytes:
-    if len(raw) != SESSION_ID_BYTES:
-        raise _E(f"{where}.sid must be {SESSION_ID_BYTES} bytes, got {len(raw)}", code="bad_field_value")
+def _sid(raw: str, where: str) -> str:
+    problem = session_id_problem(raw)
+    if problem is not None:
+        raise _E(f"{where}.sid: {problem}", code="bad_field_value")
     return raw
 
 
@@ -263,7 +316,7 @@ class FinalFrame:
     """Ends a session: OpenAI usage plus HyCo statistics (rounds, mean accepted tokens, bytes)."""
 
     TYPE = "final"
-    session_id: bytes
+    session_id: str
     prompt_tokens: int
     completion_tokens: int
     rounds: int
@@ -287,7 +340,7 @@ class FinalFrame:
 
     @classmethod
     def from_wire(cls, f: Fields, limits: WireLimits) -> FinalFrame:
-        sid = _sid(f.bin("sid"), "final")
+        sid = _sid(f.get("sid", str), "final")
         u = Fields(f.get("usage", dict), _E, "final.usage")
         s = Fields(f.get("stats", dict), _E, "final.stats")
         f.done()

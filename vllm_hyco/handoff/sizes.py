@@ -1,10 +1,12 @@
 """Byte counts of the wire format for a given layer layout (measured by encoding, not estimated).
 
 The paper (Algorithm 4, line 14) counts the hand-off as 44 B + 2H B per round + (K/V values) B per
-committed position at 8 bits. Our encoding carries the same int8 values plus msgpack framing: a
-self-describing header (schema version, fingerprint, the layer list, scales id, span), bin-length
-prefixes, and the verdict around it (path, committed ids, budget, the OpenAI chunk with the text).
-:func:`round_bytes` returns both so the difference is visible; docs/protocol.md tabulates them.
+committed position at 8 bits. Our per-round hand-off (protocol version 2) carries the same int8 values plus
+msgpack framing: the span, the bonus id and the bin-length prefixes; the self-describing schema (layer
+list, fingerprint, scales id) travels once per session in the ``session`` frame
+(:func:`session_frame_bytes`). :func:`verdict_bytes` returns ours and the paper's count, and the verdict
+around the hand-off (path, committed ids, budget, the OpenAI chunk with the text); docs/protocol.md
+tabulates them.
 
 >>> spec = spec_from_hf_config(FIXTURE_VERIFIER_CONFIG)
 >>> (spec.values_per_round, spec.values_per_position)
@@ -15,15 +17,16 @@ from __future__ import annotations
 
 from vllm_hyco.errors import ConfigError
 from vllm_hyco.handoff.chunks import split_handoff
-from vllm_hyco.handoff.client_frames import SESSION_ID_BYTES, TreeFrame
+from vllm_hyco.handoff.client_frames import TreeFrame
 from vllm_hyco.handoff.frames import encode_frame
 from vllm_hyco.handoff.limits import DEFAULT_LIMITS, WireLimits
 from vllm_hyco.handoff.schema import FINGERPRINT_BYTES, HandoffPayload, HandoffSpec, LayerSpec, encode_handoff
-from vllm_hyco.handoff.server_frames import VerdictFrame, openai_chunk
+from vllm_hyco.handoff.server_frames import SessionFrame, VerdictFrame, openai_chunk
+from vllm_hyco.handoff.session_id import RANDOM_HEX_CHARS
 
 PAPER_HEADER_BYTES = 44
 
-# Gemma 4 26B-A4B. No config file is available offline: decisions.md ("What is known") gives hidden 2,816,
+# Gemma 4 26B-A4B. No config file is available offline: docs/decisions.md ("Gemma 4 26B-A4B") gives hidden 2,816,
 # 30 layers (5 sliding : 1 full), window 1,024, full layers head dim 512 with unified K/V; the KV head
 # counts (8 sliding, 2 global) are inferred: they are the split for which both layers' K and V make the
 # paper's 6,144 values per position (8*256*2 + 2*512*2), and transformers' Gemma-4 EP plan comment
@@ -121,12 +124,28 @@ def handoff_bytes(spec: HandoffSpec, positions: int, root_position: int = 4096) 
     return len(encode_handoff(payload))
 
 
-def tree_frame_bytes(num_nodes: int, labels: bool = True, round: int = 1000, token: int = 200_000) -> int:
-    """Uplink per round: one tree frame with ``num_nodes`` draft nodes (a chain; ids of 3 bytes)."""
+def tree_frame_bytes(
+    num_nodes: int,
+    labels: bool = True,
+    round: int = 1000,
+    token: int = 200_000,
+    values: bool = False,
+    schema: bool = False,
+) -> int:
+    """Uplink per round: one tree frame with ``num_nodes`` draft nodes (a chain; ids of 3 bytes);
+    ``values``: with per-node values, ``schema``: with the schema hash (the first tree after ``session``)."""
     tokens = [token + i for i in range(num_nodes + 1)]
     parents = [-1] + list(range(num_nodes))
     labs = [0] + [1] * num_nodes if labels else None
-    return len(encode_frame(TreeFrame.from_lists(round, tokens, parents, labs)))
+    vals = [255] + [max(0, 250 - 7 * i) for i in range(num_nodes)] if values else None
+    frame = TreeFrame.from_lists(round, tokens, parents, labs, vals, bytes(8) if schema else None)
+    return len(encode_frame(frame))
+
+
+def session_frame_bytes(spec: HandoffSpec, route_key: str = "r1", budget: int = 32) -> int:
+    """Downlink once per session (and per resume): the ``session`` frame with the schema."""
+    sid = f"{route_key}.{'0' * RANDOM_HEX_CHARS}"
+    return len(encode_frame(SessionFrame(sid, -1, budget, spec)))
 
 
 def verdict_bytes(
@@ -150,7 +169,6 @@ def verdict_bytes(
         created=1_750_000_000,
     )
     verdict = VerdictFrame(
-        bytes(SESSION_ID_BYTES),
         round,
         tuple(range(1, accepted + 1)),
         tuple([100_000] * positions),
@@ -197,7 +215,10 @@ def size_report(
         "handoff_fixed_bytes": one - (two - one),  # header + bonus + e + h + framing
         "handoff_bytes_per_position": two - one,
         "paper_fixed_bytes": PAPER_HEADER_BYTES + spec.values_per_round,
+        "handoff_over_paper_bytes": one - paper_handoff_bytes(spec, 1),  # the same at every P
+        "session_frame_bytes": session_frame_bytes(spec, budget=limits.max_nodes),
         "tree_frame_bytes": {n: tree_frame_bytes(n) for n in (0, 8, 16, 32)},
+        "tree_frame_bytes_values": {n: tree_frame_bytes(n, values=True) for n in (0, 8, 16, 32)},
         "tree_frame_bytes_no_labels": {n: tree_frame_bytes(n, labels=False) for n in (0, 8, 16, 32)},
         "rounds": {a: verdict_bytes(spec, a, limits=limits) for a in range(max_accepted + 1)},
         "seed": seed_bytes(spec, seed_positions, limits),

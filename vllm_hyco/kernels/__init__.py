@@ -24,7 +24,6 @@ from vllm_hyco.kernels.handoff_gather import (
 from vllm_hyco.kernels.kv_compaction import compact_kv_ref, compact_kv_triton, compaction_moves
 from vllm_hyco.kernels.tree_attention import (
     TreeAttentionMetadata,
-    ancestor_masks_from_parents,
     tree_attention_dense_ref,
     tree_attention_ref,
     tree_attention_triton,
@@ -32,7 +31,7 @@ from vllm_hyco.kernels.tree_attention import (
 
 __all__ = [
     "HAS_TRITON", "KernelInputError", "interpreting", "use_triton",
-    "TreeAttentionMetadata", "ancestor_masks_from_parents",
+    "TreeAttentionMetadata",
     "tree_attention", "tree_attention_ref", "tree_attention_dense_ref", "tree_attention_triton",
     "compact_kv", "compact_kv_ref", "compact_kv_triton", "compaction_moves",
     "gather_quantize_kv", "gather_quantize_kv_ref", "quantize_int8", "quantize_int8_ref",

@@ -1,6 +1,6 @@
 """Backend choice for every kernel: Triton on CUDA tensors (or when forced), the torch twin elsewhere.
 
-Triton is imported directly, never through ``vllm.triton_utils`` (cpu-recipe.md P10: vLLM replaces it by a
+Triton is imported directly, never through ``vllm.triton_utils`` (docs/vllm-notes.md P10: vLLM replaces it by a
 placeholder on CPU). The import is guarded, so this package imports on a machine without Triton.
 ``TRITON_INTERPRET=1`` must be set before the first ``import triton`` for the interpreter to run kernels on
 CPU tensors; :func:`interpreting` reports it.
@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from vllm_hyco.errors import HardwareUnsupportedError, HycoError
+from vllm_hyco.errors import HardwareUnsupportedError, KernelInputError
 
 try:  # pragma: no cover - depends on the machine
     import triton  # noqa: F401
@@ -22,12 +22,6 @@ except Exception:  # ImportError, or a broken driver probe
     HAS_TRITON = False
 
 BACKENDS = ("auto", "triton", "torch")
-
-
-class KernelInputError(HycoError, ValueError):
-    """Inputs a kernel launcher cannot accept (shape, dtype, layout, or a broken precondition)."""
-
-    code = "bad_kernel_input"
 
 
 def interpreting() -> bool:
@@ -57,7 +51,7 @@ def use_triton(backend: str, ref: torch.Tensor) -> bool:
 
 
 def upcast_dot(dtype: torch.dtype) -> bool:
-    """bf16 ``tl.dot`` is wrong in the Triton interpreter (cpu-recipe.md P11): upcast its operands there."""
+    """bf16 ``tl.dot`` is wrong in the Triton interpreter (docs/vllm-notes.md P11): upcast its operands there."""
     return dtype == torch.bfloat16 and interpreting()
 
 

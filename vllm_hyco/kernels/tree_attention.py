@@ -10,7 +10,8 @@ layers are not one (K = rope(k_norm(k_raw)), V = v_norm(k_raw)): pass both cache
 Per request ``r`` with ``n = query_start_loc[r + 1] - query_start_loc[r]`` rows and ``seq_lens[r]`` keys:
 the committed prefix is ``[0, t)`` with ``t = seq_lens[r] - n``, and the step's own K/V are already in the
 cache at indices ``t .. t + n - 1`` (as vLLM writes them before attention). Each row has a ``depth`` and an
-``ancestor_mask`` (int64, bit ``i`` set iff row ``i`` is an ancestor of the row or the row itself):
+``ancestor_mask`` (int64, bit ``i`` set iff row ``i`` is an ancestor of the row or the row itself; a tree's
+masks and depths come from ``vllm_hyco.handoff.tree_contract``, at most ``MAX_TREE_ROWS`` = 64 rows):
 
 * tree row ``j`` (mask != 0): position ``t + depth[j]``; sees the prefix and the rows in its mask;
 * causal row ``j`` (mask == 0, ordinary decode/prefill, ``depth[j] = j``): sees cache indices ``<= t + j``.
@@ -32,9 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_hyco.handoff import tree_contract
 from vllm_hyco.kernels._backend import KernelInputError, next_pow2, upcast_dot
-
-MAX_TREE_ROWS = 64  # one int64 ancestor mask per row
 
 
 @dataclass
@@ -113,16 +113,15 @@ class TreeAttentionMetadata:
         >>> m.ancestor_mask.tolist(), m.depths.tolist(), m.seq_lens.tolist()
         ([1, 3, 5, 11, 0, 0], [0, 1, 1, 2, 0, 1], [7, 7])
         """
-        masks, depths, counts = [], [], []
+        masks, row_depths, counts = [], [], []
         for spec in rows:
             if isinstance(spec, int):
                 masks += [0] * spec
-                depths += list(range(spec))
+                row_depths += list(range(spec))
                 counts.append(spec)
-            else:
-                m, dep = ancestor_masks_from_parents(spec)
-                masks += m
-                depths += dep
+            else:  # the contract's int64 masks and depths (TreeValidationError on a bad tree)
+                masks += tree_contract.ancestor_mask(spec).tolist()
+                row_depths += tree_contract.depths(spec).tolist()
                 counts.append(len(spec))
         seq = [t + n for t, n in zip(prefix_lens, counts)]
         per_req = [-(-s // block_size) for s in seq]
@@ -142,31 +141,10 @@ class TreeAttentionMetadata:
             seq_lens=torch.tensor(seq, dtype=torch.int32),
             block_table=table,
             ancestor_mask=torch.tensor(masks, dtype=torch.int64),
-            depths=torch.tensor(depths, dtype=torch.int32),
+            depths=torch.tensor(row_depths, dtype=torch.int32),
             max_query_len=max(counts + [0]),
             max_seq_len=max(seq + [0]),
         )
-
-
-def ancestor_masks_from_parents(parents: list[int]) -> tuple[list[int], list[int]]:
-    """Ancestor bitmasks (self included) and depths of a topologically ordered parents list.
-
-    >>> ancestor_masks_from_parents([-1, 0, 0, 1])
-    ([1, 3, 5, 11], [0, 1, 1, 2])
-    """
-    if not parents or parents[0] != -1:
-        raise KernelInputError("parents[0] must be -1 (the root)")
-    if len(parents) > MAX_TREE_ROWS:
-        raise KernelInputError(f"a tree has at most {MAX_TREE_ROWS} rows, got {len(parents)}")
-    masks, depths = [1], [0]
-    for j, p in enumerate(parents[1:], start=1):
-        if not 0 <= p < j:
-            raise KernelInputError(f"parents[{j}] = {p}: must be in [0, {j})")
-        masks.append(masks[p] | (1 << j))
-        depths.append(depths[p] + 1)
-    # bit 63 as a signed int64
-    masks = [m - (1 << 64) if m >= 1 << 63 else m for m in masks]
-    return masks, depths
 
 
 def visibility_mask(

@@ -23,9 +23,10 @@ Example (one tree of 3 rows over a 2-block cache)::
     >>> import torch
     >>> kv = torch.randn(2, 1, 4, 2 * 8)                       # vLLM's [blocks, kv_heads, bs, 2 * D]
     >>> k, v = block_major_views(kv, 8)                         # [2, 4, 1, 8] each
-    >>> masks, depths = ancestor_masks_from_parents([-1, 0, 0])
+    >>> from vllm_hyco.handoff.tree_contract import ancestor_mask, depths
+    >>> masks, dep = ancestor_mask([-1, 0, 0]), depths([-1, 0, 0])    # the tree contract's int64 arrays
     >>> out = tree_rows_attention(torch.randn(3, 2, 8), k, v, torch.tensor([1, 0]), 4,
-    ...                           torch.tensor(masks), torch.tensor(depths), scale=0.35)
+    ...                           torch.from_numpy(masks), torch.from_numpy(dep), scale=0.35)
     >>> out.shape
     torch.Size([3, 2, 8])
 """
@@ -38,10 +39,7 @@ import torch
 
 from vllm_hyco.kernels import tree_attention
 from vllm_hyco.kernels._backend import KernelInputError
-from vllm_hyco.kernels.tree_attention import (
-    TreeAttentionMetadata,
-    ancestor_masks_from_parents,  # noqa: F401  (doctest)
-)
+from vllm_hyco.kernels.tree_attention import TreeAttentionMetadata
 
 
 def block_major_views(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:

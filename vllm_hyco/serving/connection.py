@@ -4,7 +4,8 @@ The loop reads one binary message at a time, decodes it with the wire owner
 (``vllm_hyco.handoff.decode_client_frame``, which raises only typed errors) and hands it to
 :class:`~vllm_hyco.serving.service.HycoService`. Every violation after the handshake gets an ``error``
 frame with a code and a message; the connection is closed only after ``too_many_sessions``,
-``idle_timeout`` and ``internal_error``. A phone that disappears leaves its session in the table for
+``idle_timeout`` and ``internal_error``. A frame of another protocol version gets ``unsupported_version``
+in that version's envelope when it has one (a version-1 phone can read it: it says what to upgrade). A phone that disappears leaves its session in the table for
 resume (``idle_timeout_s``); nothing it committed is lost.
 """
 
@@ -14,11 +15,11 @@ import asyncio
 import logging
 from typing import Any
 
-from vllm_hyco.errors import FrameError, HandoffSchemaError
+from vllm_hyco.errors import FrameError, HandoffSchemaError, WireError
 from vllm_hyco.handoff.client_frames import StartFrame
-from vllm_hyco.handoff.frames import decode_client_frame, encode_frame
+from vllm_hyco.handoff.frames import PROTOCOL_VERSION, decode_client_frame, encode_frame, reply_version
 from vllm_hyco.handoff.server_frames import ErrorFrame
-from vllm_hyco.serving.service import HycoService, WireError
+from vllm_hyco.serving.service import HycoService
 from vllm_hyco.serving.table import HeldSession
 
 logger = logging.getLogger("vllm.hyco")
@@ -99,7 +100,8 @@ class PhoneConnection:
 
     async def _error(self, e: WireError) -> None:
         self.metrics.errors.labels(code=e.code).inc()
-        await self._send(encode_frame(ErrorFrame(e.code, str(e)[:4096], e.fatal, e.round)))
+        version = getattr(e, "reply_version", PROTOCOL_VERSION)
+        await self._send(encode_frame(ErrorFrame(e.code, str(e)[:4096], e.fatal, e.round), version))
 
     async def _close(self, code: int) -> None:
         try:
@@ -117,12 +119,15 @@ class PhoneConnection:
         if s is not None and s.owner is self:
             s.owner = None
             s.touch()
+            s.left_at = s.last_active
             return s
         return None
 
     async def _leave(self) -> None:
         """The socket is gone. A session none of whose verdicts reached the phone cannot be resumed (the
-        phone never got its id, docs/protocol.md section 3): free it now instead of at the idle timeout."""
+        phone never got its id, docs/protocol.md section 3): free it now instead of at the idle timeout. One
+        whose verdict reached the socket but that the phone never acknowledged waits only the table's
+        ``unconfirmed_grace_s`` for a resume."""
         s = self._detach()
         if s is not None and not s.delivered and not s.finished:
             await self.service.drop(s)
@@ -134,7 +139,10 @@ class PhoneConnection:
         try:
             frame = decode_client_frame(data, self.service.limits)
         except (FrameError, HandoffSchemaError) as e:
-            raise WireError(str(e), code=e.code) from None
+            err = WireError(str(e), code=e.code)
+            if e.code == "unsupported_version":  # answer in the phone's own version when we can
+                err.reply_version = reply_version(data)
+            raise err from None
         if isinstance(frame, StartFrame):
             await self._start(frame, len(data))
             return
@@ -145,21 +153,25 @@ class PhoneConnection:
                             "elsewhere); send start first", code="no_session", fatal=False, round=frame.round)
         for out in await self.service.tree(s, frame):
             await self._send(out)
-        s.delivered = True
+            s.delivered = True  # the verdict (the first frame) names the session: resumable from here on
         if s.finished:
             self._detach()
 
     async def _start(self, frame: StartFrame, nbytes: int) -> None:
         await self._leave()  # one session per connection: a new start leaves the old one resumable
         if frame.hyco.resume is None:
-            self.session = await self.service.open(frame, owner=self)
-            self.session.bytes_up += nbytes
+            s, frames = await self.service.open(frame, owner=self)
+            self.session = s
+            s.bytes_up += nbytes
+            for out in frames:  # the session frame
+                await self._send(out)
             return
         s, frames = await self.service.resume(frame, owner=self)
         self.session = s
+        s.left_at = None
         s.bytes_up += nbytes
         for out in frames:
             await self._send(out)
-        s.delivered = s.delivered or bool(frames)
+        s.delivered = s.delivered or len(frames) > 1  # more than the session frame: a verdict
         if s.finished:
             self._detach()

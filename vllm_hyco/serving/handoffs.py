@@ -1,9 +1,10 @@
 """The server's hand-off side: the model's HandoffSpec and scales, and wire payloads from engine verdicts.
 
-The engine's raw verdict (``vllm_hyco.vllm_adapter``, docs/engine.md) carries float tensors: ``e_bonus`` and
-``h`` ``[hidden]``, ``{kind}_k``/``{kind}_v`` ``[d + 1, kv_heads, head_dim]`` for positions
-``start .. position`` (the root and the accepted path), and in round 0 a ``seed`` with the last W
-positions. The wire hand-off (docs/protocol.md section 5) covers ``[a, t')`` with ``t' = position + 1``.
+The engine's raw verdict (``vllm_hyco.vllm_adapter``, docs/engine.md) carries int8 arrays, quantized on the
+engine's device with this module's scales (``vllm_adapter/tree_step.py`` loads them with
+:meth:`ServerModel.load`): ``e_bonus`` and ``h`` ``[hidden]``, ``{kind}_k``/``{kind}_v``
+``[d + 1, kv_heads, head_dim]`` for positions ``start .. position`` (the root and the accepted path), and
+in round 0 a ``seed`` with the last W positions. The wire hand-off (docs/protocol.md section 5) covers ``[a, t')`` with ``t' = position + 1``.
 
 :class:`KvRing` keeps each session's last W quantized positions, so a phone that lost its drafter state
 (``resume.need_seed``) gets a seed for *any* round from the endpoint, without asking the engine again.
@@ -24,7 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from vllm_hyco.handoff.quant import HandoffScales, load_scales, quantize
+from vllm_hyco.errors import HandoffSchemaError
+from vllm_hyco.handoff.quant import HandoffScales, load_scales
 from vllm_hyco.handoff.schema import HandoffHeader, HandoffPayload, HandoffSpec, LayerSpec
 from vllm_hyco.handoff.sizes import layers_from_hf_config
 
@@ -33,12 +35,17 @@ SCALES_FILE = "handoff_scales.npz"
 FLAT_RANGE = 8.0
 
 
-def _np(x) -> np.ndarray:
-    if isinstance(x, dict) and "__nd__" in x:  # serving.core_utils.plain
-        return np.frombuffer(x["data"], dtype=x["__nd__"]).reshape(x["shape"]).astype(np.float32)
-    if hasattr(x, "detach"):
-        x = x.detach().float().cpu().numpy()
-    return np.asarray(x, dtype=np.float32)
+def _int8(x, name: str) -> np.ndarray:
+    """The engine's int8 array (``core_ext.plain`` dict, tensor or array); anything else is a server bug."""
+    if isinstance(x, dict) and "__nd__" in x:  # vllm_adapter.core_ext.plain
+        x = np.frombuffer(x["data"], dtype=x["__nd__"]).reshape(x["shape"])
+    elif hasattr(x, "detach"):
+        x = x.detach().cpu().numpy()
+    x = np.asarray(x)
+    if x.dtype != np.int8:
+        raise HandoffSchemaError(f"hand-off {name!r} came from the engine as {x.dtype}, not int8 (the engine "
+                                 f"quantizes on its device)", code="bad_handoff")
+    return x
 
 
 def find_scales(model_dir: Path) -> Path | None:
@@ -83,12 +90,11 @@ class ServerModel:
         return cls(HandoffSpec.from_scales(cfg, layers, scales), scales, w, path is None)
 
     def quantize_rows(self, raw: dict[str, Any]) -> list[tuple[np.ndarray, np.ndarray | None]]:
-        """Per header layer: int8 (K, V) ``[P, kv_heads, head_dim]`` from the engine's ``{kind}_k/v``."""
+        """Per header layer: int8 (K, V) ``[P, kv_heads, head_dim]``, the engine's ``{kind}_k/v``."""
         out = []
         for layer in self.spec.layers:
-            k_scale, v_scale = self.scales.layer(layer.layer_id)
-            k = quantize(_np(raw[f"{layer.kind}_k"]), k_scale)
-            v = quantize(_np(raw[f"{layer.kind}_v"]), v_scale) if layer.has_v else None
+            k = _int8(raw[f"{layer.kind}_k"], f"{layer.kind}_k")
+            v = _int8(raw[f"{layer.kind}_v"], f"{layer.kind}_v") if layer.has_v else None
             out.append((k, v))
         return out
 
@@ -98,9 +104,10 @@ class ServerModel:
         return HandoffPayload(header, int(bonus), e_q, h_q, tuple(k for k, _ in rows), tuple(v for _, v in rows))
 
     def quantize_eh(self, raw: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
-        e = quantize(_np(raw["e_bonus"]), self.scales.e)
+        """int8 e(bonus) and h, the engine's (h zeros when the engine had no hidden state)."""
+        e = _int8(raw["e_bonus"], "e_bonus")
         h = raw.get("h")
-        h = quantize(_np(h), self.scales.h) if h is not None else np.zeros(self.spec.hidden_size, np.int8)
+        h = _int8(h, "h") if h is not None else np.zeros(self.spec.hidden_size, np.int8)
         return e, h
 
 

@@ -2,7 +2,7 @@
 
 The WebSocket route runs in the API-server process, so these live in that process's
 ``prometheus_client`` registry, which vLLM's ``/metrics`` exposes. Multiprocess caveat: with several API
-servers (``--api-server-count > 1``, refused for HyCo by decisions.md D7) vLLM switches prometheus_client to
+servers (``--api-server-count > 1``, refused for HyCo by docs/decisions.md D7) vLLM switches prometheus_client to
 multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``); counters would then aggregate across processes and the
 gauge would need a ``multiprocess_mode``. Created once per process (idempotent :func:`get`).
 
@@ -16,6 +16,10 @@ gauge would need a ``multiprocess_mode``. Created once per process (idempotent :
 | ``vllm_hyco_parked_sessions`` | gauge | sessions held by the endpoint (connected or waiting for a resume) |
 | ``vllm_hyco_rejected_trees_total`` | counter | ``code`` (bad_round, bad_tree, budget_exceeded, ...) |
 | ``vllm_hyco_error_frames_total`` | counter | ``code`` |
+| ``vllm_hyco_node_budget`` | histogram | nodes granted per verdict (the budget policy's choice) |
+| ``vllm_hyco_verified_nodes`` | histogram | nodes of the phone's tree the server verified (after its cut) |
+| ``vllm_hyco_step_cost_seconds`` | gauge | ``term``: fixed, per_row, per_row_kctx, rmse: the step-cost model's fit |
+| ``vllm_hyco_step_cost_steps`` | gauge | steps the cost model was fitted on |
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 SOURCES = {0: "root", 1: "chain", 2: "runner_up", 3: "slm", 4: "other"}
+NODE_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32)
 
 
 @dataclass
@@ -36,6 +41,23 @@ class HycoMetrics:
     parked: Any
     rejected: Any
     errors: Any
+    budget: Any = None
+    verified: Any = None
+    cost: Any = None
+    cost_steps: Any = None
+
+    def node_budget(self, info: dict | None, granted: int) -> None:
+        """One verdict's budget: the nodes granted, the nodes verified, the cost model's current fit."""
+        self.budget.observe(granted)
+        if not info:
+            return
+        if info.get("nodes_verified") is not None:
+            self.verified.observe(info["nodes_verified"])
+        for term, key in (("fixed", "fixed_ms"), ("per_row", "per_row_ms"), ("per_row_kctx", "per_krow_ctx_ms"),
+                          ("rmse", "rmse_ms")):
+            if info.get(key) is not None:
+                self.cost.labels(term=term).set(info[key] / 1e3)
+        self.cost_steps.set(info.get("steps", 0))
 
     def accepted_path(self, path_rows: list[int], labels: tuple[int, ...] | None) -> None:
         for depth, row in enumerate(path_rows, start=1):
@@ -49,7 +71,7 @@ _METRICS: HycoMetrics | None = None
 def get() -> HycoMetrics:
     global _METRICS
     if _METRICS is None:
-        from prometheus_client import Counter, Gauge
+        from prometheus_client import Counter, Gauge, Histogram
 
         p = "vllm_hyco_"
         _METRICS = HycoMetrics(
@@ -62,5 +84,12 @@ def get() -> HycoMetrics:
             parked=Gauge(p + "parked_sessions", "HyCo sessions held by the endpoint"),
             rejected=Counter(p + "rejected_trees", "Trees refused before verification", ["code"]),
             errors=Counter(p + "error_frames", "Error frames sent to phones", ["code"]),
+            budget=Histogram(p + "node_budget", "Draft nodes granted per verdict (budget policy)",
+                             buckets=NODE_BUCKETS),
+            verified=Histogram(p + "verified_nodes", "Tree nodes verified per round (after the budget cut)",
+                               buckets=NODE_BUCKETS),
+            cost=Gauge(p + "step_cost_seconds", "Engine step-cost model: fixed, per row, per row x 1000 "
+                       "context tokens, and its RMSE", ["term"]),
+            cost_steps=Gauge(p + "step_cost_steps", "Engine steps the step-cost model was fitted on"),
         )
     return _METRICS

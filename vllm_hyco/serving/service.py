@@ -4,15 +4,20 @@ It turns frames into engine calls and engine verdicts into frames (docs/protocol
 
 * :meth:`open` (``start`` with ``request``): admits (``too_many_sessions``), checks the ``hyco`` object
   (``handoff_version``, ``fingerprint_mismatch``, ε under D4), opens the engine session (prefill of the
-  prompt except its last token, D2);
-* :meth:`tree`: checks the round, the budget and the tree (``bad_round``, ``budget_exceeded``,
-  ``bad_tree``; root = the last committed token, round 0: the prompt's last token), verifies it in the
-  engine and returns the encoded frames: the verdict (with the seed in round 0, chunked when it is bigger
-  than one chunk), its chunks, and ``final`` after the finishing verdict;
-* :meth:`resume`: the replay (byte-identical, or with a seed ``[max(0, t' - W), t')`` on ``need_seed``);
+  prompt except its last token, D2) and answers with the ``session`` frame (the session id with this
+  replica's routing key, the budget, the session's hand-off schema and its hash);
+* :meth:`tree`: checks the schema confirmation (the first tree after a ``session`` frame carries its
+  ``schema_hash``: ``missing_field``, ``schema_mismatch``), the round, the budget and the tree
+  (``bad_round``, ``budget_exceeded``, ``bad_tree``; root = the last committed token, round 0: the prompt's
+  last token), verifies it in the engine and returns the encoded frames: the verdict (with the seed in
+  round 0, chunked when it is bigger than one chunk), its chunks, and ``final`` after the finishing verdict;
+* :meth:`resume`: a ``session`` frame with the same schema, then the replay (byte-identical, or with a
+  seed ``[max(0, t' - W), t')`` on ``need_seed``);
 * :meth:`sweep`: idle timeouts; the endpoint calls it every second.
 
-Errors are raised as :class:`WireError` (code, fatal, round, close) for the connection to send.
+Errors are raised as :class:`~vllm_hyco.errors.WireError` (code, fatal, round, close) for the connection
+to send; a client mistake in ``start`` gets its client code (``bad_request``, ``unsupported_field``,
+``model_not_found``, naming the field), ``internal_error`` is a server bug only.
 """
 
 from __future__ import annotations
@@ -23,46 +28,31 @@ import time
 import uuid
 from typing import Any
 
-from vllm_hyco.vllm_adapter.api import resolve_session_eps
-from vllm_hyco.errors import FrameError, HycoError, RequestFieldError, SessionError, TreeValidationError
+from vllm_hyco.config import resolve_session_eps
+from vllm_hyco.errors import (EngineError, FrameError, HycoError, RequestFieldError, SessionError, TreeValidationError,
+                              WireError)
 from vllm_hyco.handoff.chunks import plan_handoff
 from vllm_hyco.handoff.client_frames import StartFrame, TreeFrame
 from vllm_hyco.handoff.frames import encode_frame
 from vllm_hyco.handoff.limits import DEFAULT_LIMITS, WireLimits
 from vllm_hyco.handoff.schema import HANDOFF_SCHEMA_VERSION
-from vllm_hyco.handoff.server_frames import FinalFrame, VerdictFrame, openai_chunk
+from vllm_hyco.handoff.server_frames import FinalFrame, SessionFrame, VerdictFrame, openai_chunk
+from vllm_hyco.handoff.session_id import DEFAULT_ROUTE_KEY, check_route_key, new_session_id, route_key
+from vllm_hyco.handoff.tree_contract import DEFAULT_NODE_BUDGET, validate_tree
 from vllm_hyco.serving import metrics as _metrics
-from vllm_hyco.vllm_adapter.bridge import BridgeError, EngineBridge, RoundResult
+from vllm_hyco.serving.engine_port import EngineClient, RoundResult
 from vllm_hyco.serving.handoffs import KvRing, ServerModel
 from vllm_hyco.serving.table import HeldSession, SessionTable
 
 logger = logging.getLogger("vllm.hyco")
-# codes after which the server closes the WebSocket (docs/protocol.md section 7)
-CLOSING_CODES = frozenset({"unauthorized", "too_many_sessions", "idle_timeout", "internal_error"})
-FATAL_CODES = frozenset({"unsupported_version", "bad_request", "request_too_large", "bad_hyco", "bad_verdict",
-                         "bad_handoff", "handoff_version", "fingerprint_mismatch", "layout_mismatch",
-                         "scales_mismatch", "bad_scales", "unauthorized", "unknown_session",
-                         "too_many_sessions", "idle_timeout", "unsupported_field", "internal_error"})
-
-
-class WireError(HycoError):
-    """An error to send as an ``error`` frame."""
-
-    def __init__(self, message: str, *, code: str, fatal: bool | None = None, round: int | None = None):
-        super().__init__(message, code=code)
-        self.fatal = code in FATAL_CODES if fatal is None else fatal
-        self.round = round
-
-    @property
-    def closes(self) -> bool:
-        return self.code in CLOSING_CODES
 
 
 class HycoService:
-    def __init__(self, bridge: EngineBridge, model: ServerModel, *, node_budget: int = 32,
+    def __init__(self, bridge: EngineClient, model: ServerModel, *, node_budget: int = DEFAULT_NODE_BUDGET,
                  server_eps: float | None = None, max_sessions: int = 16, idle_timeout_s: float = 60.0,
-                 limits: WireLimits = DEFAULT_LIMITS):
+                 limits: WireLimits = DEFAULT_LIMITS, route_key: str = DEFAULT_ROUTE_KEY):
         self.bridge, self.model, self.limits = bridge, model, limits
+        self.route_key = check_route_key(route_key)  # the session ids' prefix (docs/protocol.md section 3)
         self.node_budget, self.server_eps = node_budget, server_eps
         self.table = SessionTable(max_sessions, idle_timeout_s)
         self.metrics = _metrics.get()
@@ -123,7 +113,13 @@ class HycoService:
         except RequestFieldError as e:
             raise WireError(str(e), code="bad_hyco") from None
 
-    async def open(self, frame: StartFrame, owner: Any) -> HeldSession:
+    def session_frame(self, s: HeldSession) -> bytes:
+        """The start acknowledgement; the next tree must confirm its schema hash."""
+        s.confirmed = False
+        ack = SessionFrame(s.sid, s.last_round, 0 if s.finished else s.budget, self.model.spec)
+        return encode_frame(ack)
+
+    async def open(self, frame: StartFrame, owner: Any) -> tuple[HeldSession, list[bytes]]:
         eps = self._check_hyco(frame)
         if frame.hyco.mode == "epsilon" and self.server_eps is None:
             raise WireError("mode 'epsilon' asks for lossy verification but this server runs exact only; use "
@@ -135,16 +131,21 @@ class HycoService:
         self.table.reserved += 1
         try:
             es = await self.bridge.open(frame.endpoint, frame.request, eps)
-        except RequestFieldError as e:
-            raise WireError(str(e), code="unsupported_field") from None
-        except FrameError as e:
+        except (RequestFieldError, FrameError) as e:  # the phone's request: its own code, naming the field
+            self.metrics.rejected.labels(code=e.code).inc()
             raise WireError(str(e), code=e.code) from None
         except SessionError as e:
-            raise WireError(str(e), code="too_many_sessions" if e.code == "too_many_sessions"
-                            else "internal_error") from None
+            if e.code == "too_many_sessions":
+                raise WireError(str(e), code="too_many_sessions") from None
+            logger.warning("HyCo session failed to open in the engine: %s (%s)", e, e.code)
+            raise WireError(f"opening the session failed in the engine: {e} ({e.code})",
+                            code="internal_error") from None
+        except EngineError as e:
+            logger.warning("HyCo session failed to open in the engine: %s (%s)", e, e.code)
+            raise WireError(f"opening the session failed in the engine: {e}", code="internal_error") from None
         finally:
             self.table.reserved -= 1
-        sid = bytes.fromhex(es.sid)[:16]
+        sid = new_session_id(self.route_key)
         caps = frame.hyco.capabilities
         s = HeldSession(sid=sid, engine=es, endpoint=frame.endpoint, caps=caps,
                         completion_id=("chatcmpl-" if frame.endpoint == "chat.completions" else "cmpl-")
@@ -154,7 +155,7 @@ class HycoService:
         self.table.add(s)
         self.metrics.sessions.labels(outcome="opened").inc()
         self.metrics.parked.set(self.table.active())
-        return s
+        return s, [self.session_frame(s)]
 
     # -- rounds -----------------------------------------------------------------------------------------
     def _reject(self, message: str, code: str, round_: int) -> WireError:
@@ -162,10 +163,19 @@ class HycoService:
         return WireError(message, code=code, fatal=False, round=round_)
 
     def check_tree(self, s: HeldSession, t: TreeFrame) -> None:
-        from vllm_hyco.spec_decode.tree import validate_tree
-
         if s.finished:
             raise self._reject("the session is finished; send a new start", "bad_round", t.round)
+        want = self.model.spec.schema_hash
+        if t.schema is not None and t.schema != want:
+            raise WireError(f"tree.schema {t.schema.hex()} is not this session's schema_hash {want.hex()} (the "
+                            f"session frame's); the session is over: start a new one", code="schema_mismatch",
+                            fatal=True, round=t.round)
+        if not s.confirmed:
+            if t.schema is None:
+                raise self._reject("the first tree after the session frame must carry `schema` = its "
+                                   f"schema_hash ({want.hex()}); resend it with the field", "missing_field",
+                                   t.round)
+            s.confirmed = True
         if t.round != s.expected_round:
             raise self._reject(f"tree round {t.round} is not the session's next round {s.expected_round}",
                                "bad_round", t.round)
@@ -185,16 +195,25 @@ class HycoService:
     async def tree(self, s: HeldSession, t: TreeFrame) -> list[bytes]:
         """Verify one tree; returns the frames to send (verdict, chunks, final)."""
         async with s.lock:
-            self.check_tree(s, t)
+            try:
+                self.check_tree(s, t)
+            except WireError as e:
+                if e.code == "schema_mismatch":  # the two sides disagree on the model: end the session
+                    s.finished = True
+                    await self.release(s)
+                    self.table.remove(s)
+                    self.metrics.parked.set(self.table.active())
+                raise
             s.touch()
             try:
-                r = await self.bridge.round(s.engine, t.round, list(t.tokens), list(t.parents))
-            except BridgeError as e:
+                r = await self.bridge.round(
+                    s.engine, t.round, list(t.tokens), list(t.parents),
+                    None if t.labels is None else [int(x) for x in t.labels],
+                    None if t.values is None else [int(x) / 255.0 for x in t.values])  # phone values (v2)
+            except HycoError as e:  # the engine's refusal, with its code (serving.engine_port)
                 if e.code == "server_busy":
                     self.metrics.rejected.labels(code="server_busy").inc()
                     raise WireError(str(e), code="server_busy", fatal=False, round=t.round) from None
-                await self._engine_lost(s, e, t.round)
-            except SessionError as e:
                 await self._engine_lost(s, e, t.round)
             frames = self._verdict_frames(s, t, r)
             s.touch()
@@ -231,11 +250,12 @@ class HycoService:
             s.last_payload = payload
             handoff, ref, chunks = plan_handoff(payload, t.round, self.limits, s.caps.max_message_bytes)
             s.root, s.root_position = bonus, payload.header.root_position
-            s.budget = min(self.node_budget, s.caps.max_nodes)
-        v = VerdictFrame(s.sid, t.round, tuple(path), tuple(committed), None if finished else int(raw["bonus"]),
+            s.budget = max(1, min(int(raw.get("budget", self.node_budget)), self.node_budget, s.caps.max_nodes))
+            m.node_budget(raw.get("budget_info"), s.budget)
+        v = VerdictFrame(t.round, tuple(path), tuple(committed), None if finished else int(raw["bonus"]),
                          handoff, ref, 0 if finished else s.budget, chunk)
         frames = [encode_frame(v), *(encode_frame(c) for c in chunks)]
-        s.last_verdict, s.last_frames, s.last_round = v, frames, t.round
+        s.last_verdict, s.last_frames, s.last_round = v, list(frames), t.round  # a copy: `final` is apart
         s.expected_round = t.round + 1
         s.rounds += 1
         s.completion_tokens += len(committed)
@@ -273,9 +293,10 @@ class HycoService:
     async def resume(self, frame: StartFrame, owner: Any) -> tuple[HeldSession, list[bytes]]:
         self._check_hyco(frame)
         rq = frame.hyco.resume
-        s = self.table.get(rq.session_id)
+        # a session id naming another replica is refused without looking (docs/deploy.md, replicas)
+        s = self.table.get(rq.session_id) if route_key(rq.session_id) == self.route_key else None
         if s is None:
-            raise WireError(f"the server holds no session {rq.session_id.hex()} (expired or never existed); "
+            raise WireError(f"the server holds no session {rq.session_id} (expired or never existed); "
                             f"start over", code="unknown_session")
         async with s.lock:  # a round still in flight on the old connection completes first
             if rq.last_round not in (s.last_round, s.last_round - 1):
@@ -283,14 +304,16 @@ class HycoService:
                                 f"is round {s.last_round} (send it or the one before)", code="bad_round",
                                 fatal=True)
             s.owner, s.caps = owner, frame.hyco.capabilities
+            s.acknowledged = True  # the phone names the session: it has its id
             s.resumes += 1
             s.touch()
             self.metrics.sessions.labels(outcome="resumed").inc()
+            ack = self.session_frame(s)
             if s.last_verdict is None:
-                return s, []
-            frames = list(s.last_frames)
+                return s, [ack]
+            frames = [ack, *s.last_frames]
             if rq.need_seed and not s.finished:
-                frames = self._seed_replay(s)
+                frames = [ack, *self._seed_replay(s)]
             if s.finished and s.final_frame is not None:
                 frames.append(s.final_frame)
             return s, frames
@@ -302,5 +325,5 @@ class HycoService:
         start, rows = s.ring.seed_rows(s.root_position)
         payload = self.model.payload(start, s.root_position, last.bonus_token, last.e_bonus, last.h, rows)
         handoff, ref, chunks = plan_handoff(payload, v.round, self.limits, s.caps.max_message_bytes)
-        seeded = VerdictFrame(v.session_id, v.round, v.path, v.tokens, v.bonus, handoff, ref, v.budget, v.chunk)
+        seeded = VerdictFrame(v.round, v.path, v.tokens, v.bonus, handoff, ref, v.budget, v.chunk)
         return [encode_frame(seeded), *(encode_frame(c) for c in chunks)]

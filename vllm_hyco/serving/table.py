@@ -8,6 +8,12 @@ resume), the last verdict itself (rebuilt with a seed when the phone asks ``need
 Limits: ``max_sessions`` unfinished sessions (``too_many_sessions`` beyond); a session nobody drives for
 ``idle_timeout_s`` is closed and its KV freed (:meth:`SessionTable.expired`); a finished session is kept
 for ``finished_grace_s`` so that a phone that lost the last verdict or ``final`` can still resume.
+
+Whether a phone has its session's id: a session none of whose verdicts reached the socket is freed when the
+socket goes (the connection's job). One whose verdict reached the socket but whose phone never showed that
+it read one (``acknowledged``: a tree after verdict 0, or a resume naming it) may have lost verdict 0 on the
+way: once its socket is gone it is kept only ``unconfirmed_grace_s`` (default ``min(idle_timeout_s,
+UNCONFIRMED_GRACE_S)``, about the span of the phone client's reconnects) for a resume, not the idle timeout.
 """
 
 from __future__ import annotations
@@ -19,13 +25,15 @@ from typing import Any
 
 from vllm_hyco.handoff.client_frames import ClientCapabilities
 from vllm_hyco.handoff.server_frames import VerdictFrame
-from vllm_hyco.vllm_adapter.bridge import EngineSession
+from vllm_hyco.serving.engine_port import EngineSession
 from vllm_hyco.serving.handoffs import KvRing
+
+UNCONFIRMED_GRACE_S = 10.0  # mobile_client.HycoClient's default reconnects (8, backing off to 2 s) fit in it
 
 
 @dataclass
 class HeldSession:
-    sid: bytes  # 16 bytes on the wire; sid.hex() is the engine's key
+    sid: str  # "<routing-key>.<random>" on the wire (vllm_hyco.handoff.session_id); engine.sid is the engine's key
     engine: EngineSession
     endpoint: str  # "chat.completions" | "completions"
     caps: ClientCapabilities
@@ -42,7 +50,10 @@ class HeldSession:
     last_frames: list[bytes] = field(default_factory=list)  # verdict + handoff_chunk frames, encoded
     final_frame: bytes | None = None
     finished: bool = False
-    delivered: bool = False  # a verdict reached the socket (the phone can know the session id)
+    delivered: bool = False  # a verdict reached the socket (the phone may resume from here on)
+    confirmed: bool = False  # a tree since the last `session` frame carried the session's schema_hash
+    acknowledged: bool = False  # the phone showed it read a verdict (a tree after verdict 0, or a resume)
+    left_at: float | None = None  # when its socket went (None while a connection drives it)
     closed: bool = False  # engine side released
     owner: Any = None  # the connection driving it, None while the phone is away
     last_active: float = field(default_factory=time.monotonic)
@@ -62,16 +73,19 @@ class HeldSession:
 
 
 class SessionTable:
-    def __init__(self, max_sessions: int, idle_timeout_s: float, finished_grace_s: float | None = None):
+    def __init__(self, max_sessions: int, idle_timeout_s: float, finished_grace_s: float | None = None,
+                 unconfirmed_grace_s: float | None = None):
         self.max_sessions, self.idle_timeout_s = max_sessions, idle_timeout_s
         self.finished_grace_s = idle_timeout_s if finished_grace_s is None else finished_grace_s
-        self._by_sid: dict[bytes, HeldSession] = {}
+        self.unconfirmed_grace_s = (min(idle_timeout_s, UNCONFIRMED_GRACE_S) if unconfirmed_grace_s is None
+                                    else unconfirmed_grace_s)
+        self._by_sid: dict[str, HeldSession] = {}
         self.reserved = 0  # sessions being opened (prefill in progress)
 
     def __len__(self) -> int:
         return len(self._by_sid)
 
-    def get(self, sid: bytes) -> HeldSession | None:
+    def get(self, sid: str) -> HeldSession | None:
         return self._by_sid.get(sid)
 
     def active(self) -> int:
@@ -88,13 +102,17 @@ class SessionTable:
         self._by_sid.pop(s.sid, None)
 
     def expired(self, now: float | None = None) -> list[HeldSession]:
-        """Sessions to drop now: unfinished ones nobody drove for the idle timeout, finished ones past grace.
-        A session whose connection is waiting on its round (lock held) is never expired."""
+        """Sessions to drop now: unfinished ones nobody drove for the idle timeout, unconfirmed ones whose
+        socket went ``unconfirmed_grace_s`` ago, finished ones past grace. A session whose connection is
+        waiting on its round (lock held) is never expired."""
         now = time.monotonic() if now is None else now
         out = []
         for s in self._by_sid.values():
+            if s.lock.locked():
+                continue
             limit = self.finished_grace_s if s.finished else self.idle_timeout_s
-            if now - s.last_active > limit and not s.lock.locked():
+            unconfirmed = not (s.finished or s.acknowledged) and s.owner is None and s.left_at is not None
+            if now - s.last_active > limit or (unconfirmed and now - s.left_at > self.unconfirmed_grace_s):
                 out.append(s)
         return out
 

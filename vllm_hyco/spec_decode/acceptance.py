@@ -1,4 +1,4 @@
-"""The acceptance rule (paper Algorithm 4, lines 6-12; decisions.md D4), for one tree and batched.
+"""The acceptance rule (paper Algorithm 4, lines 6-12; docs/decisions.md D4), for one tree and batched.
 
 For a node c with parent v, ŷ_v the verifier's sample at v and p̃ the request's sampling distribution:
 

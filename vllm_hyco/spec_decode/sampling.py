@@ -1,4 +1,4 @@
-"""p̃: the request's own sampling distribution, as vLLM 0.32's sampler builds it (decisions.md D4).
+"""p̃: the request's own sampling distribution, as vLLM 0.32's sampler builds it (docs/decisions.md D4).
 
 Order (vLLM 0.32 ``Sampler.sample`` + ``apply_top_k_top_p_pytorch``, the path its CPU build runs):
 

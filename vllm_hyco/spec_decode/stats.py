@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm_hyco.spec_decode.tree import NodeSource
+from vllm_hyco.handoff.tree_contract import NodeLabel
 
-NUM_SOURCES = len(NodeSource)
+NUM_SOURCES = len(NodeLabel)
 
 
 def _add_lists(a: list[int], b: list[int]) -> list[int]:
@@ -23,7 +23,7 @@ def _add_lists(a: list[int], b: list[int]) -> list[int]:
 @dataclass(frozen=True)
 class RoundStats:
     """Counts over one or more rounds. ``per_depth[d]`` counts accepted nodes at depth d + 1;
-    ``per_source[s]`` and ``eps_only_per_source[s]`` count accepted nodes labelled ``NodeSource(s)``
+    ``per_source[s]`` and ``eps_only_per_source[s]`` count accepted nodes labelled ``NodeLabel(s)``
     (unlabelled trees count as OTHER). Accepted length excludes the bonus token."""
 
     rounds: int = 0
@@ -64,8 +64,8 @@ class RoundStats:
         return self.accepted / self.rounds if self.rounds else 0.0
 
     def to_dict(self) -> dict:
-        """JSON/metrics form; sources keyed by lower-case NodeSource names."""
-        names = [s.name.lower() for s in NodeSource]
+        """JSON/metrics form; sources keyed by lower-case NodeLabel names."""
+        names = [s.name.lower() for s in NodeLabel]
         return {
             "rounds": self.rounds,
             "accepted": self.accepted,

@@ -12,6 +12,9 @@ Randomness: request b draws ``torch.rand(n_b + 1, generator=generators[b], dtype
 uniform per *real* row in row order (``sampling.draw_uniforms``), so ``verify_batch`` reproduces
 ``sample_rows`` + ``select_path`` on each tree alone, whatever the padding or the batch around it.
 The one per-request loop is that draw; everything else is vectorized (loops run over depth only).
+``verify_batch_with_uniforms`` is the same decision with the uniforms given (the engine draws them from
+each session's own generator, docs/acceptance.md); greedy requests take the argmax and consume none,
+and p̃ is built only for the rows of sampled requests, next to the logits.
 """
 
 from __future__ import annotations
@@ -22,8 +25,10 @@ from dataclasses import dataclass, fields
 import torch
 
 from vllm_hyco.errors import TreeValidationError
+from vllm_hyco.handoff.tree_contract import NodeLabel
 from vllm_hyco.spec_decode.acceptance import decide, normalize_epsilon
 from vllm_hyco.spec_decode.sampling import (
+    SAMPLING_EPS,
     SamplingSpec,
     SparseProbs,
     draw_uniforms,
@@ -31,9 +36,9 @@ from vllm_hyco.spec_decode.sampling import (
     sampling_support,
 )
 from vllm_hyco.spec_decode.stats import NUM_SOURCES, RoundStats
-from vllm_hyco.spec_decode.tree import NodeSource, TokenTree
+from vllm_hyco.spec_decode.tree import TokenTree
 
-_OTHER = int(NodeSource.OTHER)
+_OTHER = int(NodeLabel.OTHER)
 
 
 def as_long(values: list[int]) -> torch.Tensor:
@@ -54,7 +59,7 @@ class PackedTrees:
     req: torch.Tensor
     # [N] bool, False on padding rows
     valid: torch.Tensor
-    # [N] int64 NodeSource values (ROOT on roots, OTHER where the client sent no labels)
+    # [N] int64 NodeLabel values (ROOT on roots, OTHER where the client sent no labels)
     labels: torch.Tensor
     # [B + 1] int64
     row_offsets: torch.Tensor
@@ -134,7 +139,7 @@ class BatchVerdict:
     num_eps_only: torch.Tensor
     # [B, D] int64 1 where the path reaches depth d + 1
     accepted_per_depth: torch.Tensor
-    # [B, NUM_SOURCES] int64 accepted nodes per NodeSource, and those of them that were ε-only
+    # [B, NUM_SOURCES] int64 accepted nodes per NodeLabel, and those of them that were ε-only
     accepted_per_source: torch.Tensor
     eps_only_per_source: torch.Tensor
     # [N] int64 the verifier's sample ŷ at every packed row (padding rows: -1)
@@ -220,23 +225,71 @@ def verify_batch(
     """p̃ from logits, one sample per real row from each request's generator, then the decision.
 
     Shape: logits [N, V] over the packed rows (padding rows included; their values are ignored).
+    Every request draws its uniforms, greedy ones included (``verify_batch_with_uniforms`` ignores them).
     """
-    packed = _as_packed(trees, logits.device)
-    if isinstance(sampling, SamplingSpec):
-        sampling = [sampling] * packed.num_requests
-    assert logits.shape[0] == packed.tokens.numel(), "one logits row per packed row"
-    dev = packed.req.device
-    temp = torch.tensor([s.temperature for s in sampling], dtype=torch.float32, device=dev)[packed.req]
-    top_k = torch.tensor([s.top_k for s in sampling], dtype=torch.int64, device=dev)[packed.req]
-    top_p = torch.tensor([s.top_p for s in sampling], dtype=torch.float32, device=dev)[packed.req]
-    support = sampling_support(logits, temp, top_k, top_p)
-    uniforms = torch.zeros(packed.tokens.numel(), dtype=torch.float64, device=dev)
+    packed = trees if isinstance(trees, PackedTrees) else PackedTrees.pack(list(trees))
     assert len(generators) == packed.num_requests, "one generator (or None) per request"
+    uniforms = torch.zeros(packed.tokens.numel(), dtype=torch.float64)
     starts, counts = packed.row_offsets.tolist(), packed.num_real.tolist()
     for b, gen in enumerate(generators):  # the only per-request loop: drawing the uniforms
-        uniforms[starts[b] : starts[b] + counts[b]] = draw_uniforms(counts[b], gen)
-    samples = sample_sparse(support, uniforms)
-    return verify_batch_from_probs(packed, support, samples, epsilon)
+        uniforms[starts[b] : starts[b] + counts[b]] = draw_uniforms(counts[b], gen).cpu()
+    return verify_batch_with_uniforms(packed, logits, sampling, epsilon, uniforms)
+
+
+def verify_batch_with_uniforms(
+    trees: Sequence[TokenTree] | PackedTrees,
+    logits: torch.Tensor,
+    sampling: Sequence[SamplingSpec] | SamplingSpec,
+    epsilon: Sequence[float | None] | float | None,
+    uniforms: torch.Tensor,
+    row_offsets: Sequence[int] | None = None,
+) -> BatchVerdict:
+    """The decision for every tree at once, on ``logits``' device, with the uniforms given.
+
+    Shape: logits [N, V] over the packed rows; uniforms [N] float64 (any device; row r of a sampled
+    request uses ``uniforms[r]``; greedy requests' and padding rows' entries are ignored). Greedy requests
+    (temperature < 1e-5) sample the argmax; p̃ (``sampling_support``) is built for the sampled requests'
+    rows only, in one batch. Nothing of vocabulary size leaves the device; the host work is per request
+    (which rows are sampled): ``row_offsets`` (host ints, ``packed.row_offsets``) spares reading them back
+    when ``trees`` is already on the device.
+    """
+    packed = trees if isinstance(trees, PackedTrees) else PackedTrees.pack(list(trees))
+    if isinstance(sampling, SamplingSpec):
+        sampling = [sampling] * packed.num_requests
+    assert len(sampling) == packed.num_requests, "one SamplingSpec per request"
+    assert logits.shape[0] == packed.tokens.numel(), "one logits row per packed row"
+    greedy = [s.temperature < SAMPLING_EPS for s in sampling]
+    offsets = list(row_offsets) if row_offsets is not None else packed.row_offsets.tolist()
+    sub = [r for b, g in enumerate(greedy) if not g for r in range(offsets[b], offsets[b + 1])]
+    dev = logits.device
+    packed = packed.to(dev)
+    num_rows = packed.tokens.numel()
+    samples = logits.argmax(dim=-1) if any(greedy) else torch.zeros(num_rows, dtype=torch.int64, device=dev)
+    # greedy p̃ is one-hot at the sample: p̃(token | parent) is 1 on a hit, else 0
+    p_edge = (packed.tokens == samples[packed.parent]).to(torch.float32)
+    if sub:
+        every = len(sub) == num_rows
+        rows = None if every else torch.tensor(sub, dtype=torch.int64).to(dev, non_blocking=True)
+        req = packed.req if every else packed.req[rows]
+        pick = lambda vals: vals[req]  # per-request values to the sampled rows
+        temp = pick(torch.tensor([s.temperature for s in sampling], dtype=torch.float32).to(dev))
+        top_k = pick(torch.tensor([s.top_k for s in sampling], dtype=torch.int64).to(dev))
+        top_p = pick(torch.tensor([s.top_p for s in sampling], dtype=torch.float32).to(dev))
+        support = sampling_support(logits if every else logits[rows], temp, top_k, top_p)
+        u = uniforms.to(device=dev, dtype=torch.float64)
+        drawn = sample_sparse(support, u if every else u[rows])
+        if every:
+            samples = drawn
+            p_edge = support.lookup(packed.parent, packed.tokens)
+        else:
+            samples = samples.index_copy(0, rows, drawn)
+            local = torch.full((num_rows,), -1, dtype=torch.int64, device=dev)
+            local[rows] = torch.arange(len(sub), device=dev)
+            p_edge = p_edge.index_copy(0, rows, support.lookup(local[packed.parent[rows]], packed.tokens[rows]))
+    eps_row, any_lossy = _eps_rows(packed, epsilon)
+    dec = decide(packed.tokens, packed.parent, packed.depth, packed.req, packed.valid, samples.to(torch.int64),
+                 p_edge if any_lossy else None, eps_row, packed.num_requests)
+    return _verdict(packed, dec, samples.to(torch.int64))
 
 
 def _verdict(packed: PackedTrees, dec, samples: torch.Tensor) -> BatchVerdict:

@@ -1,8 +1,11 @@
-"""In-process engine API for HyCo sessions: what the HTTP/WebSocket layer calls (matches vLLM 0.32).
+"""In-process harness for HyCo sessions, used by tests and benchmarks (matches vLLM 0.32); the server's
+phone route uses the engine client of ``vllm_adapter/bridge.py`` instead.
 
-It drives a vLLM ``LLMEngine`` (``LLM(...).llm_engine``) built with the HyCo scheduler/worker, and talks to
-the engine core through the utility methods of :mod:`vllm_hyco.vllm_adapter.core_ext` (called directly when the
-core is in-process, through ``call_utility`` otherwise). The server runs no MTP head for sessions.
+It drives a vLLM ``LLMEngine`` (``LLM(...).llm_engine``) built with the HyCo scheduler/worker, and is a thin
+user of the client's pieces: the same request checks and SamplingParams (``bridge.session_params``, one
+list of allowed fields) and the same engine-core methods (:mod:`vllm_hyco.vllm_adapter.core_ext`, one
+error format; called directly when the core is in-process, through ``call_utility`` otherwise). The
+server runs no MTP head for sessions.
 
 Example (greedy, a chain tree that plants the model's own continuation)::
 
@@ -13,9 +16,9 @@ Example (greedy, a chain tree that plants the model's own continuation)::
     eng.submit(s.sid, 1, tokens=[v.bonus, ...], parents=[-1, ...])
     eng.close(s.sid)
 
-Request fields: HyCo sessions accept only :data:`ALLOWED_FIELDS`; anything else raises
+Request fields: HyCo sessions accept only ``bridge.SAMPLING_FIELDS``; anything else raises
 RequestFieldError naming the field (penalties, logprobs, n > 1, min_p, logit_bias, structured output,
-tools... would silently change the tree decision).
+tools... would silently change the tree decision); a value vLLM rejects raises it with ``bad_request``.
 """
 
 from __future__ import annotations
@@ -26,10 +29,12 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_hyco.errors import HycoError, RequestFieldError, SessionError
+from vllm_hyco.config import resolve_session_eps
+from vllm_hyco.errors import HycoError, SessionError
+from vllm_hyco.handoff.tree_contract import DEFAULT_NODE_BUDGET as DEFAULT_BUDGET
+from vllm_hyco.vllm_adapter.bridge import session_params
+from vllm_hyco.vllm_adapter.core_ext import raise_if_error
 
-ALLOWED_FIELDS = ("temperature", "top_k", "top_p", "seed", "max_tokens", "stop", "ignore_eos", "min_tokens")
-DEFAULT_BUDGET = 32
 ENDED_CODES = ("session_timeout", "session_evicted", "session_finished", "closed", "aborted", "finished")
 ENDED_MEMORY = 4096  # ended sids remembered (closing one again is a no-op); older ones become unknown
 
@@ -60,34 +65,6 @@ class Verdict:
     stats: dict[str, Any] = field(default_factory=dict)
 
 
-def check_fields(fields: dict[str, Any]) -> None:
-    for name, value in fields.items():
-        if name not in ALLOWED_FIELDS and value not in (None, False, [], {}):
-            raise RequestFieldError(name, f"field {name!r} is not supported for HyCo sessions; "
-                                          f"allowed: {', '.join(ALLOWED_FIELDS)}")
-
-
-def resolve_session_eps(server_eps: float | None, requested: float | str | None) -> float | None:
-    """The session's ε (None = exact) under D4: the server's by default; a session may be stricter.
-
-    Stricter means a larger ε (fewer ε-accepts); ``"exact"`` or any value >= 1 asks for exact mode.
-
-    >>> resolve_session_eps(0.005, None), resolve_session_eps(0.005, 0.01), resolve_session_eps(0.005, "exact")
-    (0.005, 0.01, None)
-    """
-    if requested is None:
-        return server_eps
-    if requested == "exact" or (isinstance(requested, (int, float)) and requested >= 1.0):
-        return None
-    if not isinstance(requested, (int, float)) or not 0.0 < requested < 1.0:
-        raise RequestFieldError("eps", f"eps must be in (0, 1), >= 1 or 'exact', got {requested!r}")
-    if server_eps is None or requested < server_eps:
-        raise RequestFieldError("eps", f"eps {requested} is laxer than the server's "
-                                       f"({'exact' if server_eps is None else server_eps}); a session may only "
-                                       f"ask for a stricter eps or exact (decisions.md D4)")
-    return float(requested)
-
-
 class HycoEngine:
     """Sessions on one vLLM engine. Not thread-safe: the caller serialises calls (one engine loop)."""
 
@@ -103,8 +80,6 @@ class HycoEngine:
 
     # -- core access ------------------------------------------------------------------------------
     def _call(self, name: str, *args):
-        from vllm_hyco.vllm_adapter.core_ext import raise_if_error
-
         client = self.engine.engine_core
         core = getattr(client, "engine_core", None)
         if core is not None:
@@ -152,21 +127,10 @@ class HycoEngine:
     # -- sessions ---------------------------------------------------------------------------------
     def open(self, *, prompt_token_ids: list[int] | None = None, prompt: str | None = None,
              sid: str | None = None, eps: float | str | None = None, **fields) -> SessionHandle:
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        check_fields(fields)
         sid = sid or uuid.uuid4().hex[:16]
         if sid in self._sessions:
             raise SessionError(f"session {sid!r} is already open", code="duplicate_session")
-        eps = resolve_session_eps(self._server_eps(), eps)
-        # The seed travels in extra_args, not SamplingParams.seed: the session's tree decision draws from its
-        # own generator, and vLLM 0.32's CPU runner cannot rewind a seeded generator after the discarded
-        # sample of a partial prefill (``gen.set_offset`` raises "CPU Generator does not use offset").
-        seed = fields.pop("seed", None)
-        params = SamplingParams(**{k: v for k, v in fields.items() if v is not None},
-                                output_kind=RequestOutputKind.DELTA,
-                                extra_args={"hyco": {"sid": sid, "eps": eps, "seed": seed}})
+        params = session_params(fields, sid, resolve_session_eps(self._server_eps(), eps))
         req_id = f"hyco-{sid}"
         if prompt_token_ids is not None:
             inputs: Any = {"prompt_token_ids": list(prompt_token_ids)}
@@ -267,7 +231,7 @@ class HycoEngine:
             bonus=int(raw["bonus"]), committed=list(raw.get("committed", [])), text=text, finished=finished,
             finish_reason=next((str(o.outputs[0].finish_reason) for o in outs
                                 if o.finished and o.outputs), None),
-            handoff=raw.get("handoff", {}), budget=self.budget,
+            handoff=raw.get("handoff", {}), budget=min(int(raw.get("budget", self.budget)), self.budget),
             stats={"num_rows": raw["num_rows"], "accepted": len(path_rows), "hits": raw["hits"],
                    "root_position": raw["root_pos"], "wall_s": wall, "host_s": raw.get("host_s"),
                    **({"logits": raw["logits"]} if "logits" in raw else {})})

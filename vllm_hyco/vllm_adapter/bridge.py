@@ -1,14 +1,25 @@
-"""Async bridge from the API-server process to the engine core (adapter, matches vLLM 0.32 ``AsyncLLM``).
+"""The engine client of HyCo sessions (adapter, matches vLLM 0.32 ``AsyncLLM``): the one place that turns a
+request into a session and a tree into a verdict. The phone route (``vllm_hyco.serving``) uses
+:class:`EngineBridge`; the in-process harness of tests and benchmarks (``vllm_adapter/api.py``
+``HycoEngine``) uses the same request checks (:func:`check_fields`, :data:`SAMPLING_FIELDS`,
+:func:`session_params`, :func:`resolve_session_eps`) and the same engine-core methods
+(``vllm_adapter/core_ext.py``, one error format).
 
 A session is one long-lived request added with ``engine_client.generate`` (``SamplingParams.extra_args
 ["hyco"] = {"sid", "eps", "seed"}``, output kind DELTA); a task pumps its RequestOutputs (committed ids and
-detokenized text, stop strings applied by vLLM's frontend) into a queue. Rounds go through the utility
-methods of :mod:`vllm_hyco.vllm_adapter.core_utils` (``call_utility_async``), which run in the engine core
-between steps: submit the tree, wait for the round's output, take the raw verdict.
+detokenized text, stop strings applied by vLLM's frontend) into a queue. Rounds go through the engine
+core's ``hyco_*`` methods (``call_utility_async``), which run between steps: submit the tree, wait for
+the round's output, take the verdict.
+
+Client mistakes are typed before anything reaches the engine, with the field named, as vLLM's OpenAI
+routes answer them: a field sessions cannot honour -> ``unsupported_field``; a value vLLM's own
+validation rejects (``SamplingParams``, the input processor: negative temperature, ``top_k`` -2, a prompt
+longer than the context, ids outside the vocabulary...) -> ``bad_request``; another model's name ->
+``model_not_found``. ``max_tokens`` beyond the context is cut to the room left, as the OpenAI routes do.
 
 Example (inside the server's event loop)::
 
-    bridge = EngineBridge(engine_client, model_name="tiny")
+    bridge = EngineBridge(engine_client, model_name="tiny", max_model_len=1024, vocab_size=4096)
     s = await bridge.open("chat.completions", {"messages": [...], "max_tokens": 64}, eps=None)
     r = await bridge.round(s, 0, tokens=[s.root, a, b], parents=[-1, 0, 1])
     r.raw["path_rows"], r.token_ids, r.text, r.finish_reason
@@ -19,30 +30,107 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_hyco.vllm_adapter.api import check_fields
-from vllm_hyco.errors import FrameError, HycoError, RequestFieldError, SessionError
+from vllm_hyco.config import resolve_session_eps  # noqa: F401 - re-exported for the client's callers
+from vllm_hyco.errors import EngineError, FrameError, HycoError, RequestFieldError, SessionError
+from vllm_hyco.vllm_adapter.core_ext import raise_if_error
 
-# OpenAI body keys that do not change generation (or are checked elsewhere) and are simply accepted
+#: the sampling fields a HyCo session honours (every other generation field changes the tree decision)
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed", "max_tokens", "stop", "ignore_eos", "min_tokens")
+# OpenAI body keys that do not change generation (or are checked here) and are simply accepted
 PASSIVE_FIELDS = frozenset({"model", "messages", "prompt", "stream", "stream_options", "user", "n", "echo",
                             "max_completion_tokens", "add_generation_prompt", "skip_special_tokens",
                             "chat_template_kwargs"})
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed", "max_tokens", "stop", "ignore_eos", "min_tokens")
+_NUMBER, _INT, _BOOL = "a number", "an integer", "true or false"
+_FIELD_TYPES = {"temperature": _NUMBER, "top_p": _NUMBER, "top_k": _INT, "seed": _INT, "max_tokens": _INT,
+                "min_tokens": _INT, "ignore_eos": _BOOL}
 logger = logging.getLogger("vllm.hyco")
 POLL_S = 0.005
 ROUND_TIMEOUT_S = 600.0
 
 
-class BridgeError(HycoError):
-    """A refusal from the engine, with the engine's code (``too_many_sessions``, ``bad_root``...)."""
+# -- request checks (shared with the in-process harness) ----------------------------------------------------
+def check_fields(fields: dict[str, Any]) -> None:
+    """RequestFieldError ``unsupported_field`` naming the first field sessions cannot honour."""
+    for name, value in fields.items():
+        if name not in SAMPLING_FIELDS and value not in (None, False, [], {}):
+            raise RequestFieldError(name, f"field {name!r} is not supported for HyCo sessions; "
+                                          f"allowed: {', '.join(SAMPLING_FIELDS)}")
 
-    code = "internal_error"
+
+def _bad(name: str, message: str) -> RequestFieldError:
+    return RequestFieldError(name, f"{name}: {message}", code="bad_request")
 
 
+def check_values(fields: dict[str, Any]) -> None:
+    """RequestFieldError ``bad_request`` for a sampling field of the wrong type (vLLM's SamplingParams
+    would fail on it with an untyped error, or accept it and fail in the engine)."""
+    for name, value in fields.items():
+        if value is None:
+            continue
+        kind = _FIELD_TYPES.get(name)
+        if kind == _BOOL and not isinstance(value, bool):
+            raise _bad(name, f"must be {kind}, got {value!r}")
+        if kind in (_INT, _NUMBER) and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                        or (kind == _INT and not isinstance(value, int))):
+            raise _bad(name, f"must be {kind}, got {value!r}")
+        if kind == _NUMBER and not math.isfinite(value):
+            raise _bad(name, f"must be a finite number, got {value!r}")
+        if name == "seed" and not -(1 << 63) <= value < (1 << 64):
+            raise _bad(name, f"must fit in 64 bits, got {value}")
+        if name == "stop" and not (isinstance(value, str) or (
+                isinstance(value, (list, tuple)) and all(isinstance(s, str) for s in value))):
+            raise _bad(name, f"must be a string or an array of strings, got {value!r}")
+
+
+def _field_of(e: Exception, default: str) -> str:
+    name = getattr(e, "parameter", None)
+    if name:
+        return str(name)
+    first = str(e).split(" ", 1)[0]
+    return first if first in SAMPLING_FIELDS else default
+
+
+def session_params(fields: dict[str, Any], sid: str, eps: float | None):
+    """The SamplingParams of a session, checked by vLLM's own validation (a rejection is a typed
+    ``bad_request`` naming the field). The seed travels in ``extra_args``, not ``SamplingParams.seed``:
+    the session's tree decision draws from its own generator, and vLLM 0.32's CPU runner cannot rewind a
+    seeded generator after the discarded sample of a partial prefill."""
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMError
+    from vllm.sampling_params import RequestOutputKind
+
+    check_fields(fields)
+    check_values(fields)
+    fields = {k: v for k, v in fields.items() if v is not None}
+    seed = fields.pop("seed", None)
+    try:
+        return SamplingParams(**fields, output_kind=RequestOutputKind.DELTA,
+                              extra_args={"hyco": {"sid": sid, "eps": eps, "seed": seed}})
+    except (ValueError, TypeError, VLLMError) as e:  # VLLMValidationError is a VLLMError, not a ValueError
+        raise _bad(_field_of(e, "request"), str(e)) from None
+
+
+def client_error(e: BaseException) -> HycoError | None:
+    """The typed client error for an exception vLLM's frontend raised on a request (what its OpenAI
+    routes answer with 4xx), or None when it is not the client's fault."""
+    from vllm.exceptions import VLLMClientError, VLLMNotFoundError
+
+    cause = e.__cause__ if e.__cause__ is not None and not isinstance(e, (ValueError, VLLMClientError)) else e
+    if isinstance(cause, VLLMNotFoundError):
+        return RequestFieldError("model", str(cause), code="model_not_found")
+    if isinstance(cause, (VLLMClientError, ValueError)):
+        return _bad(_field_of(cause, "prompt"), str(cause))
+    return None
+
+
+
+# -- the async client ---------------------------------------------------------------------------------------
 @dataclass
 class EngineSession:
     sid: str  # hex, the engine's session key
@@ -52,6 +140,7 @@ class EngineSession:
     max_tokens: int
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     pump: asyncio.Task | None = None
+    error: BaseException | None = None  # what ended the request stream with an exception
     finished: bool = False
 
 
@@ -64,23 +153,32 @@ class RoundResult:
 
 
 class EngineBridge:
-    def __init__(self, engine_client: Any, model_name: str, max_model_len: int, vocab_size: int):
+    def __init__(self, engine_client: Any, model_name: str, max_model_len: int, vocab_size: int,
+                 served_names: tuple[str, ...] = ()):
         self.client, self.model_name, self.max_model_len = engine_client, model_name, max_model_len
         self.vocab_size = vocab_size
+        self.served_names = frozenset((model_name, *served_names))
 
     async def call(self, name: str, *args) -> Any:
-        return await self.client.engine_core.call_utility_async(name, *args)
+        """One engine-core method; a typed error it returned is raised here with its class and code."""
+        return raise_if_error(await self.client.engine_core.call_utility_async(name, *args))
 
     # -- prompts and parameters ------------------------------------------------------------------------
     def prompt_ids(self, endpoint: str, request: dict) -> list[int]:
         tok = self.client.get_tokenizer()
         if endpoint == "chat.completions":
-            text = tok.apply_chat_template(request["messages"], tokenize=False, add_generation_prompt=True)
+            try:
+                text = tok.apply_chat_template(request["messages"], tokenize=False, add_generation_prompt=True)
+            except Exception as e:  # noqa: BLE001 - the template's only input is the phone's messages
+                raise _bad("messages", f"the chat template cannot render them: {type(e).__name__}: {e}") from None
             return list(tok.encode(text, add_special_tokens=False))
         prompt = request["prompt"]
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+            if bad:
+                raise _bad("prompt", f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
             return [int(t) for t in prompt]
         if not isinstance(prompt, str):
             raise FrameError("start.request.prompt must be one string or one list of token ids",
@@ -88,46 +186,54 @@ class EngineBridge:
         return list(tok.encode(prompt, add_special_tokens=True))
 
     def sampling_fields(self, request: dict, num_prompt: int) -> dict[str, Any]:
-        fields = {k: v for k, v in request.items() if k not in PASSIVE_FIELDS}
-        if request.get("n", 1) not in (1, None):
+        model = request.get("model")
+        if model is not None and model not in self.served_names:
+            raise RequestFieldError("model", f"model: the model {model!r} does not exist here; this server "
+                                             f"serves {self.model_name!r}", code="model_not_found")
+        n = request.get("n", 1)
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise _bad("n", f"must be an integer of at least 1, got {n!r}")
+        if n not in (1, None):
             raise RequestFieldError("n", "HyCo sessions generate one choice (n = 1)")
+        fields = {k: v for k, v in request.items() if k not in PASSIVE_FIELDS}
         if request.get("max_completion_tokens") is not None and fields.get("max_tokens") is None:
             fields["max_tokens"] = request["max_completion_tokens"]
         check_fields(fields)  # RequestFieldError naming the first field sessions cannot honour
+        check_values(fields)
         out = {k: fields[k] for k in SAMPLING_FIELDS if fields.get(k) is not None}
         out.setdefault("temperature", 1.0)
         room = self.max_model_len - num_prompt
         if room < 1:
-            raise FrameError(f"the prompt has {num_prompt} tokens; the model's context is {self.max_model_len}",
-                             code="bad_request")
-        out["max_tokens"] = min(int(out.get("max_tokens", room)), room)
+            name = "messages" if "messages" in request else "prompt"
+            raise _bad(name, f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
+                             f"has {num_prompt}, leaving no room for output; shorten it")
+        if out.get("max_tokens", room) >= 1:  # below 1: vLLM's own check names max_tokens
+            out["max_tokens"] = min(int(out.get("max_tokens", room)), room)  # as the OpenAI routes clamp
         return out
 
     # -- sessions --------------------------------------------------------------------------------------
     async def open(self, endpoint: str, request: dict, eps: float | None) -> EngineSession:
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
         ids = self.prompt_ids(endpoint, request)
         if len(ids) < 2:
-            raise FrameError("a HyCo session needs a prompt of at least 2 tokens", code="bad_request")
+            raise _bad("messages" if endpoint == "chat.completions" else "prompt",
+                       "a HyCo session needs a prompt of at least 2 tokens")
         fields = self.sampling_fields(request, len(ids))
-        seed = fields.pop("seed", None)
         sid = uuid.uuid4().hex
-        try:
-            params = SamplingParams(**fields, output_kind=RequestOutputKind.DELTA,
-                                    extra_args={"hyco": {"sid": sid, "eps": eps, "seed": seed}})
-        except (ValueError, TypeError) as e:
-            raise FrameError(f"bad sampling parameters: {e}", code="bad_request") from None
+        params = session_params(fields, sid, eps)
         s = EngineSession(sid, f"hyco-{sid}", ids, ids[-1], fields["max_tokens"])
         s.pump = asyncio.create_task(self._pump(s, {"prompt_token_ids": ids}, params))
         info = await self._wait_state(s, ("parked", "finished"))
         if info is None or info["state"] == "finished":
             await self.close(s)
+            if info is None and s.error is not None:
+                typed = client_error(s.error)
+                if typed is not None:
+                    raise typed
             code = (info or {}).get("finish_code") or "internal_error"
             if code == "too_many_sessions":
                 raise SessionError("the engine holds its maximum number of sessions", code=code)
-            raise BridgeError(f"the engine ended the session during its prefill ({code})")
+            raise EngineError(f"the engine ended the session during its prefill ({code}; "
+                              f"{type(s.error).__name__ if s.error else 'no error'}: {s.error})")
         return s
 
     async def _pump(self, s: EngineSession, prompt: dict, params) -> None:
@@ -136,15 +242,25 @@ class EngineBridge:
                 s.queue.put_nowait(out)
         except asyncio.CancelledError:
             raise
-        except Exception as e:  # noqa: BLE001 - handed to the round that waits
+        except Exception as e:  # noqa: BLE001 - handed to the round that waits (or to open)
+            s.error = e
             s.queue.put_nowait(e)
         finally:
             s.queue.put_nowait(None)
 
+    async def info(self, sid: str) -> dict[str, Any] | None:
+        """The engine's session info, or None when it does not know the sid."""
+        try:
+            return await self.call("hyco_session_info", sid)
+        except SessionError as e:
+            if e.code == "unknown_session":
+                return None
+            raise
+
     async def _wait_state(self, s: EngineSession, states: tuple[str, ...], timeout_s: float = ROUND_TIMEOUT_S):
         deadline, info = time.monotonic() + timeout_s, None
         while time.monotonic() < deadline:
-            info = await self.call("hyco_srv_info", s.sid)
+            info = await self.info(s.sid)
             if info is not None and info["state"] in states:
                 return info
             if s.pump is not None and s.pump.done() and info is None:
@@ -152,20 +268,25 @@ class EngineBridge:
             await asyncio.sleep(POLL_S)
         return info
 
-    async def round(self, s: EngineSession, round_: int, tokens: list[int], parents: list[int]) -> RoundResult:
-        """Verify one tree; raises BridgeError (engine refusal, with its code) or SessionError."""
-        ack = await self.call("hyco_srv_submit", s.sid, round_, tokens, parents)
-        if "error" in ack:
-            raise BridgeError(ack["message"], code=ack["error"])
+    async def round(self, s: EngineSession, round_: int, tokens: list[int], parents: list[int],
+                    labels: list[int] | None = None, values: list[float] | None = None) -> RoundResult:
+        """Verify one tree; raises the engine's typed refusal (``server_busy``, ``bad_root``, an ended
+        session's code...) or EngineError. ``labels`` and ``values`` (per row, optional) feed the engine's
+        node budget (docs/engine.md)."""
+        await self.call("hyco_submit_tree", s.sid, round_, tokens, parents, None, labels, values)
         ids, text, reason = await self._round_output(s)
-        raw = None
+        raw, last = None, None
         for _ in range(200):
-            raw = await self.call("hyco_srv_take", s.sid, round_)
-            if not (isinstance(raw, dict) and "error" in raw):
+            try:
+                raw = await self.call("hyco_take_verdict", s.sid, round_, True)
                 break
-            await asyncio.sleep(POLL_S)
-        if raw is None or "error" in raw:
-            raise BridgeError(f"no verdict for round {round_}: {raw}")
+            except SessionError as e:  # the verdict can trail the round's output by a step
+                if e.code != "no_verdict":
+                    raise
+                last = e
+                await asyncio.sleep(POLL_S)
+        if raw is None:
+            raise EngineError(f"no verdict for round {round_}: {last}")
         if reason is not None:
             s.finished = True
         return RoundResult(raw, ids, text, reason)
@@ -180,7 +301,7 @@ class EngineBridge:
             except asyncio.QueueEmpty:
                 return ids, text, reason
             except asyncio.TimeoutError:
-                raise BridgeError("the engine produced no output for this round") from None
+                raise EngineError("the engine produced no output for this round") from None
             if out is None or isinstance(out, Exception):
                 s.finished = True
                 if ids:
@@ -198,12 +319,15 @@ class EngineBridge:
 
     async def close(self, s: EngineSession) -> None:
         try:
-            await self.call("hyco_srv_close", s.sid)
-            await self.client.abort(s.req_id)
-        except Exception as e:  # noqa: BLE001 - closing a session the engine already ended
+            await self.call("hyco_close", s.sid, True)
+        except HycoError as e:  # closing a session the engine already ended (or never knew)
             logger.debug("HyCo close of %s: %s", s.sid, e)
+        try:
+            await self.client.abort(s.req_id)
+        except Exception as e:  # noqa: BLE001 - aborting a request the frontend already dropped
+            logger.debug("HyCo abort of %s: %s", s.sid, e)
         if s.pump is not None and not s.pump.done():
             s.pump.cancel()
 
     async def stats(self) -> dict[str, int]:
-        return await self.call("hyco_srv_stats")
+        return await self.call("hyco_stats")

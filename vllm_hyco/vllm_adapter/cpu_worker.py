@@ -5,6 +5,9 @@ in HycoCPUModelRunner right after it; the runner holds no weights yet, so buildi
 its input buffers. The runner gets ``HycoRunnerMixin`` (tree positions, tree decision, compaction,
 hand-off) and the worker registers the CPU_ATTN override (vllm_hyco/vllm_adapter/cpu_attention.py) before the
 model is built; requests without a tree run exactly as in vLLM.
+
+Overrides: ``CPUWorker.init_device`` (swaps the runner); ``CPUModelRunner.__init__`` (attaches the config),
+plus HycoRunnerMixin's (vllm_hyco/vllm_adapter/runner_mixin.py). tests/unit/test_vllm_surface.py checks them.
 """
 
 from __future__ import annotations

@@ -165,6 +165,10 @@ class HycoEndpointPlugin:
         state.hyco_service = None
         if state.hyco_config is not None:
             from vllm_hyco.serving import create_service
+            from vllm_hyco.vllm_adapter.bridge import EngineBridge
 
-            state.hyco_service = create_service(engine_client, state.hyco_config)
+            mc = engine_client.vllm_config.model_config
+            name = mc.served_model_name if isinstance(mc.served_model_name, str) else mc.model
+            bridge = EngineBridge(engine_client, name, int(mc.max_model_len), int(mc.get_vocab_size()))
+            state.hyco_service = create_service(bridge, mc.model, state.hyco_config)
             logger.info("HyCo phone routes: GET %s, WS %s", INFO_PATH, SESSION_PATH)

@@ -1,7 +1,7 @@
 """``--speculative-config hyco`` -> the engine arguments that run HyCo (no vLLM import; vLLM 0.32 fields).
 
 vLLM has no ``hyco`` speculative method and its method name is a validated Literal, so the word is an
-alias (vllm-integration.md §3) that expands, on the ``EngineArgs`` object before ``VllmConfig`` is built,
+alias (docs/vllm-notes.md §2) that expands, on the ``EngineArgs`` object before ``VllmConfig`` is built,
 to::
 
     speculative_config = {"method": "custom_class", "model": NULL_PROPOSER, "num_speculative_tokens": node_budget}
@@ -13,15 +13,16 @@ to::
 
 On GPU the tree rows need HyCo's backend, registered over the static ``CUSTOM`` member by the worker
 (a new enum name could not be unpickled in a spawned engine core). It subclasses vLLM's Triton backend,
-so Gemma-4's FA4 default is replaced by Triton attention on every layer (vllm-integration.md §12). Its
+so Gemma-4's FA4 default is replaced by Triton attention on every layer (docs/vllm-notes.md §5). Its
 metadata builder declares no full-CUDA-graph support, so vLLM itself resolves the default
 FULL_AND_PIECEWISE to PIECEWISE (attention and the KV write run eagerly, where the tree hooks are); no
 compilation option is set here. Another backend asked for on the command line is refused.
 
-Topologies v1 does not support (decisions.md D7) are refused here, with the flag to change, and so are
-the configurations in which the tree path cannot keep the KV cache right (:func:`check_capture`): the
-tree rows' K/V are captured by the attention backend's ``do_kv_cache_update`` hook, which vLLM only calls
-eagerly when ``vllm::unified_kv_cache_update`` stays a splitting op (its default without inductor graph
+Topologies a HyCo server cannot run are refused here (``REFUSALS``): each message names the flag, why,
+and what to use instead (replicas behind a proxy; docs/engine.md "Scale-out"). So are the configurations
+in which the tree path cannot keep the KV cache right (:func:`check_capture`): the attention backend's
+``do_kv_cache_update`` hook records each layer's write of the tree rows, which vLLM only calls eagerly
+when ``vllm::unified_kv_cache_update`` stays a splitting op (its default without inductor graph
 partition), and the KV views read unquantized caches only.
 
 Example::
@@ -49,22 +50,62 @@ logger = logging.getLogger("vllm.hyco")  # a child of vLLM's logger: same handle
 _DEFAULT_SCHEDULERS = (None, "", "vllm.v1.core.sched.scheduler.Scheduler", SCHEDULER)
 
 
+#: flag -> (why HyCo cannot run it, what to use instead); docs/engine.md "Scale-out" has the analysis
+REFUSALS: dict[str, tuple[str, str]] = {
+    "--tensor-parallel-size": (
+        ("HyCo's tree attention, KV compaction and hand-off export read every KV head of a layer in one "
+         "worker; under tensor parallelism each rank holds a slice of the heads and the hand-off would "
+         "have to gather them across ranks, which is not built yet"),
+        ("use --tensor-parallel-size 1 on one GPU that holds the model, and run more replicas behind a "
+         "proxy for more phones (docs/deploy.md, \"Replicas behind nginx\")"),
+    ),
+    "--pipeline-parallel-size": (
+        ("a round's tree forward, its acceptance decision and the hand-off need every layer's rows of that "
+         "round in one step, and vLLM's V1 runner runs pipeline stages with micro-batches that HyCo's "
+         "per-step tree plan does not follow"),
+        "use --pipeline-parallel-size 1; for more phones, replicas behind a proxy (docs/deploy.md)",
+    ),
+    "--data-parallel-size": (
+        ("vLLM's data parallelism runs MoE models in lockstep (every rank steps together, idle ranks run "
+         "dummy batches) and sends utility calls to every rank, returning the first rank's answer, so a "
+         "session's tree submit/take would reach ranks that do not hold the session"),
+        ("use --data-parallel-size 1 and one replica per GPU behind a proxy (docs/deploy.md, \"Replicas "
+         "behind nginx\"): each replica is an independent engine and the proxy routes a session by its id"),
+    ),
+    "--api-server-count": (
+        ("several API servers share one listening socket and each keeps its requests' output streams in "
+         "the process that opened them; a phone session, its round stream and its resume state live in one "
+         "API server's session table, so a reconnect accepted by another process would find no session"),
+        "use --api-server-count 1 and more replicas behind a proxy (docs/deploy.md)",
+    ),
+    "--async-scheduling": (
+        ("a session's next round can only be scheduled once its tree is verified (the next root is the "
+         "verdict's bonus), and vLLM 0.32 itself turns async scheduling off for custom_class speculative "
+         "methods and refuses it when asked for explicitly"),
+        ("remove --async-scheduling (HyCo batches many sessions' trees per step instead); for more "
+         "phones, replicas behind a proxy (docs/deploy.md)"),
+    ),
+}
+
+
+def _refuse(flag: str, value: Any) -> ConfigError:
+    why, instead = REFUSALS[flag]
+    shown = flag if value is True else f"{flag} {value}"
+    return ConfigError(f"--speculative-config hyco cannot run with {shown}: {why}. Instead, {instead}.")
+
+
 def check_topology(args: Any) -> None:
-    """Refuse what HyCo v1 cannot run (D7): one engine process, one API server, synchronous scheduling."""
+    """Refuse what a HyCo server cannot run, each with why and what to use instead (``REFUSALS``): one
+    engine process per server (no TP/PP/DP), one API server, synchronous scheduling."""
     for name, flag in (("tensor_parallel_size", "--tensor-parallel-size"),
                        ("pipeline_parallel_size", "--pipeline-parallel-size"),
-                       ("data_parallel_size", "--data-parallel-size")):
+                       ("data_parallel_size", "--data-parallel-size"),
+                       ("_api_process_count", "--api-server-count")):
         value = getattr(args, name, 1) or 1
         if value > 1:
-            raise ConfigError(f"--speculative-config hyco runs on one engine process in v1: {flag} {value} "
-                              f"is not supported; use {flag} 1 (scale-out is future work, decisions.md D7)")
-    api_servers = getattr(args, "_api_process_count", 1) or 1
-    if api_servers > 1:
-        raise ConfigError(f"--speculative-config hyco needs a single API server (its sessions live in one "
-                          f"process): --api-server-count {api_servers} is not supported; use 1")
+            raise _refuse(flag, value)
     if getattr(args, "async_scheduling", None):
-        raise ConfigError("--speculative-config hyco needs synchronous scheduling (a tree must be verified "
-                          "before the next round is scheduled): remove --async-scheduling")
+        raise _refuse("--async-scheduling", True)
 
 
 # KV-cache dtypes the tree path reads and writes (kv_view: CPU_ATTN's view takes the model dtype only)
@@ -104,15 +145,15 @@ def check_capture(args: Any, *, is_cpu: bool) -> None:
     if comp is None:
         return
     if _field(comp, "use_inductor_graph_partition"):
-        raise ConfigError("--speculative-config hyco captures each tree's K/V in the KV-cache update, which "
-                          "inductor graph partition compiles into the CUDA graph: remove "
+        raise ConfigError("--speculative-config hyco checks each tree step's K/V write in the KV-cache update hook, "
+                          "which inductor graph partition compiles into the CUDA graph: remove "
                           "--compilation-config use_inductor_graph_partition (or set it to false)")
     ops = _field(comp, "splitting_ops")
     if ops is not None:
         missing = [op for op in CAPTURE_OPS if op not in ops]
         if missing:
             raise ConfigError(f"--speculative-config hyco needs {', '.join(missing)} among the compilation "
-                              f"splitting_ops (tree rows are captured and recomputed there, eagerly): add them "
+                              f"splitting_ops (tree rows' writes are recorded and their attention recomputed there, eagerly): add them "
                               f"to --compilation-config splitting_ops or leave splitting_ops unset")
 
 
@@ -155,5 +196,5 @@ def expand_engine_args(args: Any, *, is_cpu: bool) -> HycoConfig:
     logger.info("%s", cfg.describe())
     if not cfg.exact:
         logger.warning("HyCo LOSSY verification is ON (epsilon=%s): accepted tokens may differ from the "
-                       "verifier's own sampling; omit epsilon for exact mode (decisions.md D4)", cfg.epsilon)
+                       "verifier's own sampling; omit epsilon for exact mode (docs/decisions.md D4)", cfg.epsilon)
     return cfg

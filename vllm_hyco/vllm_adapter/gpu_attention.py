@@ -5,10 +5,10 @@ Matches vLLM 0.32 (``v1/attention/backends/triton_attn.py``: ``TritonAttentionBa
 is how the hook below is unit-tested without a GPU).
 
 * Why: vLLM's unified Triton kernel has no per-sequence tree mask and computes the sliding window from the
-  row index, not the row's tree depth (vllm-integration.md §9); tree rows need "prefix + ancestors +
+  row index, not the row's tree depth (docs/vllm-notes.md §5); tree rows need "prefix + ancestors +
   itself, window from the row's own position ``t + depth``".
 * What it replaces: the backend class of the **static** enum member ``AttentionBackendEnum.CUSTOM``
-  (a new enum name cannot be unpickled in a spawned engine core; memo §9, registration caveat), selected
+  (a new enum name cannot be unpickled in a spawned engine core; docs/vllm-notes.md §5, registration), selected
   by ``attention_config.backend = CUSTOM``, which ``--speculative-config hyco`` sets on GPU
   (``vllm_adapter/expansion.py``). The classes subclass the Triton ones:
 
@@ -18,15 +18,19 @@ is how the hook below is unit-tested without a GPU).
     (no gather; the tree rows' own K/V were written at their sequential slots by the stock
     ``do_kv_cache_update`` before the forward), and written over the stock output rows. Batches without
     trees run the stock path only.
-  - ``do_kv_cache_update``: stock write, plus a copy of each tree request's K/V rows (compaction and the
-    hand-off, as on CPU) tagged with ``kv_view.BlockMajorKVView``.
+  - ``do_kv_cache_update``: stock write, and a note that the layer was written this step (no copy: the
+    compaction and the hand-off read the paged cache, ``vllm_adapter/tree_step.py``).
   - the builder declares ``AttentionCGSupport.NEVER``: vLLM then resolves ``FULL_AND_PIECEWISE`` (the
     default) to ``PIECEWISE``, so attention and the KV-cache update (both splitting ops in 0.32) run
     eagerly and the hooks run on every step. A full CUDA graph of a uniform 33-row batch would replay a
     causal attention without calling the hook. Asking for ``cudagraph_mode=FULL`` fails at start-up
     (vLLM's own check) instead of verifying trees wrongly.
   - ``get_name`` is ``"CUSTOM"``, so ``AttentionBackendEnum[get_name()]`` (what vLLM stores on each layer)
-    points back at this registration.
+    points back at this registration; ``get_impl_cls`` and ``get_builder_cls`` return the two classes above.
+
+  Overrides, all of them (tests/unit/test_vllm_surface.py checks them): ``TritonAttentionImpl.forward``,
+  ``do_kv_cache_update``; ``TritonAttentionMetadataBuilder._cudagraph_support`` (a class attribute);
+  ``TritonAttentionBackend.get_name``, ``get_impl_cls``, ``get_builder_cls``.
 
 * Refused (``HardwareUnsupportedError`` when a tree arrives): quantized KV caches, attention sinks,
   ALiBi, encoder attention. A layer on another backend is refused by :func:`check_tree_backends`, which
@@ -48,7 +52,6 @@ from vllm.v1.attention.backends.triton_attn import (
 
 from vllm_hyco.vllm_adapter import tree_plan
 from vllm_hyco.vllm_adapter.kv_view import BlockMajorKVView
-from vllm_hyco.vllm_adapter.tree_plan import CapturedKV
 from vllm_hyco.errors import HardwareUnsupportedError
 from vllm_hyco.kernels.tree_rows import block_major_views, paged_tree_rows_attention
 
@@ -113,16 +116,8 @@ class HycoTritonAttentionImpl(TritonAttentionImpl):
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
         super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
-        step = tree_plan.active_step()
-        if step is None:
-            return
-        name = _layer_name(layer)
-        view = BlockMajorKVView(self.kv_cache_dtype)
-        for tr in step.trees:
-            rows = slice(tr.q_start, tr.q_start + tr.num_rows)
-            tr.captured[name] = CapturedKV(key=key[rows].clone(), value=value[rows].clone(),
-                                           slots=slot_mapping[rows].clone(), layer=layer, kv_cache=kv_cache,
-                                           view=view)
+        if tree_plan.active_trees():
+            tree_plan.note_layer_written(_layer_name(layer))
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
@@ -132,10 +127,7 @@ class HycoTritonAttentionImpl(TritonAttentionImpl):
         if step is None or attn_metadata is None:
             return out
         self._check_tree_support()
-        name = _layer_name(layer)
         block_table = attn_metadata.block_table  # [num_reqs, max_blocks] of this layer's KV group
-        for tr in step.trees:
-            tr.block_rows[name] = block_table[tr.batch_idx].clone()
         k_cache, v_cache = block_major_views(kv_cache, self.head_size)
         q_all = query.reshape(-1, self.num_heads, self.head_size)
         out_all = out.view(-1, self.num_heads, self.head_size)

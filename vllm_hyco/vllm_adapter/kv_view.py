@@ -1,8 +1,12 @@
 """Read and write a layer's paged KV cache through one interface, one implementation per layout.
 
-Matches vLLM 0.32. Why: tree attention on CPU needs the committed prefix K/V of a request, the seed
-hand-off gathers the last W positions, and tests compare the cache with a fresh prefill. vLLM has no
-public "read K/V of slots" API, and the two builds store K/V differently:
+Matches vLLM 0.32. Why: tree attention on CPU needs the committed prefix K/V of a request, the tree step
+(``tree_step.py``) compacts accepted rows and gathers the hand-off from the paged cache, and tests compare
+the cache with a fresh prefill. vLLM has no public "read K/V of slots" API, and the two builds store K/V
+differently. The engine's tree step uses ``kv_views`` (K and V as ``[blocks, block_size, kv_heads, D]``
+views, no copy) and ``move_views`` (what one slot move copies) with the kernels of ``vllm_hyco.kernels``;
+``gather`` serves the CPU attention override, ``scatter`` the layout check and the tests (it writes where
+vLLM's writer writes):
 
 * ``CpuAttnKVView`` (CPU_ATTN, ``v1/attention/backends/cpu_attn.py``): the per-layer cache is
   ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``; per (block, head) the first half is the K
@@ -11,13 +15,14 @@ public "read K/V of slots" API, and the two builds store K/V differently:
   (``amx``, ``neon``, ...) were never verified and are refused. Every new (isa, dtype, block, head)
   combination is also checked once at run time by a round trip through vLLM's own writer
   (``cpu_attn_reshape_and_cache``) on a scratch cache: a mismatch raises HardwareUnsupportedError.
-  Writes always go through that op, so they do not depend on the layout.
+  Writes through ``scatter`` go through that op; the compaction twin moves slot rows through
+  ``kv_views`` (strided indexing of the same layout the check verified).
 * ``BlockMajorKVView`` (GPU Triton/flash layouts): ``kv_cache.transpose(1, 2).split(head_size, -1)`` gives
   ``[num_blocks, block_size, num_kv_heads, head_size]`` K and V views, as the Triton backend itself reads
-  them (and as vLLM's ``triton_reshape_and_cache_flash`` writes them). Pure torch indexing on those views,
-  so it is tested on CPU tensors (gather/scatter round trips and compaction against a dense reference,
-  ``tests/kernels/test_kernels_tree_rows.py``); on a GPU the same code runs on CUDA tensors
-  (GPU-unverified until a GPU engine run, docs/engine.md).
+  them (and as vLLM's ``triton_reshape_and_cache_flash`` writes them); ``move_views`` is the whole
+  ``transpose(1, 2)`` slot row, K and V side by side, so one compaction move copies both. Tested on CPU
+  tensors (round trips, the tree step's compaction and hand-off against a dense reference,
+  ``tests/kernels/test_kernels_tree_rows.py``); GPU-unverified until a GPU engine run, docs/engine.md.
 
 Slots: ``slot = block_table[p // block_size] * block_size + p % block_size`` (per KV group).
 fp8 / quantized caches are refused (no scale handling yet).
@@ -69,6 +74,16 @@ class CpuAttnKVView:
         v = planes[:, :, 1].view(num_blocks, num_kv_heads, block_size, head_size)  # [B, Hkv, bs, D]
         return k, v, block_size
 
+    def kv_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V as ``[num_blocks, block_size, num_kv_heads, head_size]`` views (no copy; K's last dim is
+        strided: the plane is transposed). What the hand-off gather and the compaction twin index."""
+        k_planes, v_planes, _ = self._split(kv_cache)
+        return k_planes.permute(0, 3, 1, 2), v_planes.transpose(1, 2)
+
+    def move_views(self, kv_cache: torch.Tensor) -> list[torch.Tensor]:
+        """The caches a slot move must copy (``kernels.compact_kv``): K and V separately here."""
+        return list(self.kv_views(kv_cache))
+
     def gather(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of ``slots``: each [n, num_kv_heads, head_size] (copies)."""
         k_planes, v_planes, block_size = self._split(kv_cache)
@@ -106,6 +121,16 @@ class BlockMajorKVView:
         head_size = kv_cache.shape[-1] // 2
         k, v = kv_cache.transpose(1, 2).split(head_size, dim=-1)  # [B, bs, Hkv, D] each
         return k, v, kv_cache.shape[2]
+
+    def kv_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ``[num_blocks, block_size, num_kv_heads, head_size]`` views (contiguous last dim)."""
+        k, v, _ = self._split(kv_cache)
+        return k, v
+
+    def move_views(self, kv_cache: torch.Tensor) -> list[torch.Tensor]:
+        """One ``[num_blocks, block_size, num_kv_heads, 2 * head_size]`` view: a slot row holds K and V
+        side by side, so one move copies both (``kernels.compact_kv``, one Triton launch for all layers)."""
+        return [kv_cache.transpose(1, 2)]
 
     def gather(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of ``slots``: each [n, num_kv_heads, head_size] (copies)."""

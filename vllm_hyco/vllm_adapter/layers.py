@@ -14,8 +14,9 @@ allocated (``kv_cache_config.kv_cache_groups[*].layer_names``) when they are giv
 * The hand-off layers are the last full-attention and the last sliding-window layer of the model (the
   ones the phone's MTP head reads, like vLLM's own Gemma 4 MTP wiring,
   ``v1/spec_decode/gemma4.py::_setup_gemma4_kv_sharing``), each resolved to its cache owner.
-* :func:`check_captured`: every cache-owning layer must have captured the tree rows' K/V in a tree step,
-  else compaction would leave that layer's KV at the wrong positions; it raises
+* :func:`check_captured`: every cache-owning layer must have written the tree rows' K/V in a tree step
+  (its ``do_kv_cache_update`` ran: ``tree_plan.layers_written``), else compaction would leave that
+  layer's KV at the wrong positions; it raises
   :class:`~vllm_hyco.errors.KVCaptureError` instead.
 
 Example (a KV-shared model: layers 2 and 3 read layers 0 and 1)::
@@ -45,7 +46,7 @@ _INDEX = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 class KVLayers:
     """The attention layers of a model as vLLM built them, in layer order."""
 
-    # every attention layer that owns a KV cache (what a tree step must capture and compaction must move)
+    # every attention layer that owns a KV cache (what a tree step must write and compaction must move)
     owners: tuple[str, ...]
     # KV-shared layer -> the cache owner it reads
     shared: dict[str, str] = field(default_factory=dict)
@@ -110,12 +111,13 @@ def discover(context: Mapping[str, object], kv_cache_groups: Iterable[object] | 
 
 
 def check_captured(captured: Iterable[str], layers: KVLayers, req_id: str) -> None:
-    """Raise KVCaptureError unless every cache owner captured this tree request's rows (and nothing else)."""
+    """Raise KVCaptureError unless every cache owner wrote this tree step's rows (``captured``: the names
+    of the layers whose KV-cache update ran, ``tree_plan.layers_written()``; ``req_id``: the step's trees)."""
     got = set(captured)
     missing = [n for n in layers.owners if n not in got]
     if missing:
         raise KVCaptureError(
             f"tree step of {req_id}: {len(missing)} of {len(layers.owners)} cache-owning attention layers did "
-            f"not capture the tree rows' K/V ({', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}); "
+            f"not write the tree rows' K/V ({', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}); "
             f"compacting without them would leave their KV at the wrong positions. The KV-update hook did not "
             f"run for them (a compiled graph that fuses the KV update, or another attention backend)")

@@ -79,9 +79,9 @@ def register() -> None:
     engine_config.PATCH.apply()
     cpu_expand_kernel.apply_if_present()  # vLLM 0.32 CPU sampled spec decode (fixes plain vLLM too)
     cpu_seeded_discard.apply_if_cpu()  # vLLM 0.32 CPU: seeded requests under chunked prefill (plain vLLM too)
-    from vllm_hyco.vllm_adapter import core_utils
+    from vllm_hyco.vllm_adapter import core_ext
 
-    core_utils.install()  # the phone route's engine-core utility methods (vllm_hyco.serving)
+    core_ext.install()  # the engine core's hyco_* methods (the engine client's control channel)
     if envs.VLLM_HYCO_BENCH_TIMING:  # benchmarks only: engine-side g (vllm_hyco/vllm_adapter/patches/step_timing.py)
         from vllm_hyco.vllm_adapter.patches import step_timing as timing
 

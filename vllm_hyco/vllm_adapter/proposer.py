@@ -2,7 +2,7 @@
 
 HyCo's drafts come from the phone, so the server's proposer drafts nothing: with it, vLLM schedules no
 speculative tokens of its own and runs no MTP head. Later, HycoScheduler puts the phone's tree into the
-spec slots. (vllm-integration.md §2: the proposer never sees request ids, so it cannot do more.)
+spec slots. (docs/vllm-notes.md §1: the proposer never sees request ids, so it cannot do more.)
 """
 
 from __future__ import annotations

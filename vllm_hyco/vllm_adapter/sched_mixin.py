@@ -4,7 +4,11 @@ Matches vLLM 0.32 (``v1/core/sched/scheduler.py``). Mix it in front of the sched
 ``class HycoScheduler(HycoSchedulerMixin, Scheduler)``. A HyCo request is recognised by
 ``sampling_params.extra_args["hyco"] = {"sid": str, "eps": float | None}``; other requests are untouched.
 
-Overrides (each calls ``super()``; internals this leans on are listed so a vLLM bump knows where to look):
+Overrides of ``Scheduler`` methods, all seven (each calls ``super()``; internals this leans on are listed so
+a vLLM bump knows where to look; tests/unit/test_vllm_surface.py checks they still exist with these
+signatures): ``add_request``, ``_reserve_prefill_lookahead``, ``_get_local_prefix_cache_hit``, ``schedule``,
+``update_from_output``, ``update_draft_token_ids``, ``finish_requests``. The ``hyco_*`` methods are new
+(called by the engine-core extension).
 
 * ``add_request``: registers the session (``SessionRegistry``).
 * ``_reserve_prefill_lookahead`` (a per-request hook both scheduling paths call): caps a session's
@@ -12,6 +16,9 @@ Overrides (each calls ``super()``; internals this leans on are listed so a vLLM 
   same cap re-applies, chunk by chunk, if the request is preempted and re-prefilled (only the chunk
   that starts at the root of a submitted tree may go past it). Replaces nothing (super's value is
   only lowered). Can go when vLLM has a per-request prefill limit.
+* ``_get_local_prefix_cache_hit``: a session never takes a prefix-cache hit that covers its whole prompt
+  but the root (it would leave a zero-token chunk that stalls vLLM's waiting loop); the lookup is redone
+  one token shorter. Other requests unchanged.
 * ``update_from_output``: records the runner's verdict (``ModelRunnerOutput.hyco_verdicts``) and *parks*
   the request: it leaves ``self.running`` but keeps status RUNNING and its KV blocks, so it holds no batch
   slot and the engine does not run ahead. Parked requests are not in ``running``/``waiting``, so
@@ -27,15 +34,27 @@ Overrides (each calls ``super()``; internals this leans on are listed so a vLLM 
   preempted before its round ran, and attaches ``scheduler_output.hyco_trees``
   (``{req_id: (round, tokens, parents, eps)}``) for the runner.
 * ``update_draft_token_ids``: drafts from the (null) proposer never reach session requests.
+* ``finish_requests``: after vLLM finished them (abort, close), marks their sessions finished in the
+  registry (``aborted`` unless a finish code was set).
+
+Node budget (issue 16, the ``-- node budget`` methods): ``schedule`` cuts every tree submitted since the last
+step to the prefix that pays (``vllm_hyco.spec_decode.budget``: the session's acceptance estimate against
+the step-cost model) before vLLM turns it into spec tokens; the time from ``schedule`` to the end of
+``update_from_output`` (schedule + execute + update, plus the HyCo utility calls since the last step) is
+the step's measured cost, which the cost model is fitted on; each verdict carries the nodes granted for
+the next round (``budget``) and the model's fit (``budget_info``). ``budget_policy`` ``static`` verifies
+whole trees and grants ``node_budget`` every round.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
-from vllm_hyco.vllm_adapter.session import RoundTree, Session, SessionRegistry, SessionState
 from vllm_hyco.errors import SessionError, TreeValidationError
-from vllm_hyco.spec_decode.tree import DEFAULT_BUDGET, validate_tree
+from vllm_hyco.handoff.tree_contract import DEFAULT_NODE_BUDGET, validate_tree
+from vllm_hyco.spec_decode.budget import BudgetPolicy
+from vllm_hyco.vllm_adapter.session import RoundTree, Session, SessionRegistry, SessionState
 
 
 def hyco_args(request) -> dict | None:
@@ -74,7 +93,7 @@ class HycoSchedulerMixin:
     def _hyco_budget(self) -> int:
         """Node budget (D3): HycoConfig's when set, capped by the engine's spec slots."""
         cfg = getattr(self, "hyco_config", None)
-        budget = int(getattr(cfg, "node_budget", None) or DEFAULT_BUDGET)
+        budget = int(getattr(cfg, "node_budget", None) or DEFAULT_NODE_BUDGET)
         spec = self.vllm_config.speculative_config
         return min(budget, spec.num_speculative_tokens) if spec is not None else budget
 
@@ -146,7 +165,18 @@ class HycoSchedulerMixin:
 
     # -- rounds -----------------------------------------------------------------------------------
     def hyco_submit_tree(self, sid: str, round_: int, tokens: list[int], parents: list[int],
-                         eps: float | None = None) -> dict[str, Any]:
+                         eps: float | None = None, labels: list[int] | None = None,
+                         values: list[float] | None = None) -> dict[str, Any]:
+        """Verify a tree in the next step. ``labels``: per-row NodeLabel values (the budget's estimate is kept
+        by (depth, label)); ``values``: the phone's per-row values, untrusted (they can only lower a row's
+        value below the server's own estimate, never raise it)."""
+        t0 = self._hyco_clock()
+        try:
+            return self._hyco_submit(sid, round_, tokens, parents, eps, labels, values)
+        finally:
+            self._hyco_note_utility(t0)
+
+    def _hyco_submit(self, sid, round_, tokens, parents, eps, labels, values) -> dict[str, Any]:
         reg = self.hyco_sessions
         s = reg.check_submit(sid, int(round_))
         request = self.requests.get(s.req_id)
@@ -154,13 +184,17 @@ class HycoSchedulerMixin:
             reg.mark_finished(s, "session_finished")
             raise SessionError(f"session {sid!r} is finished", code="session_finished")
         tokens, parents = [int(x) for x in tokens], [int(x) for x in parents]
+        labels = None if labels is None else [int(x) for x in labels]
         validate_tree(tokens, parents, vocab_size=self.vllm_config.model_config.get_vocab_size(),
-                      budget=self._hyco_budget())
+                      budget=self._hyco_budget(), labels=labels)
+        if values is not None and len(values) != len(tokens):
+            raise TreeValidationError(f"values has {len(values)} entries but the tree has {len(tokens)} rows; "
+                                      f"send one value per row (root included)", code="length_mismatch")
         if tokens[0] != request.all_token_ids[-1]:
             raise TreeValidationError(f"root token {tokens[0]} is not the last committed token "
                                       f"{request.all_token_ids[-1]}", code="bad_root")
         if eps is not None and eps != s.eps:
-            raise SessionError("ε is fixed per session (decisions.md D4); a round cannot change it",
+            raise SessionError("ε is fixed per session (docs/decisions.md D4); a round cannot change it",
                                code="eps_mismatch")
         assert request.num_computed_tokens == request.num_tokens - 1, "parked session not at its root"
         if request not in self.running and len(self.running) >= self.max_num_running_reqs:
@@ -168,7 +202,8 @@ class HycoSchedulerMixin:
             # the round and the tree, so a resend of the same tree can only meet this code again.
             raise SessionError(f"all {self.max_num_running_reqs} batch slots (max_num_seqs) are busy; "
                                f"resend the same tree", code="server_busy")
-        reg.start_round(s, RoundTree(round=int(round_), tokens=tokens, parents=parents, eps=s.eps))
+        reg.start_round(s, RoundTree(round=int(round_), tokens=tokens, parents=parents, eps=s.eps, labels=labels,
+                                     values=None if values is None else [float(x) for x in values]))
         request.spec_token_ids = tokens[1:]
         if request not in self.running:
             self.running.append(request)
@@ -186,7 +221,11 @@ class HycoSchedulerMixin:
         return True
 
     def hyco_take_verdict(self, sid: str, round_: int) -> Any:
-        return self.hyco_sessions.take_verdict(sid, int(round_))
+        t0 = self._hyco_clock()
+        try:
+            return self.hyco_sessions.take_verdict(sid, int(round_))
+        finally:
+            self._hyco_note_utility(t0)
 
     def hyco_session_info(self, sid: str) -> dict[str, Any]:
         s = self.hyco_sessions.get(sid)
@@ -195,11 +234,14 @@ class HycoSchedulerMixin:
 
     # -- scheduling -------------------------------------------------------------------------------
     def schedule(self, *args, **kwargs):
+        t0 = self._hyco_clock()
         self.hyco_apply_policies()
         reg = self.__dict__.get("_hyco_sessions")
         if reg is not None:
             self._hyco_reinject(reg)
+            self._hyco_cut_trees(reg)
         out = super().schedule(*args, **kwargs)
+        self._hyco_step_begin(out, t0)
         trees = {}
         if reg is not None:
             for req_id, n in out.num_scheduled_tokens.items():
@@ -226,6 +268,7 @@ class HycoSchedulerMixin:
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         reg = self.__dict__.get("_hyco_sessions")
         if reg is None:
+            self._hyco_step_end(scheduler_output)
             return outputs
         self._hyco_emit_ended(outputs)
         emitted = _outputs_by_req(outputs)
@@ -241,6 +284,7 @@ class HycoSchedulerMixin:
                 verdict["committed"] = list(eco.new_token_ids) if eco is not None else []
                 verdict["finish_reason"] = (str(eco.finish_reason) if eco is not None and eco.finish_reason
                                             is not None else None)
+                self._hyco_budget_verdict(s, verdict)
                 reg.finish_round(s, verdict)
                 if not finished:
                     self._hyco_park(s, request)
@@ -249,6 +293,7 @@ class HycoSchedulerMixin:
                 self._hyco_park(s, request)
             if finished:
                 reg.mark_finished(s, s.finish_code or "finished")
+        self._hyco_step_end(scheduler_output)
         return outputs
 
     def _hyco_emit_ended(self, outputs) -> None:
@@ -327,6 +372,100 @@ class HycoSchedulerMixin:
             victims.append(s)
             free += s.num_kv_blocks
         return victims if free >= need else []  # evict only when that lets the head in
+
+    # -- node budget (issue 16) -------------------------------------------------------------------
+    @property
+    def hyco_budget_policy(self) -> BudgetPolicy:
+        """The engine's node-budget policy (``budget_policy``, cap ``node_budget``), created on first use."""
+        pol = self.__dict__.get("_hyco_budget_policy")
+        if pol is None:
+            cfg = getattr(self, "hyco_config", None)
+            cap = self._hyco_budget()
+            # steps with more rows than the largest verification step (long prefill chunks) are not fitted
+            pol = BudgetPolicy(cap, getattr(cfg, "budget_policy", None) or "adaptive",
+                               max_rows=self.max_num_running_reqs * (cap + 1))
+            self.__dict__["_hyco_budget_policy"] = pol
+        return pol
+
+    def _hyco_clock(self) -> tuple[float, float]:
+        """(wall, process CPU) seconds now."""
+        return time.perf_counter(), time.process_time()
+
+    def _hyco_cost_seconds(self, t0: tuple[float, float]) -> tuple[float, float, float]:
+        """(wall, cpu, the clock the cost model uses) since ``t0``: process CPU time on a CPU engine (robust
+        to other load on a shared box; the worker runs in this process), wall time on an accelerator."""
+        wall, cpu = time.perf_counter() - t0[0], time.process_time() - t0[1]
+        on_cpu = self.__dict__.get("_hyco_on_cpu")
+        if on_cpu is None:
+            dev = getattr(getattr(self.vllm_config, "device_config", None), "device_type", None)
+            on_cpu = self.__dict__["_hyco_on_cpu"] = str(dev) == "cpu"
+        return wall, cpu, cpu if on_cpu else wall
+
+    def _hyco_note_utility(self, t0: tuple[float, float]) -> None:
+        """A HyCo utility call (submit, take) counts towards the next step's cost and the engine timer."""
+        wall, cpu, cost = self._hyco_cost_seconds(t0)
+        self.__dict__["_hyco_util_s"] = self.__dict__.get("_hyco_util_s", 0.0) + cost
+        from vllm_hyco.vllm_adapter.patches import step_timing
+
+        step_timing.add_core(wall, cpu)
+
+    def _hyco_step_begin(self, scheduler_output, t0: tuple[float, float]) -> None:
+        started = self.__dict__.setdefault("_hyco_step_t0", {})
+        if len(started) > 16:  # outputs never updated (an engine error): drop, do not grow
+            started.clear()
+        started[id(scheduler_output)] = t0
+
+    def _hyco_step_end(self, scheduler_output) -> None:
+        """Feed the step's cost (schedule + execute + update + utility calls) to the cost model."""
+        t0 = self.__dict__.get("_hyco_step_t0", {}).pop(id(scheduler_output), None)
+        if t0 is None:
+            return
+        seconds = self._hyco_cost_seconds(t0)[2] + self.__dict__.pop("_hyco_util_s", 0.0)
+        rows = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0)
+        if rows <= 0:
+            return
+        kctx = 0.0
+        for req_id, n in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests.get(req_id)
+            if request is not None:
+                kctx += n * request.num_tokens / 1000.0
+        self.hyco_budget_policy.observe_step(rows, kctx, seconds)
+
+    def _hyco_cut_trees(self, reg: SessionRegistry) -> None:
+        """Cut every tree submitted since the last step to the prefix that pays, before vLLM schedules it."""
+        pol = self.hyco_budget_policy
+        live = {s.sid for s in reg.live()}
+        for sid in [k for k in pol.acceptance.sessions if k not in live]:
+            pol.forget(sid)
+        sharing = len(self.running)  # requests this step will run (an estimate: before vLLM's admission)
+        for s in reg.live():
+            t = s.tree
+            if s.state is not SessionState.VERIFYING or t is None or t.plan is not None:
+                continue
+            request = self.requests.get(s.req_id)
+            if request is None or request not in self.running \
+                    or request.num_computed_tokens != request.num_tokens - 1:
+                continue
+            t.plan = pol.plan(s.sid, t.parents, t.labels, t.values, ctx=request.num_tokens, sharing=sharing)
+            if t.plan.nodes < t.plan.sent:  # a prefix of a tree is a tree (parents come first)
+                k = t.plan.nodes + 1
+                t.tokens, t.parents = t.tokens[:k], t.parents[:k]
+                t.labels = None if t.labels is None else t.labels[:k]
+                request.spec_token_ids = t.tokens[1:]
+
+    def _hyco_budget_verdict(self, s: Session, verdict: dict[str, Any]) -> None:
+        """Learn from the round (acceptance by depth and label) and grant the next round's nodes."""
+        pol, t = self.hyco_budget_policy, s.tree
+        plan = None if t is None else t.plan
+        if t is not None:
+            n = min(int(verdict.get("num_rows", len(t.parents))), len(t.parents))  # rows actually verified
+            pol.observe_round(s.sid, t.parents[:n], None if t.labels is None else t.labels[:n],
+                              verdict.get("path_rows", ()), None if plan is None else plan.predicted[:n])
+        verdict["budget"] = pol.next_budget(plan)
+        verdict["budget_info"] = {"policy": pol.policy, "cap": pol.cap,
+                                  "nodes_sent": None if plan is None else plan.sent,
+                                  "nodes_verified": None if plan is None else plan.nodes,
+                                  **pol.cost.snapshot()}
 
 
 def _outputs_by_req(outputs) -> dict[str, Any]:

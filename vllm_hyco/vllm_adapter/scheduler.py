@@ -2,9 +2,12 @@
 
 Sessions come from ``HycoSchedulerMixin`` (vllm_hyco/vllm_adapter/sched_mixin.py): a phone's tree goes into
 ``request.spec_token_ids``, the parents travel on ``SchedulerOutput.hyco_trees``, and the request is
-parked between rounds (vllm-integration.md §5.2, §12). Requests without ``extra_args["hyco"]`` are
+parked between rounds (docs/vllm-notes.md §3). Requests without ``extra_args["hyco"]`` are
 scheduled exactly as by vLLM's scheduler. Constructing it adds the ``hyco_*`` utility methods to
 EngineCore (vllm_hyco/vllm_adapter/core_ext.py) in the engine-core process.
+
+Overrides: ``Scheduler.__init__`` (attaches the config), plus HycoSchedulerMixin's
+(vllm_hyco/vllm_adapter/sched_mixin.py). tests/unit/test_vllm_surface.py checks them.
 """
 
 from __future__ import annotations

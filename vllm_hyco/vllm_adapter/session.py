@@ -57,6 +57,9 @@ class RoundTree:
     tokens: list[int]  # [num_rows] root first
     parents: list[int]  # [num_rows] parents[i] < i for i > 0
     eps: float | None  # None: exact acceptance
+    labels: list[int] | None = None  # [num_rows] NodeLabel per row (statistics and the budget's estimate)
+    values: list[float] | None = None  # [num_rows] phone-sent values (untrusted: bounded by the server's)
+    plan: Any = None  # the node budget's cut (``vllm_hyco.spec_decode.budget.Plan``) once planned
 
 
 @dataclass

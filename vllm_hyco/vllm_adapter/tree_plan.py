@@ -2,8 +2,9 @@
 
 For every HyCo request scheduled with a tree this step, the runner builds one :class:`TreeRows`: where
 its rows sit in the flattened batch, the committed context length ``t`` (the root's position), each
-row's depth and its ancestor mask. The attention override reads it to mask tree rows; the runner reads
-the K/V rows the override captured to compact the accepted path and to build the hand-off.
+row's depth and its ancestor mask. The attention override reads it to mask tree rows and records, once
+per layer and step, that it wrote the step's K/V (:func:`note_layer_written`; no copy of the rows: the
+compaction and the hand-off read the paged cache, ``vllm_adapter/tree_step.py``).
 
 The runner publishes the step's trees with :func:`set_active_trees` and clears them after sampling. The
 CPU override reads the list (:func:`active_trees`); the GPU backend reads :func:`active_step`, a
@@ -11,56 +12,27 @@ CPU override reads the list (:func:`active_trees`); the GPU backend reads :func:
 first call of the step and kept for the step's other layers, so there is no host-to-device copy per layer
 and the CPU path never builds one.
 
-Masks and depths come from ``vllm_hyco.kernels.tree_attention.ancestor_masks_from_parents`` (int64 bit
-masks, the form the kernels and their torch twin take); ``anc`` is the same mask as a bool matrix.
+Masks, depths and ``anc`` come from the tree contract (``vllm_hyco.handoff.tree_contract``, numpy): int64
+bit masks (the form the kernels and their torch twin take) and the same relation as a bool matrix; this
+module turns them into tensors.
 
 Example (a root with two children, the second having one child)::
 
-    >>> depths_from_parents([-1, 0, 0, 2])
-    [0, 1, 1, 2]
-    >>> ancestor_mask([-1, 0, 0, 2]).int().tolist()
+    >>> tr = TreeRows.build(req_id="a", batch_idx=0, q_start=0, num_rows=4, context_len=9, round=0,
+    ...                     tokens=[5, 6, 7, 8], parents=[-1, 0, 0, 2], eps=None)
+    >>> tr.depths.tolist(), tr.masks.tolist()
+    ([0, 1, 1, 2], [1, 3, 5, 13])
+    >>> tr.anc.int().tolist()
     [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]]
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-
-def depths_from_parents(parents: list[int]) -> list[int]:
-    depths = [0] * len(parents)
-    for i in range(1, len(parents)):
-        depths[i] = depths[parents[i]] + 1
-    return depths
-
-
-def ancestor_mask(parents: list[int]) -> torch.Tensor:
-    """[n, n] bool; ``mask[i, j]`` is True iff row j is row i or one of its ancestors."""
-    n = len(parents)
-    mask = torch.zeros(n, n, dtype=torch.bool)
-    for i in range(n):
-        mask[i, i] = True
-        if i > 0:
-            mask[i] |= mask[parents[i]]
-    return mask
-
-
-@dataclass
-class CapturedKV:
-    """The K/V rows one layer wrote for one tree request this step, and the slots it wrote them to."""
-
-    # [n, num_kv_heads, head_size]
-    key: torch.Tensor
-    # [n, num_kv_heads, head_size]
-    value: torch.Tensor
-    # [n] sequential slots of positions t .. t+n-1 (where the rows were written)
-    slots: torch.Tensor
-    layer: object  # the vLLM attention layer (scales, isa)
-    kv_cache: torch.Tensor  # the layer's paged cache
-    # the KV view of that cache's layout (``kv_view.BlockMajorKVView`` on GPU); None = CPU_ATTN's view
-    view: object | None = None
+from vllm_hyco.handoff import tree_contract
 
 
 @dataclass
@@ -79,22 +51,17 @@ class TreeRows:
     depths: torch.Tensor  # [num_rows] int64
     anc: torch.Tensor  # [num_rows, num_rows] bool
     masks: torch.Tensor  # [num_rows] int64 ancestor bitmask (bit j: row j is an ancestor or the row)
-    captured: dict[str, CapturedKV] = field(default_factory=dict)
-    # layer name -> [max_blocks] block-table row of this request in that layer's KV group
-    block_rows: dict[str, torch.Tensor] = field(default_factory=dict)
     host_s: float = 0.0  # host time spent on this tree outside the model (plan, decision, compaction, hand-off)
 
     @classmethod
     def build(cls, *, req_id: str, batch_idx: int, q_start: int, num_rows: int, context_len: int,
               round: int, tokens: list[int], parents: list[int], eps: float | None) -> TreeRows:
-        from vllm_hyco.kernels.tree_attention import ancestor_masks_from_parents
-
-        tokens, parents = list(tokens[:num_rows]), list(parents[:num_rows])
-        masks, depths = ancestor_masks_from_parents(parents)
+        tokens, parents = list(tokens[:num_rows]), list(parents[:num_rows])  # a prefix of a tree is a tree
         return cls(req_id=req_id, batch_idx=batch_idx, q_start=q_start, num_rows=num_rows,
                    context_len=context_len, round=round, tokens=tokens, parents=parents, eps=eps,
-                   depths=torch.tensor(depths, dtype=torch.int64), anc=ancestor_mask(parents),
-                   masks=torch.tensor(masks, dtype=torch.int64))
+                   depths=torch.from_numpy(tree_contract.depths(parents)),
+                   anc=torch.from_numpy(tree_contract.ancestor_matrix(parents)),
+                   masks=torch.from_numpy(tree_contract.ancestor_mask(parents)))
 
     @property
     def positions(self) -> torch.Tensor:
@@ -146,13 +113,24 @@ class TreeStep:
         )
 
 
-# This step's trees and the device they run on; the stacked TreeStep is built on first use.
-_ACTIVE: dict = {"trees": None, "device": "cpu", "step": None}
+# This step's trees and the device they run on; the stacked TreeStep is built on first use; the names of
+# the layers whose KV-cache write ran while the trees were active.
+_ACTIVE: dict = {"trees": None, "device": "cpu", "step": None, "written": set()}
 
 
 def set_active_trees(trees: list[TreeRows] | None, device: torch.device | str = "cpu") -> None:
     """Publish this step's trees (None or [] clears); everything runs in the worker process."""
-    _ACTIVE.update(trees=trees or None, device=device, step=None)
+    _ACTIVE.update(trees=trees or None, device=device, step=None, written=set())
+
+
+def note_layer_written(name: str) -> None:
+    """The attention override wrote this layer's K/V for the step's rows (tree rows at sequential slots)."""
+    _ACTIVE["written"].add(name)
+
+
+def layers_written() -> set[str]:
+    """Names of the layers whose K/V write ran in this step (empty without trees)."""
+    return set(_ACTIVE["written"])
 
 
 def active_trees() -> list[TreeRows] | None:

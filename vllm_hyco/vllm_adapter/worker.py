@@ -9,6 +9,10 @@ attention layers; ``--speculative-config hyco`` selects it (``attention_config.b
 so a backend override that slipped past the expansion fails at start-up with HardwareUnsupportedError
 rather than verifying trees with a causal mask. Requests without a tree run exactly as in vLLM.
 
+Overrides: ``Worker.__init__`` (registers the backend) and ``_make_model_runner``; ``GPUModelRunner.__init__``
+(attaches the config) and ``load_model`` (checks the backends), plus HycoRunnerMixin's
+(vllm_hyco/vllm_adapter/runner_mixin.py). tests/unit/test_vllm_surface.py checks them.
+
 GPU-unverified: no GPU engine run has happened yet (docs/engine.md, "GPU path").
 """
 

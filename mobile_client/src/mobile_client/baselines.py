@@ -1,6 +1,6 @@
 """The baselines' tree builders (paper Table 5): SpecEdge-style trees and proactive drafting (PD).
 
-SpecEdge-style (SpecExec-style beam growth, as kaist-ina/specedge drafts on the edge; anchors.md §1):
+SpecEdge-style (SpecExec-style beam growth, as kaist-ina/specedge drafts on the edge):
 the SLM alone grows a tree in ``passes`` (4) sequential forwards. Each pass expands the best ``beams``
 (32) not-yet-expanded nodes, ranked by score, ties to the earlier row. Each expanded node v proposes its
 ``width`` (16) most likely tokens c with score ``(s(v) + ln q(c|v)) + decay`` (decay = ln 0.9, s(root) =
@@ -26,10 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from mobile_client.tree import (
-    BUDGET,
     DraftTree,
     FrontierPlan,
-    Source,
     TreeBuildError,
     _candidate_rows,
     _expand,
@@ -40,6 +38,7 @@ from mobile_client.tree import (
     top_candidates,
     trim,
 )
+from vllm_hyco.handoff.tree_contract import DEFAULT_NODE_BUDGET, NodeLabel
 
 SlmFn = Callable[[FrontierPlan], Any]
 
@@ -54,13 +53,13 @@ PROACTIVE_DECAY = math.log(0.95)
 class SpecEdgeGrower:
     """A SpecEdge-style tree being grown pass by pass (kept between passes for proactive reuse)."""
 
-    def __init__(self, root: int, *, budget: int = BUDGET, beams: int = BEAMS, width: int = WIDTH,
-                 decay: float = DECAY, keep_ids: Any = None, catch_up: Sequence[int] = ()):
+    def __init__(self, root: int, *, budget: int = DEFAULT_NODE_BUDGET, beams: int = BEAMS,
+                 width: int = WIDTH, decay: float = DECAY, keep_ids: Any = None, catch_up: Sequence[int] = ()):
         if budget < 0 or beams < 1 or width < 1 or not decay < 0:
             raise TreeBuildError(f"need budget >= 0, beams >= 1, width >= 1, decay < 0; got {budget}, "
                                  f"{beams}, {width}, {decay}")
         self.budget, self.beams, self.width, self.decay, self.keep_ids = budget, beams, width, decay, keep_ids
-        self.nodes = _Nodes(DraftTree((int(root),), (-1,), (0.0,), (int(Source.ROOT),), budget))
+        self.nodes = _Nodes(DraftTree((int(root),), (-1,), (0.0,), (int(NodeLabel.ROOT),), budget))
         self.expanded: set[int] = set()
         self.catch_up = tuple(int(t) for t in catch_up)  # consumed by the first forward
         self.passes_run = 0
@@ -102,8 +101,8 @@ class SpecEdgeGrower:
         return trim(self.untrimmed(), self.budget)
 
 
-def specedge_tree(root: int, slm: SlmFn, *, passes: int = PASSES, budget: int = BUDGET, beams: int = BEAMS,
-                  width: int = WIDTH, decay: float = DECAY, keep_ids: Any = None,
+def specedge_tree(root: int, slm: SlmFn, *, passes: int = PASSES, budget: int = DEFAULT_NODE_BUDGET,
+                  beams: int = BEAMS, width: int = WIDTH, decay: float = DECAY, keep_ids: Any = None,
                   catch_up: Sequence[int] = ()) -> DraftTree:
     """A SpecEdge-style tree of at most ``budget`` nodes from ``passes`` sequential SLM passes.
 
@@ -157,8 +156,9 @@ def _bet(tree: DraftTree, slm: SlmFn, *, beams: int, decay: float, keep_ids: Any
     return plan.rows[int(rows[best])], int(toks[best])
 
 
-def proactive_draft(tree: DraftTree, slm: SlmFn, *, passes: int = PROACTIVE_PASSES, budget: int = BUDGET,
-                    beams: int = BEAMS, width: int = WIDTH, decay: float = PROACTIVE_DECAY,
+def proactive_draft(tree: DraftTree, slm: SlmFn, *, passes: int = PROACTIVE_PASSES,
+                    budget: int = DEFAULT_NODE_BUDGET, beams: int = BEAMS, width: int = WIDTH,
+                    decay: float = PROACTIVE_DECAY,
                     keep_ids: Any = None, catch_up: Sequence[int] = ()) -> ProactiveDraft:
     """Prepare the next tree while ``tree``'s verdict is in flight (``passes`` + 1 SLM forwards).
 

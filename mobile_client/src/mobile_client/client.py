@@ -1,15 +1,23 @@
 """The phone's WebSocket client: runs a ``PhoneSession`` against ``/v1/hyco/session`` (docs/protocol.md).
 
-One connection carries one session: ``start``, then per round one ``tree`` up and one ``verdict`` down
+One connection carries one session: ``start``, answered by ``session`` (the session id and the session's
+hand-off schema, which the next tree confirms), then per round one ``tree`` up and one ``verdict`` down
 (plus ``handoff_chunk`` frames when the hand-off is bigger than one chunk), then ``final``. Robustness:
 
 * **Timeouts everywhere**: connecting, and every frame the phone waits for. A silent server is treated as a
   lost connection; when the retries run out the client raises ``PhoneTimeoutError``. It never hangs.
-* **Reconnect and resume**: on a dropped connection (or a timeout) the client reconnects and sends a
-  ``start`` with ``hyco.resume = {session_id, last_round, need_seed}``; the server replays its last
-  verdict; the session ignores a replay of a round it already holds and resends the tree in flight
-  unchanged. A verdict is applied only once it and its whole hand-off are in, so no committed token is
-  lost or committed twice. Before verdict 0 there is no session id: the client starts over.
+* **Reconnect and resume**: on a dropped connection (or a timeout) the client reconnects (presenting the
+  session id's routing key as ``?route=`` so a proxy finds the replica) and sends a ``start`` with
+  ``hyco.resume = {session_id, last_round, need_seed}``; the server answers ``session`` (the same schema
+  hash, else ``schema_mismatch``) and replays its last verdict; the session ignores a replay of a round it
+  already holds and resends the tree in flight. A verdict is applied only once it and its whole hand-off
+  are in, so no committed token is lost or committed twice. Before verdict 0 the client starts over.
+* **Failover**: when the server no longer holds the session (a resume or a tree answered
+  ``unknown_session``: the replica that held it died or restarted, or it evicted the session), or when
+  ``failover_after`` handshakes in a row fail at a proxy (HTTP 502/503/504: the session's replica is down),
+  the client reopens the session from what it holds (``PhoneSession.reopen``: prompt + committed tokens as
+  a new completions request, the tree in flight resent as round 0) on whichever replica the proxy picks;
+  the text continues with no committed token lost or repeated. At most ``max_failovers`` per session.
 * **A fresh seed after a lost state**: a broken chunked hand-off (``chunk_*``) or a malformed one
   (``bad_handoff``) reconnects with ``need_seed: true``; the replay then carries a seed hand-off.
 * **Typed errors**: an ``error`` frame raises ``HycoServerError`` with the frame's ``code``, ``fatal`` and
@@ -31,44 +39,33 @@ from typing import AsyncIterator, Callable
 import aiohttp
 
 from mobile_client.session import PhoneSession, RoundStats, SessionResult
-from vllm_hyco.errors import FrameError, HandoffSchemaError, HycoError, SessionError
+from vllm_hyco.errors import (
+    ConnectionLostError,
+    FrameError,
+    HandoffSchemaError,
+    HycoServerError,
+    PhoneTimeoutError,
+)
 from vllm_hyco.handoff.chunks import HandoffAssembler
 from vllm_hyco.handoff.frames import decode_server_frame, encode_frame
 from vllm_hyco.handoff.limits import DEFAULT_LIMITS, WireLimits
-from vllm_hyco.handoff.server_frames import ErrorFrame, FinalFrame, HandoffChunkFrame, VerdictFrame
+from vllm_hyco.handoff.server_frames import ErrorFrame, FinalFrame, HandoffChunkFrame, SessionFrame, VerdictFrame
+from vllm_hyco.handoff.session_id import ROUTE_QUERY_PARAM, route_key
 
 SESSION_PATH = "/v1/hyco/session"
 #: phone-side decode errors that a seed hand-off repairs (docs/protocol.md section 7, "phone" codes)
 RESEED_CODES = frozenset({"chunk_missing", "chunk_duplicate", "chunk_out_of_order", "chunk_corrupt",
                           "bad_handoff"})
-
-
-class HycoServerError(SessionError):
-    """An ``error`` frame from the server (or a refused handshake): ``code``, ``fatal``, ``round``."""
-
-    def __init__(self, message: str, *, code: str, fatal: bool = True, round: int | None = None):
-        super().__init__(message, code=code)
-        self.fatal, self.round = fatal, round
-
-
-class PhoneTimeoutError(HycoError, TimeoutError):
-    """The server stayed silent past the timeout on every retry."""
-
-    code = "client_timeout"
-
-
-class ConnectionLostError(HycoError, ConnectionError):
-    """The connection kept dropping (or could not be opened) on every retry."""
-
-    code = "connection_lost"
+#: handshake answers of a proxy whose upstream (the session's replica) is gone
+GATEWAY_STATUSES = frozenset({502, 503, 504})
 
 
 class _Dropped(Exception):
     """Internal: the connection is unusable; reconnect (and resume) if retries are left."""
 
-    def __init__(self, why: str, timeout: bool = False):
+    def __init__(self, why: str, timeout: bool = False, gateway: bool = False):
         super().__init__(why)
-        self.timeout = timeout
+        self.timeout, self.gateway = timeout, gateway
 
 
 @dataclass(frozen=True)
@@ -95,8 +92,10 @@ class HycoClient:
 
     ``max_retries`` bounds the reconnects in a row without progress (any applied verdict resets the
     count); waits between them back off from ``retry_delay_s`` up to ``max_retry_delay_s``.
+    ``max_failovers`` bounds the reopenings of one session on another replica (0: never; see the module
+    docstring), ``failover_after`` the proxy gateway errors in a row that trigger one.
     ``offload`` runs drafting in a worker thread so several simulated phones share one event loop.
-    Simulated phones (benchmarks, decisions.md D8): ``sim_draft_ms`` pads each new tree's drafting to a
+    Simulated phones (benchmarks, docs/decisions.md D8): ``sim_draft_ms`` pads each new tree's drafting to a
     modelled device time (the paper: 52.9 ms per round); ``sim_rtt_ms`` adds a modelled link round trip
     (half before each tree, half after each verdict). Both only delay; ``RoundStats`` keeps the measured
     draft time, and its wait time includes the modelled link.
@@ -106,27 +105,39 @@ class HycoClient:
                  limits: WireLimits = DEFAULT_LIMITS, max_retries: int = 8, retry_delay_s: float = 0.05,
                  max_retry_delay_s: float = 2.0, busy_retries: int = 50, offload: bool = True,
                  http: aiohttp.ClientSession | None = None, sim_draft_ms: float = 0.0,
-                 sim_rtt_ms: float = 0.0):
+                 sim_rtt_ms: float = 0.0, max_failovers: int = 2, failover_after: int = 2):
         self.url, self.api_key, self.timeouts, self.limits = ws_url(server), api_key, timeouts, limits
         self.max_retries, self.retry_delay_s = max_retries, retry_delay_s
         self.max_retry_delay_s = max_retry_delay_s
         self.busy_retries, self.offload, self._http = busy_retries, offload, http
         self.sim_draft_ms, self.sim_rtt_ms = sim_draft_ms, sim_rtt_ms
+        self.max_failovers, self.failover_after = max_failovers, failover_after
 
     async def run(self, session: PhoneSession, on_round: Callable[[RoundStats], None] | None = None
                   ) -> SessionResult:
         """Drive ``session`` to its end (``final``) and return its result; raises typed errors only."""
         http = self._http or aiohttp.ClientSession()
         try:
-            failures = 0
+            failures = gateway = 0
             while True:
                 held = session.held_round
                 try:
                     await self._connection(http, session, on_round)
                     return session.result()
+                except HycoServerError as e:
+                    if session.finished:  # only `final` was lost: every token is in
+                        return session.result()
+                    if e.code != "unknown_session" or not self._failover(session):
+                        raise
+                    failures = gateway = 0
+                    continue
                 except _Dropped as e:
                     if session.finished:  # only `final` was lost: every token is in
                         return session.result()
+                    gateway = gateway + 1 if e.gateway and session.resumable else 0
+                    if gateway >= self.failover_after and self._failover(session):
+                        failures = gateway = 0
+                        continue
                     failures = 1 if session.held_round != held else failures + 1
                     if failures > self.max_retries:
                         cls = PhoneTimeoutError if e.timeout else ConnectionLostError
@@ -137,6 +148,13 @@ class HycoClient:
         finally:
             if self._http is None:
                 await http.close()
+
+    def _failover(self, session: PhoneSession) -> bool:
+        """Reopen ``session`` on another replica (from its prompt + committed tokens) if the policy allows."""
+        if session.failovers >= self.max_failovers or not session.can_reopen():
+            return False
+        session.reopen()
+        return True
 
     async def stream(self, session: PhoneSession) -> AsyncIterator[str]:
         """The committed text as it arrives (``async for text in client.stream(session)``); the result is
@@ -167,11 +185,12 @@ class HycoClient:
 
     # -- one connection ------------------------------------------------------------------------------------
     async def _connection(self, http, session: PhoneSession, on_round) -> None:
-        ws = await self._connect(http, session)
+        resuming = session.resumable
+        ws = await self._connect(http, session, resuming)
         try:
-            resuming = session.sid is not None
             await self._send(ws, encode_frame(session.start_frame()))
-            if resuming:  # the server replays its last verdict first
+            ack = await self._take_session(ws, session)
+            if resuming and ack.last_round >= 0:  # the server replays its last verdict first
                 await self._take_verdict(ws, session, time.perf_counter(), on_round)
             while not session.finished:
                 t_draft, fresh = time.perf_counter(), not session.tree_in_flight
@@ -192,11 +211,14 @@ class HycoClient:
         finally:
             await self._close(ws)
 
-    async def _connect(self, http, session: PhoneSession):
+    async def _connect(self, http, session: PhoneSession, resuming: bool = False):
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        url = self.url  # a resume names its replica by the session id's routing key (docs/protocol.md 3)
+        if resuming:
+            url = f"{url}?{ROUTE_QUERY_PARAM}={route_key(session.sid)}"
         try:
             return await asyncio.wait_for(
-                http.ws_connect(self.url, headers=headers, max_msg_size=session.options.max_message_bytes,
+                http.ws_connect(url, headers=headers, max_msg_size=session.options.max_message_bytes,
                                 timeout=aiohttp.ClientWSTimeout(ws_close=self.timeouts.close_s)),
                 self.timeouts.connect_s)
         except aiohttp.WSServerHandshakeError as e:
@@ -208,7 +230,8 @@ class HycoClient:
                 raise HycoServerError(f"{self.url} has no HyCo session route (HTTP {e.status}); is the "
                                       f"server running with --speculative-config hyco?",
                                       code="no_route") from None
-            raise _Dropped(f"handshake failed with HTTP {e.status}") from None
+            raise _Dropped(f"handshake failed with HTTP {e.status}",
+                           gateway=e.status in GATEWAY_STATUSES) from None
         except asyncio.TimeoutError:
             raise _Dropped(f"no WebSocket handshake from {self.url} in {self.timeouts.connect_s} s",
                            timeout=True) from None
@@ -243,12 +266,24 @@ class HycoClient:
         except asyncio.TimeoutError:
             raise _Dropped(f"no frame from the server in {timeout_s} s", timeout=True) from None
         if msg.type == aiohttp.WSMsgType.BINARY:
-            return decode_server_frame(msg.data, self.limits, expect=session.spec), len(msg.data)
+            return decode_server_frame(msg.data, self.limits, schema=session.schema), len(msg.data)
         if msg.type == aiohttp.WSMsgType.TEXT:
             raise FrameError("the server sent a text message; frames are binary msgpack", code="bad_msgpack")
         raise _Dropped(f"connection closed ({msg.type.name}{': ' + str(msg.data) if msg.data else ''})")
 
     # -- frames in -----------------------------------------------------------------------------------------
+    async def _take_session(self, ws, session: PhoneSession) -> SessionFrame:
+        """The answer to ``start``: the ``session`` frame (checked and taken by the session), or an error."""
+        frame, _ = await self._recv(ws, session)
+        if isinstance(frame, ErrorFrame):
+            raise HycoServerError(f"server error {frame.code}: {frame.message}", code=frame.code,
+                                  fatal=frame.fatal, round=frame.round)
+        if not isinstance(frame, SessionFrame):
+            raise FrameError(f"expected the session frame after start, got a {frame.TYPE} frame",
+                             code="unknown_type")
+        session.apply_session(frame)
+        return frame
+
     async def _take_verdict(self, ws, session: PhoneSession, t0: float, on_round, prep=None) -> None:
         """Receive the verdict answering the tree in flight (or a replay), with its hand-off, and apply it.
 
@@ -268,8 +303,7 @@ class HycoClient:
                                           fatal=frame.fatal, round=frame.round)
                 if not isinstance(frame, VerdictFrame):
                     raise FrameError(f"expected a verdict, got a {frame.TYPE} frame", code="bad_verdict")
-                if session.sid is None:  # known from here on: a drop mid-chunks resumes (last_round -1)
-                    session.sid = frame.session_id
+                session.resumable = True  # from here on a drop (even mid-chunks) resumes, last_round -1
                 handoff = frame.handoff
                 if frame.handoff_ref is not None:
                     handoff, more = await self._assemble(ws, session, frame)
@@ -303,7 +337,7 @@ class HycoClient:
                 raise HandoffSchemaError(f"a {frame.TYPE} frame arrived while {verdict.handoff_ref.chunks} "
                                          f"hand-off chunks were expected", code="chunk_missing")
             asm.add(frame)
-        return asm.payload(expect=session.spec), nbytes
+        return asm.payload(session.schema), nbytes
 
     async def _take_final(self, ws, session: PhoneSession) -> FinalFrame | None:
         try:

@@ -31,16 +31,10 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from vllm_hyco.errors import ConfigError
+from vllm_hyco.errors import KeepSetError
 
 HASH_PREFIX = b"hyco-keepset-v1\0"
 _HEX_BYTE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
-
-
-class KeepSetError(ConfigError):
-    """A keep set that does not fit its vocabulary, its size target, or its saved hash."""
-
-    code = "bad_keep_set"
 
 
 @dataclass(frozen=True, eq=False)

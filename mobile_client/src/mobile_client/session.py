@@ -1,6 +1,9 @@
 """One phone session as a state machine (paper Algorithm 1), with no transport: ``client.py`` drives it.
 
-Each round::
+The connection starts with ``start`` (``session.start_frame()``), answered by the server's ``session``
+frame (``session.apply_session(frame)``): the session id and the session's hand-off schema, checked against
+the phone's model (its ``spec``) and, on a resume, against the schema hash the phone held. The first tree
+after it carries the schema hash (the phone's confirmation, protocol version 2). Each round::
 
     frame = session.next_tree()             # draft (Alg. 3 via the Drafter) -> TreeFrame of round r
     ... the client sends it and receives verdict r (+ its hand-off, reassembled from chunks) ...
@@ -13,7 +16,7 @@ ring keeps the rows of the root and of the path; the rest become the next forwar
 applies the hand-off (the MTP ring and the MTP head's first input ``x_hat``). A verdict is applied whole
 or not at all, so a connection lost mid-verdict loses nothing: the client resumes and the server replays.
 
-Round 0 follows decisions.md D2: the root is the prompt's last token, the drafter's SLM is prefilled with
+Round 0 follows docs/decisions.md D2: the root is the prompt's last token, the drafter's SLM is prefilled with
 the tokens before it, and the tree is the SLM's alone (no ``x_hat`` yet); verdict 0 carries the seed.
 
 Positions: the prompt holds positions 0..L-1, so round 0's root sits at L-1. After a round that accepts
@@ -36,22 +39,26 @@ hooks the session calls when present: ``prefill(tokens)`` (SLM cache for round 0
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from mobile_client.drafters.base import DraftContext, Drafter
-from mobile_client.tree import DraftTree, trim
+from mobile_client.tree import DraftTree, trim, value_order
 from vllm_hyco.errors import ConfigError, FrameError, HandoffSchemaError, SessionError
 from vllm_hyco.handoff.client_frames import (MIN_CLIENT_MESSAGE_BYTES, ClientCapabilities, HycoOptions,
                                              ResumeRequest, StartFrame, TreeFrame)
 from vllm_hyco.handoff.frames import encode_frame
 from vllm_hyco.handoff.limits import AIOHTTP_DEFAULT_MAX_MSG
 from vllm_hyco.handoff.quant import HandoffScales, dequantize
-from vllm_hyco.handoff.schema import HandoffPayload, HandoffSpec
+from vllm_hyco.handoff.schema import HANDOFF_SCHEMA_VERSION, HandoffPayload, HandoffSpec
+from vllm_hyco.handoff.server_frames import SessionFrame
+from vllm_hyco.handoff.tree_contract import DEFAULT_NODE_BUDGET
 
 # tree [, catch_up=tokens] -> mobile_client.baselines.ProactiveDraft; ``catch_up`` (when the function takes
 # it): committed tokens before the tree's root that the drafter has not seen yet
@@ -64,8 +71,9 @@ class SessionOptions:
 
     mode: str = "exact"  # "exact" (lossless, the default) or "epsilon" (only if the operator enabled it)
     epsilon: float | None = None  # with "epsilon": a stricter ε than the operator's; None = the operator's
-    max_nodes: int = 32  # the largest tree this phone builds (capabilities.max_nodes)
+    max_nodes: int = DEFAULT_NODE_BUDGET  # the largest tree this phone builds (capabilities.max_nodes)
     labels: bool = True  # send per-node source labels (statistics only)
+    values: bool = False  # send per-node values: round(255 * exp(the node's Algorithm-3 log-score))
     max_message_bytes: int = AIOHTTP_DEFAULT_MAX_MSG  # the client's WebSocket receive limit
     keep_set_hash: bytes | None = None
     fingerprint: bytes | None = None  # the model bundle's fingerprint; None: take it from ``spec``
@@ -141,6 +149,7 @@ class _Pending:
     prepared: Any = None  # ProactiveDraft for the next round
     proactive_ms: float = 0.0
     nbytes: int = 0  # the encoded frame's size
+    schema_epoch: int = -1  # the `session` frame whose schema hash this tree carried (-1: none)
 
 
 def _bad_verdict(msg: str) -> FrameError:
@@ -163,7 +172,12 @@ class PhoneSession:
         self.drafter, self.spec, self.options, self.on_text = drafter, spec, options, on_text
         self.request, self.endpoint = dict(request), endpoint
         self.prompt_tokens = [int(t) for t in prompt_tokens]
-        self.sid: bytes | None = None
+        self.sid: str | None = None  # from the `session` frame
+        self.resumable = False  # a verdict of this session arrived: a lost connection resumes it
+        self.schema: HandoffSpec | None = None  # the session's hand-off schema (its `session` frame)
+        self.schema_hash: bytes | None = None
+        self._confirm_schema = False  # the next trees carry the schema hash until a verdict answers one
+        self._schema_epoch = 0  # counts `session` frames
         self.round = 0  # the next round to draft (= the pending one while a tree is in flight)
         self.held_round = -1  # the last round whose verdict and hand-off were applied
         self.root = self.prompt_tokens[-1]
@@ -177,8 +191,10 @@ class PhoneSession:
         self.finish_reason: str | None = None
         self.final = None
         self.resumes = 0
+        self.failovers = 0  # sessions reopened on another server (reopen)
         self.need_seed = False  # the hand-off state broke: ask the server for a seed on resume
         self._pending: _Pending | None = None
+        self._reopened_at = 0  # len(tokens) when the request was last (re)built
         self._prefilled = False
         self._prefill_context = self.prompt_tokens[:-1]  # committed tokens before the first root
         self._prepared = None  # the ProactiveDraft prepared during the last wait
@@ -196,24 +212,49 @@ class PhoneSession:
 
     def _hyco(self, resume: ResumeRequest | None) -> HycoOptions:
         o = self.options
-        caps = ClientCapabilities(max_nodes=o.max_nodes, labels=o.labels, handoff_schemas=(1,),
+        caps = ClientCapabilities(max_nodes=o.max_nodes, labels=o.labels, handoff_schemas=(HANDOFF_SCHEMA_VERSION,),
                                   max_message_bytes=o.max_message_bytes)
         fp = o.fingerprint if o.fingerprint is not None else (self.spec.fingerprint if self.spec else None)
         return HycoOptions(o.mode, o.epsilon, caps, o.keep_set_hash, resume, fp)
 
     def start_frame(self) -> StartFrame:
-        """``start`` for a new session, or a resume when a verdict (and so a session id) is held."""
-        if self.sid is None:
+        """``start`` for a new session, or a resume once a verdict of the session arrived."""
+        if not self.resumable:  # before verdict 0 the server frees the session when the socket drops
+            self.sid = self.schema = self.schema_hash = None
             return StartFrame(self.endpoint, self.request, self._hyco(None))
         resume = ResumeRequest(self.sid, self.held_round, self.need_seed)
         return StartFrame(self.endpoint, None, self._hyco(resume))
+
+    def apply_session(self, ack: SessionFrame) -> None:
+        """Take the server's ``session`` frame (the answer to ``start``).
+
+        Its schema must match the phone's model (``spec``: ``layout_mismatch``, ``scales_mismatch``,
+        ``fingerprint_mismatch``); on a resume its session id and schema hash must be the ones held
+        (``bad_field_value``, ``schema_mismatch``). The next tree confirms the schema hash.
+        """
+        resuming = self.resumable
+        if resuming and ack.session_id != self.sid:
+            raise FrameError(f"the session frame names session {ack.session_id}; this phone resumed {self.sid}",
+                             code="bad_field_value")
+        if self.spec is not None:
+            ack.schema.check_matches(self.spec)
+        if resuming and self.schema_hash is not None and ack.schema_hash != self.schema_hash:
+            raise HandoffSchemaError(
+                f"the resumed session's schema hash {ack.schema_hash.hex()} differs from the one this session "
+                f"agreed ({self.schema_hash.hex()}): the server changed its model; start a new session",
+                code="schema_mismatch")
+        self.sid, self.schema, self.schema_hash = ack.session_id, ack.schema, ack.schema_hash
+        if ack.budget >= 1:
+            self.budget = min(ack.budget, self.options.max_nodes)
+        self._confirm_schema = True
+        self._schema_epoch += 1
 
     def next_tree(self) -> TreeFrame:
         """The tree of round ``self.round``: the one in flight again (after a reconnect), else a new one."""
         if self.finished:
             raise SessionError("the session is finished; no more trees", code="session_finished")
         if self._pending is not None:
-            return self._pending.frame
+            return self._outgoing(self._pending)
         if not self._prefilled:
             self._prefilled = True
             if hasattr(self.drafter, "prefill"):
@@ -225,12 +266,23 @@ class PhoneSession:
             tree = self.drafter.propose(ctx, self.budget)
         draft_ms = (time.perf_counter() - t0) * 1e3
         self._check_tree(tree)
+        tree = value_order(tree)  # each prefix is the best tree of its size: the server may verify a prefix
         if not hit:
             self.catch_up = ()  # the drafter's forward committed them
         # a reused proactive tree ran no forward of this drafter (it was drafted on a copy of its state,
         # before the verdict): the catch-up rows stay owed, and the next forward commits them
-        frame = TreeFrame.from_lists(self.round, **tree.wire_dict(labels=self.options.labels))
-        self._pending = _Pending(self.round, tree, frame, draft_ms, hit, nbytes=len(encode_frame(frame)))
+        values = node_values(tree) if self.options.values else None
+        frame = TreeFrame.from_lists(self.round, **tree.wire_dict(labels=self.options.labels), values=values)
+        self._pending = _Pending(self.round, tree, frame, draft_ms, hit)
+        return self._outgoing(self._pending)
+
+    def _outgoing(self, p: _Pending) -> TreeFrame:
+        """The tree in flight as it goes out now: with the schema hash while the schema is unconfirmed."""
+        frame = p.frame
+        if self._confirm_schema and self.schema_hash is not None:
+            frame = dataclasses.replace(frame, schema=self.schema_hash)
+            p.schema_epoch = self._schema_epoch
+        p.nbytes = len(encode_frame(frame))
         return frame
 
     def _reuse_proactive(self) -> tuple[DraftTree | None, bool | None]:
@@ -278,8 +330,6 @@ class PhoneSession:
         that contradicts the tree or the positions; nothing is committed then.
         """
         handoff = v.handoff if handoff is None else handoff
-        if self.sid is not None and v.session_id != self.sid:
-            raise _bad_verdict(f"verdict of session {v.session_id.hex()}, this phone holds {self.sid.hex()}")
         if v.round <= self.held_round:
             if self.need_seed and handoff is not None and v.round == self.held_round:
                 self._apply_handoff(handoff, self.position, v.bonus)
@@ -296,7 +346,9 @@ class PhoneSession:
                 raise _bad_verdict(f"verdict {v.round} has no hand-off")
             self._check_handoff(handoff, new_position, v.bonus)
         # --- from here on the verdict is committed (Algorithm 1 lines 8-11)
-        self.sid = v.session_id
+        self.resumable = True
+        if p.schema_epoch == self._schema_epoch:  # the server saw the schema hash since its last `session`
+            self._confirm_schema = False
         self.tokens.extend(v.tokens)
         text = _chunk_text(v.chunk)
         self.text_parts.append(text)
@@ -354,14 +406,51 @@ class PhoneSession:
             self.x_hat = self.drafter.apply_handoff(h)
         self.need_seed = False
 
+    # -- failover: the server lost the session ------------------------------------------------------------
+    def can_reopen(self) -> bool:
+        """Whether :meth:`reopen` can continue this session on another server (not finished, and the
+        committed tokens leave some of ``max_tokens``)."""
+        limit = _max_tokens(self.request)
+        return not self.finished and (limit is None or limit > len(self.tokens) - self._reopened_at)
+
+    def reopen(self) -> None:
+        """Continue on another server: the next ``start`` opens a new session whose prompt is the prompt +
+        every committed token (token ids, a completions request; a chat session's ids already hold the
+        chat template), with ``max_tokens``/``min_tokens`` reduced by what was committed since the last
+        (re)open. The root and its position stay; the tree in flight is resent as round 0 of the new
+        session (its root is the new prompt's last token); verdict 0 brings a seed hand-off.
+
+        Greedy decoding continues exactly; a sampled session continues correctly distributed but not with
+        the server's original random stream, and a stop string split across the cut is not seen.
+        """
+        if not self.can_reopen():
+            raise SessionError("the session is finished; nothing to reopen", code="session_finished")
+        done = len(self.tokens) - self._reopened_at
+        body = {k: v for k, v in self.request.items()
+                if k not in ("messages", "prompt", "max_completion_tokens", "max_tokens", "min_tokens")}
+        body["prompt"] = self.prompt_tokens + self.tokens
+        limit = _max_tokens(self.request)
+        if limit is not None:
+            body["max_tokens"] = limit - done
+        if self.request.get("min_tokens"):
+            body["min_tokens"] = max(0, int(self.request["min_tokens"]) - done)
+        self.request, self.endpoint, self._reopened_at = body, "completions", len(self.tokens)
+        self.resumable, self.held_round, self.round, self.need_seed = False, -1, 0, False
+        self.sid = self.schema = self.schema_hash = None  # the new session's `session` frame brings them
+        self.failovers += 1
+        p = self._pending
+        if p is not None:
+            p.round, p.frame = 0, dataclasses.replace(p.frame, round=0)
+
     # -- a phone that lost its state (app restart) -----------------------------------------------------------
     def snapshot(self) -> dict:
         """What an app persists to resume after losing its process: JSON-able, no drafter state."""
         p = self._pending
         return {"endpoint": self.endpoint, "request": self.request, "prompt_tokens": self.prompt_tokens,
-                "sid": None if self.sid is None else self.sid.hex(), "held_round": self.held_round,
+                "sid": self.sid if self.resumable else None, "held_round": self.held_round,
+                "schema_hash": None if self.schema_hash is None else self.schema_hash.hex(),
                 "tokens": list(self.tokens), "text": "".join(self.text_parts), "budget": self.budget,
-                "finish_reason": self.finish_reason,
+                "finish_reason": self.finish_reason, "reopened_at": self._reopened_at,
                 "pending": None if p is None else {"round": p.round, "tokens": list(p.tree.tokens),
                                                    "parents": list(p.tree.parents)}}
 
@@ -373,9 +462,12 @@ class PhoneSession:
         ``kw``: ``spec``, ``options``, ``on_text`` as for the constructor."""
         s = cls(drafter, prompt_tokens=snap["prompt_tokens"], request=snap["request"],
                 endpoint=snap["endpoint"], **kw)
-        s.sid = None if snap["sid"] is None else bytes.fromhex(snap["sid"])
+        s.sid, s.resumable = snap["sid"], snap["sid"] is not None
+        if snap.get("schema_hash") is not None:  # the resume's `session` frame must state the same schema
+            s.schema_hash = bytes.fromhex(snap["schema_hash"])
         s.held_round, s.round, s.budget = snap["held_round"], snap["held_round"] + 1, snap["budget"]
         s.tokens, s.text_parts, s.finish_reason = list(snap["tokens"]), [snap["text"]], snap["finish_reason"]
+        s._reopened_at = snap.get("reopened_at", 0)
         context = s.prompt_tokens + s.tokens
         s.root, s.position = context[-1], len(context) - 1
         s._prefill_context, s.need_seed = context[:-1], s.sid is not None
@@ -393,6 +485,17 @@ class PhoneSession:
     def result(self) -> SessionResult:
         return SessionResult("".join(self.text_parts), list(self.tokens), self.finish_reason,
                              list(self.stats), self.resumes, self.final)
+
+
+def _max_tokens(request: dict) -> int | None:
+    value = request.get("max_completion_tokens", request.get("max_tokens"))
+    return None if value is None else int(value)
+
+
+def node_values(tree: DraftTree) -> list[int]:
+    """The tree frame's ``values``: per row round(255 * exp(score)), the node's Algorithm-3 log-score as an
+    acceptance estimate in [0, 1] (255 for the root, whose score is 0)."""
+    return [min(255, max(0, round(255.0 * math.exp(min(0.0, float(x)))))) for x in tree.scores]
 
 
 def _takes(fn: Callable, name: str) -> bool:
@@ -465,4 +568,5 @@ def fmt_round(s: RoundStats) -> str:
             f"{hit}{' resumed' * (s.resumes > 0)}")
 
 
-__all__ = ["HycoPhoneDrafter", "PhoneSession", "RoundStats", "SessionOptions", "SessionResult", "fmt_round"]
+__all__ = ["HycoPhoneDrafter", "PhoneSession", "RoundStats", "SessionOptions", "SessionResult", "fmt_round",
+           "node_values"]

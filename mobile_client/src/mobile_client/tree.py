@@ -1,4 +1,4 @@
-"""The phone's hybrid draft tree: paper Algorithm 3 (BuildTree) with decisions.md D3 and D5.
+"""The phone's hybrid draft tree: paper Algorithm 3 (BuildTree) with docs/decisions.md D3 and D5.
 
 A tree is a list of rows in insertion order. Row 0 is the root (the last committed token, the previous
 round's bonus token); every other row is a drafted node whose parent is an earlier row:
@@ -29,49 +29,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from enum import IntEnum
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from vllm_hyco.errors import HycoError
+from vllm_hyco.errors import TreeBuildError, TreeValidationError
+from vllm_hyco.handoff import tree_contract
+from vllm_hyco.handoff.tree_contract import DEFAULT_NODE_BUDGET, NodeLabel, PaddedTree
 
 LAMBDA = 0.66  # per-edge acceptance factor (paper §3.1)
-BUDGET = 32  # B: drafted nodes per tree, root excluded
 TOPK = 32  # SLM candidates per frontier row
 _LOGQ_SLACK = 1e-3  # a log-probability above this is not one (logits passed by mistake)
 
 
-class TreeBuildError(HycoError, ValueError):
-    """Drafter outputs that cannot form a tree (wrong row count, NaN, logits instead of log-probs, ...)."""
-
-    code = "bad_draft_input"
-
-
-class Source(IntEnum):
-    """Which drafter planted a row (optional per-node label on the wire, D3); the same values as the
-    server's ``vllm_hyco.spec_decode.tree.NodeSource``."""
-
-    ROOT = 0
-    CHAIN = 1
-    RUNNER_UP = 2
-    SLM = 3
-    OTHER = 4
-
-
-@dataclass(frozen=True)
-class PaddedTree:
-    """A tree padded to a static row count by repeating its last row (the engine's and SLM graph's form).
-
-    Pad rows copy the last real row's token, parent, depth and ancestor-mask row, so they compute exactly
-    what that row computes; ``valid`` masks them out of acceptance and statistics.
-    """
-
-    tokens: np.ndarray  # [rows] int64
-    parents: np.ndarray  # [rows] int64, root -1
-    depths: np.ndarray  # [rows] int64, root 0
-    valid: np.ndarray  # [rows] bool, False on pad rows
-    ancestor_mask: np.ndarray  # [rows, rows] bool, [i, j] = row j is i or an ancestor of i
 
 
 @dataclass(frozen=True)
@@ -86,17 +56,18 @@ class DraftTree:
     tokens: tuple[int, ...]  # [n + 1]
     parents: tuple[int, ...]  # [n + 1], parents[0] == -1, parents[i] < i
     scores: tuple[float, ...]  # [n + 1], float64 log-scores, scores[0] == 0
-    sources: tuple[int, ...]  # [n + 1], Source values
-    budget: int = BUDGET  # the node budget this tree was built for (pads to budget + 1 rows)
+    sources: tuple[int, ...]  # [n + 1], NodeLabel values (the wire's per-node labels)
+    budget: int = DEFAULT_NODE_BUDGET  # the node budget this tree was built for (pads to budget + 1 rows)
 
     @classmethod
-    def make_dummy(cls, tokens: Sequence[int], parents: Sequence[int], budget: int = BUDGET) -> DraftTree:
+    def make_dummy(cls, tokens: Sequence[int], parents: Sequence[int],
+                   budget: int = DEFAULT_NODE_BUDGET) -> DraftTree:
         """A tree from plain lists (scores: one ``ln LAMBDA`` per edge; sources: CHAIN)."""
         a = math.log(LAMBDA)
         scores = [0.0]
         for p in parents[1:]:
             scores.append(scores[p] + a)
-        sources = [Source.ROOT] + [Source.CHAIN] * (len(tokens) - 1)
+        sources = [NodeLabel.ROOT] + [NodeLabel.CHAIN] * (len(tokens) - 1)
         return cls(tuple(int(t) for t in tokens), tuple(int(p) for p in parents), tuple(scores),
                    tuple(int(s) for s in sources), budget)
 
@@ -106,10 +77,8 @@ class DraftTree:
         return len(self.tokens) - 1
 
     def depths(self) -> list[int]:
-        out = [0] * len(self.tokens)
-        for i in range(1, len(self.tokens)):
-            out[i] = out[self.parents[i]] + 1
-        return out
+        """Each row's depth (the root's is 0), from the tree contract."""
+        return tree_contract.depths(self.parents).tolist()
 
     def path(self, row: int) -> list[int]:
         """Rows from the root to ``row``, both included."""
@@ -122,14 +91,9 @@ class DraftTree:
         return [i for i, p in enumerate(self.parents) if p == row]
 
     def ancestor_mask(self) -> np.ndarray:
-        """[n + 1, n + 1] bool; ``[i, j]`` is True when row j is row i or one of its ancestors."""
-        n = len(self.tokens)
-        mask = np.zeros((n, n), dtype=bool)
-        for i in range(n):
-            if self.parents[i] >= 0:
-                mask[i] = mask[self.parents[i]]
-            mask[i, i] = True
-        return mask
+        """[n + 1, n + 1] bool; ``[i, j]`` is True when row j is row i or one of its ancestors (any size;
+        the tree contract's ``ancestor_matrix``)."""
+        return tree_contract.ancestor_matrix(self.parents)
 
     def to_wire(self) -> tuple[list[int], list[int]]:
         """(tokens, parents) with the root at row 0 and no padding, as D3 puts them on the wire."""
@@ -144,24 +108,13 @@ class DraftTree:
         return out
 
     def padded(self, rows: int | None = None) -> PaddedTree:
-        """The static form: ``rows`` (default budget + 1) rows, the last real row repeated."""
+        """The static form (the tree contract's ``pad_tree``): ``rows`` (default budget + 1) rows, the last
+        real row repeated; ``.ancestor_matrix()`` gives the [rows, rows] attention mask."""
         rows = self.budget + 1 if rows is None else rows
-        n = len(self.tokens)
-        if rows < n:
-            raise TreeBuildError(f"cannot pad a {n}-row tree to {rows} rows; "
-                                 f"build it with budget <= {rows - 1}")
-        take = np.minimum(np.arange(rows), n - 1)  # [rows] source row of each padded row
-        anc = self.ancestor_mask()  # [n, n]
-        mask = np.zeros((rows, rows), dtype=bool)
-        mask[:n, :n] = anc
-        mask[n:, :n] = anc[n - 1]
-        return PaddedTree(
-            tokens=np.asarray(self.tokens, dtype=np.int64)[take],
-            parents=np.asarray(self.parents, dtype=np.int64)[take],
-            depths=np.asarray(self.depths(), dtype=np.int64)[take],
-            valid=np.arange(rows) < n,
-            ancestor_mask=mask,
-        )
+        try:
+            return tree_contract.pad_tree(self.tokens, self.parents, rows)
+        except TreeValidationError as e:
+            raise TreeBuildError(str(e)) from e
 
 
 @dataclass(frozen=True)
@@ -190,14 +143,14 @@ class FrontierPlan:
 
     def positions(self) -> list[int]:
         """Offsets from the root's position: ``-c .. -1`` for catch-up rows, depth for tree rows."""
-        depth = DraftTree.make_dummy(self.tokens, self.parents).depths()
+        depth = tree_contract.depths(self.parents)
         c = len(self.catch_up)
-        return list(range(-c, 0)) + [depth[r] for r in self.rows]
+        return list(range(-c, 0)) + [int(depth[r]) for r in self.rows]
 
     def attend_mask(self) -> np.ndarray:
         """[num_rows, len(catch_up) + len(tokens)] bool over (catch-up tokens ++ all tree rows so far)."""
         c = len(self.catch_up)
-        anc = DraftTree.make_dummy(self.tokens, self.parents).ancestor_mask()
+        anc = tree_contract.ancestor_matrix(self.parents)
         mask = np.zeros((self.num_rows, c + len(self.tokens)), dtype=bool)
         mask[:c, :c] = np.tril(np.ones((c, c), dtype=bool))
         mask[c:, :c] = True
@@ -224,7 +177,7 @@ class _Nodes:
         for i in range(1, len(self.tokens)):
             self.kids[self.parents[i]].add(self.tokens[i])
 
-    def add(self, parent: int, token: int, score: float, source: Source) -> int:
+    def add(self, parent: int, token: int, score: float, source: NodeLabel) -> int:
         self.tokens.append(token)
         self.parents.append(parent)
         self.scores.append(score)
@@ -251,18 +204,18 @@ def _check_token(t: Any, what: str) -> int:
 
 
 def plant_tree(root: int, chain: Sequence[int], runner_ups: Sequence[int], *, lam: float = LAMBDA,
-               budget: int = BUDGET) -> DraftTree:
+               budget: int = DEFAULT_NODE_BUDGET) -> DraftTree:
     """Algorithm 3 lines 2-6: the root, the MTP chain and its runner-up siblings, with their scores."""
     a = _log_lambda(lam)
     if len(runner_ups) > len(chain):
         raise TreeBuildError(f"{len(runner_ups)} runner-ups for a chain of {len(chain)}: need D <= K")
-    nodes = _Nodes(DraftTree((_check_token(root, "root"),), (-1,), (0.0,), (int(Source.ROOT),), budget))
+    nodes = _Nodes(DraftTree((_check_token(root, "root"),), (-1,), (0.0,), (int(NodeLabel.ROOT),), budget))
     u = [0]
     for y in chain:
-        u.append(nodes.add(u[-1], _check_token(y, "chain token"), nodes.scores[u[-1]] + a, Source.CHAIN))
+        u.append(nodes.add(u[-1], _check_token(y, "chain token"), nodes.scores[u[-1]] + a, NodeLabel.CHAIN))
     for k, y2 in enumerate(runner_ups, start=1):
         if _check_token(y2, "runner-up") != int(chain[k - 1]):
-            nodes.add(u[k - 1], int(y2), nodes.scores[u[k - 1]] + 2 * a, Source.RUNNER_UP)
+            nodes.add(u[k - 1], int(y2), nodes.scores[u[k - 1]] + 2 * a, NodeLabel.RUNNER_UP)
     return nodes.freeze(budget)
 
 
@@ -374,7 +327,7 @@ def _expand(nodes: _Nodes, rows: Sequence[int], lp: Any, ids: Any, *, topk: int,
     parent, tok, score = parent[fresh], tok[fresh], score[fresh]
     theta = _bth_highest(np.concatenate([np.asarray(nodes.scores[1:], dtype=np.float64), score]), budget)
     sel = np.nonzero(score >= theta)[0]
-    return [nodes.add(int(parent[i]), int(tok[i]), float(score[i]), Source.SLM) for i in sel.tolist()]
+    return [nodes.add(int(parent[i]), int(tok[i]), float(score[i]), NodeLabel.SLM) for i in sel.tolist()]
 
 
 def trim(tree: DraftTree, budget: int) -> DraftTree:
@@ -396,6 +349,27 @@ def trim(tree: DraftTree, budget: int) -> DraftTree:
         tuple(tree.sources[r] for r in kept),
         tree.budget,
     )
+
+
+def value_order(tree: DraftTree) -> DraftTree:
+    """The same nodes, rows by descending score (ties to the earlier row), the root first, parents re-indexed.
+
+    A node scores strictly below its parent (every edge adds ``ln q + a`` with ``a < 0``; with ``lam = 1``
+    a tie goes to the parent, the earlier row), so parents still come before children, and every prefix of
+    ``k`` nodes is the ``trim(tree, k)`` node set: the most valuable tree of its size. The server may
+    verify only a prefix (its adaptive budget), so the phone sends trees in this order.
+
+    >>> t = DraftTree.make_dummy([7, 8, 9, 5], [-1, 0, 1, 0])   # scores 0, a, 2a, a
+    >>> value_order(t).to_wire()
+    ([7, 8, 5, 9], [-1, 0, 0, 1])
+    """
+    order = [0] + sorted(range(1, len(tree.tokens)), key=lambda r: (-tree.scores[r], r))
+    new_row = {r: i for i, r in enumerate(order)}
+    parents = tuple(-1 if r == 0 else new_row[tree.parents[r]] for r in order)
+    if any(p >= i for i, p in enumerate(parents) if i):  # scores not decreasing along a path: keep as is
+        return tree
+    return DraftTree(tuple(tree.tokens[r] for r in order), parents, tuple(tree.scores[r] for r in order),
+                     tuple(tree.sources[r] for r in order), tree.budget)
 
 
 def _logprob_rows(out: Any) -> tuple[Any, Any]:
@@ -448,7 +422,8 @@ def grow_tree(planted: DraftTree, plan: FrontierPlan, slm_logprobs: Any, *, budg
 
 
 def build_draft_tree(root: int, chain: Sequence[int], runner_ups: Sequence[int], slm_logprobs: Any, *,
-                     budget: int = BUDGET, lam: float = LAMBDA, topk: int = TOPK, keep_ids: Any = None,
+                     budget: int = DEFAULT_NODE_BUDGET, lam: float = LAMBDA, topk: int = TOPK,
+                     keep_ids: Any = None,
                      second_pass: Callable[[FrontierPlan], Any] | None = None) -> DraftTree:
     """``build_tree`` returning the whole ``DraftTree`` (scores, sources, padding, masks).
 
@@ -467,7 +442,8 @@ def build_draft_tree(root: int, chain: Sequence[int], runner_ups: Sequence[int],
 
 
 def build_tree(root: int, chain: Sequence[int], runner_ups: Sequence[int], slm_logprobs: Any, *,
-               budget: int = BUDGET, lam: float = LAMBDA, topk: int = TOPK) -> tuple[list[int], list[int]]:
+               budget: int = DEFAULT_NODE_BUDGET, lam: float = LAMBDA,
+               topk: int = TOPK) -> tuple[list[int], list[int]]:
     """Algorithm 3 (issue 7 item 1): the kept rows' ``(tokens, parents)`` in insertion order, unpadded.
 
     Shape: slm_logprobs [1 + K + #planted runner-ups, V] over the full vocabulary.

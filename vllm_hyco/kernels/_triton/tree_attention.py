@@ -93,7 +93,7 @@ def tree_attention_kernel(
     WINDOW: tl.constexpr,  # sliding window (0: none)
     USE_SOFTCAP: tl.constexpr,
     K_EQ_V: tl.constexpr,
-    UPCAST: tl.constexpr,  # fp32 operands for tl.dot (interpreter bf16, P11)
+    UPCAST: tl.constexpr,  # fp32 operands for tl.dot (interpreter bf16, docs/vllm-notes.md P11)
     DOT_PREC: tl.constexpr,  # "ieee" for fp32 operands, so fp32 stays exact (no tf32)
 ):
     q_block = tl.program_id(0)

@@ -1,4 +1,4 @@
-"""Explicit, recorded patches of upstream vLLM (style guide 3). Nothing here runs at import time.
+"""Explicit, recorded patches of upstream vLLM (docs/decisions.md D11). Nothing here runs at import time.
 
 Each patch is one :class:`Patch` object per upstream target, with its **Why / How / Upstream /
 Removal** notes next to the code. ``apply()`` is idempotent (a second call is a no-op), remembers the
@@ -13,6 +13,12 @@ Registry (vLLM 0.32):
 | ``cpu_expand_kernel.PATCH`` | ``vllm.utils.cpu_triton_utils._expand_kernel_impl`` (CPU build) | ``plugin.register()`` |
 | ``cpu_seeded_discard.PATCHES`` | ``vllm.v1.worker.gpu_model_runner:GPUModelRunner.sample_tokens`` / ``_bookkeeping_sync`` (CPU platform) | ``plugin.register()`` |
 | ``cpu_version_lookup.PATCH`` | ``importlib.metadata.version`` (for the name ``vllm`` only) | ``vllm-hyco`` CLI |
+| ``step_timing.PATCHES`` | ``vllm.v1.worker.gpu_worker:Worker.execute_model`` / ``sample_tokens`` / ``take_draft_token_ids`` (wrapped), ``Worker.hyco_bench_timing`` (added); ``vllm.v1.worker.cpu_worker:CPUWorker``'s own overrides of the three, if any | ``plugin.register()`` when ``VLLM_HYCO_BENCH_TIMING=1`` (benchmarks only) |
+| ``vllm_adapter.core_ext.PATCHES`` | ``vllm.v1.engine.core:EngineCore.hyco_*`` (six methods **added**, none replaced) | ``plugin.register()``, ``HycoScheduler.__init__`` |
+
+A Patch with ``adds=True`` puts a new attribute on its target (``make`` gets None; nothing is replaced;
+``revert()`` deletes it). tests/unit/test_vllm_surface.py checks that every target above still exists in the
+installed vLLM with the signature HyCo expects.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ class Patch:
     upstream: str
     removal: str
     static: bool = False  # wrap the replacement in staticmethod (class attributes that were static)
+    adds: bool = False  # a new attribute: ``make(None)`` is set, nothing is replaced, revert() deletes it
     _original: Any = field(default=None, repr=False)
     _applied: bool = field(default=False, repr=False)
 
@@ -64,9 +71,12 @@ class Patch:
         if self._applied:
             return
         owner = self._owner()
-        original = owner.__dict__[self.attr] if isinstance(owner, type) else getattr(owner, self.attr)
+        if self.adds:
+            original = func = None
+        else:
+            original = owner.__dict__[self.attr] if isinstance(owner, type) else getattr(owner, self.attr)
+            func = original.__func__ if isinstance(original, staticmethod) else original
         self._original = original
-        func = original.__func__ if isinstance(original, staticmethod) else original
         replacement = self.make(func)
         setattr(owner, self.attr, staticmethod(replacement) if self.static else replacement)
         self._applied = True
@@ -74,5 +84,8 @@ class Patch:
     def revert(self) -> None:
         if not self._applied:
             return
-        setattr(self._owner(), self.attr, self._original)
+        if self.adds:
+            delattr(self._owner(), self.attr)
+        else:
+            setattr(self._owner(), self.attr, self._original)
         self._applied = False

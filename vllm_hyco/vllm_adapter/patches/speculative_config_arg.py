@@ -2,7 +2,7 @@
 
 Why:      vLLM parses the flag with ``json.loads``, so the bare word ``hyco`` dies in argparse ("Value hyco
           cannot be converted to <function loads>"), and ``"method": "hyco"`` would fail pydantic's
-          SpeculativeMethod Literal later with an unhelpful message (vllm-integration.md §3).
+          SpeculativeMethod Literal later with an unhelpful message (docs/vllm-notes.md §2).
 How:      wrap ``EngineArgs.add_cli_args`` (a staticmethod): after vLLM adds its flags, the
           ``--speculative-config`` action's ``type`` becomes a function that validates HyCo values into a
           HycoConfig dict (bad options -> argparse error naming the option and the valid values) and

@@ -7,13 +7,24 @@ This module measures the compute where it happens: when ``VLLM_HYCO_BENCH_TIMING
 (after a ``torch.cuda.synchronize()`` on a GPU) and with the process's CPU time (``cpu_s``: every thread
 of the engine process, so torch's intra-op threads count; robust to other load on a shared CPU box,
 where wall time is not). Every forward of every request is counted: prefill,
-plain decode, MTP chains, HyCo trees. Scheduling, detokenization and HTTP are not.
+plain decode, MTP chains, HyCo trees. Detokenization and HTTP are not.
 
-Why a wrapper: vLLM's own ``/metrics`` has no busy-time counter for the model. What it replaces: the three
-methods, by thin timing wrappers that call the originals (recorded in ``ORIGINALS``). Removal: when vLLM
-exports per-step model execution time. Worker subclasses that override a method (``CPUWorker`` does not in
-0.32) are wrapped too if they are imported before :func:`install`; ``install`` also wraps the classes in
-``vllm.v1.worker.cpu_worker``.
+All server work of the engine core (``core_s`` wall, ``core_cpu_s`` CPU): ``install`` also wraps
+``EngineCore.step`` / ``step_with_batch_queue`` / ``post_step`` (schedule, execute, update, vLLM's MTP
+draft hand-over) for every engine, and the HyCo scheduler adds its utility calls (tree submission,
+verdict take; :func:`add_core`). ``core_*`` include the worker's calls when the worker runs in the engine
+process (the CPU engine, a single-GPU engine); they are not added into ``busy_s``.
+
+The hooks are recorded :class:`~vllm_hyco.vllm_adapter.patches.Patch` objects (``PATCHES``, listed in the
+registry table of ``vllm_hyco/vllm_adapter/patches/__init__.py``):
+
+Why:      vLLM's own ``/metrics`` has no busy-time counter for the model, and g needs one.
+How:      ``Worker.execute_model``, ``sample_tokens`` and ``take_draft_token_ids`` are replaced by thin
+          timing wrappers that call the originals (each Patch keeps its original; ``revert()`` restores
+          it); ``Worker.hyco_bench_timing`` is added for ``collective_rpc``. A ``CPUWorker`` that overrides
+          one of the three (it does not in vLLM 0.32) has its own override wrapped too.
+Upstream: none filed; the request is a per-step model-execution timer in vLLM's metrics.
+Removal:  when vLLM exports per-step model execution time.
 
 How the totals leave the engine (no route needed, so it works for any server, HyCo or plain vLLM):
 
@@ -39,11 +50,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from vllm_hyco.vllm_adapter.patches import Patch
+
 ENV = "VLLM_HYCO_BENCH_TIMING"
 DIR_ENV = "VLLM_HYCO_BENCH_TIMING_DIR"
 FIELDS = ("execute_s", "sample_s", "draft_s", "cpu_s")  # cpu_s: process CPU seconds inside the same calls
+CORE_FIELDS = ("core_s", "core_cpu_s")  # the engine core's steps and HyCo utility calls (wall, CPU)
 COUNTS = ("steps", "rows")
-ORIGINALS: dict[tuple[type, str], Callable] = {}
+WORKER = "vllm.v1.worker.gpu_worker:Worker"
+CPU_WORKER = "vllm.v1.worker.cpu_worker:CPUWorker"
 _METHODS = {"execute_model": "execute_s", "sample_tokens": "sample_s", "take_draft_token_ids": "draft_s"}
 
 
@@ -55,7 +70,7 @@ class EngineTimer:
     """Cumulative compute seconds by phase, forward steps and rows (scheduled tokens) of one process."""
 
     def __init__(self, out_dir: str | None = None):
-        self.totals = {f: 0.0 for f in FIELDS}
+        self.totals = {f: 0.0 for f in FIELDS + CORE_FIELDS}
         self.counts = {c: 0 for c in COUNTS}
         self.out_dir = Path(out_dir) if out_dir else None
         self.g_clock = "cpu_s"  # which total g uses: "busy_s" (wall) once a GPU ran a call
@@ -70,7 +85,7 @@ class EngineTimer:
 
     def snapshot(self) -> dict[str, Any]:
         snap: dict[str, Any] = {k: round(v, 9) for k, v in self.totals.items()}
-        snap["busy_s"] = round(sum(v for k, v in self.totals.items() if k != "cpu_s"), 9)
+        snap["busy_s"] = round(sum(v for k, v in self.totals.items() if k in FIELDS and k != "cpu_s"), 9)
         snap.update(self.counts)
         snap["g_clock"] = self.g_clock
         snap["expand_kernel"] = expand_kernel_status()
@@ -118,6 +133,7 @@ def _sync() -> None:
 
 
 def _timed(fn: Callable, field: str) -> Callable:
+    """``fn`` with its wall and process CPU time added to ``TIMER.totals[field]`` (and rows, for execute)."""
     @functools.wraps(fn)
     def timed(self, *args, **kwargs):
         t0, c0 = time.perf_counter(), time.process_time()
@@ -134,46 +150,87 @@ def _timed(fn: Callable, field: str) -> Callable:
     return timed
 
 
+def add_core(wall: float, cpu: float) -> None:
+    """Count engine-core work outside a step (HyCo utility calls); a no-op unless timing is on."""
+    if enabled():
+        TIMER.totals["core_s"] += wall
+        TIMER.totals["core_cpu_s"] += cpu
+        if TIMER.out_dir is not None:
+            TIMER.flush()
+
+
+def _core_timed(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def timed(self, *args, **kwargs):
+        t0, c0 = time.perf_counter(), time.process_time()
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            add_core(time.perf_counter() - t0, time.process_time() - c0)
+
+    timed.__hyco_bench_timed__ = True
+    return timed
+
+
 def hyco_bench_timing(self) -> dict[str, Any]:
     """Worker method for ``collective_rpc("hyco_bench_timing")``: this process's totals."""
     return TIMER.snapshot()
 
 
-def _worker_classes() -> list[type]:
-    from vllm.v1.worker.gpu_worker import Worker
+def patches_for(target: str, *, rpc: bool = True) -> list[Patch]:
+    """The timing patches of one worker class (``module:Class``): its three wrapped methods, and the added
+    ``hyco_bench_timing`` when ``rpc``."""
+    out = [Patch(target, name, functools.partial(_timed, field=field),
+                 why="g needs the model's busy time; vLLM's /metrics has no such counter",
+                 how=f"wrap {name}: wall and process CPU time around the original call",
+                 upstream="none filed (a per-step model-execution timer)",
+                 removal="vLLM exports per-step model execution time")
+           for name, field in _METHODS.items()]
+    if rpc:
+        out.append(Patch(target, "hyco_bench_timing", lambda _none: hyco_bench_timing, adds=True,
+                         why="collective_rpc('hyco_bench_timing') reads a worker's totals",
+                         how="add the method (nothing is replaced)", upstream="as above", removal="as above"))
+    return out
 
-    classes = [Worker]
-    try:
-        from vllm.v1.worker.cpu_worker import CPUWorker
 
-        classes.append(CPUWorker)
-    except ImportError:  # a GPU build without the CPU worker
-        pass
-    return classes
+# The record (patches/__init__.py's registry): the GPU worker's hooks, and the CPU worker's own overrides.
+ENGINE_CORE = "vllm.v1.engine.core:EngineCore"
+CORE_PATCHES: list[Patch] = [
+    Patch(ENGINE_CORE, name, _core_timed,
+          why="g counts all server work: the engine core's scheduling and HyCo's utility calls, not only the "
+              "worker's model calls",
+          how=f"wrap EngineCore.{name}: wall and process CPU time into core_s / core_cpu_s",
+          upstream="none filed (a per-step engine-core timer)", removal="vLLM exports per-step engine time")
+    for name in ("step", "step_with_batch_queue", "post_step")]
+PATCHES: list[Patch] = patches_for(WORKER) + patches_for(CPU_WORKER, rpc=False) + CORE_PATCHES
 
 
 def install() -> bool:
-    """Wrap the worker methods once per process (idempotent). Returns True when timing is on."""
+    """Apply ``PATCHES`` once per process (idempotent). Returns True when timing is on.
+
+    A wrap whose class does not define the method itself (``CPUWorker`` inherits all three in 0.32), or
+    whose module is missing (a GPU build without the CPU worker), is skipped: the parent's wrap times it."""
     if not enabled():
         return False
     out_dir = os.environ.get(DIR_ENV)
     if out_dir and TIMER.out_dir is None:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         TIMER.out_dir = Path(out_dir)
-    for cls in _worker_classes():
-        for name, field in _METHODS.items():
-            fn = cls.__dict__.get(name)
-            if fn is None or getattr(fn, "__hyco_bench_timed__", False):
-                continue
-            ORIGINALS[(cls, name)] = fn
-            setattr(cls, name, _timed(fn, field))
-        cls.hyco_bench_timing = hyco_bench_timing
+    for p in PATCHES:
+        if p.applied:
+            continue
+        try:
+            owner = p._owner()
+        except ImportError:
+            continue
+        if p.adds or p.attr in owner.__dict__:
+            p.apply()
     return True
 
 
 def read_dir(path: str | Path) -> dict[str, Any]:
     """The sum of every process's last snapshot in ``path`` (zeros when none wrote yet)."""
-    total: dict[str, Any] = {**{f: 0.0 for f in FIELDS}, "busy_s": 0.0, **{c: 0 for c in COUNTS}}
+    total: dict[str, Any] = {**{f: 0.0 for f in FIELDS + CORE_FIELDS}, "busy_s": 0.0, **{c: 0 for c in COUNTS}}
     clock, kernels = "cpu_s", set()
     for f in sorted(Path(path).glob("timing-*.json")):
         try:

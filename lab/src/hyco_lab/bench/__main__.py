@@ -24,8 +24,8 @@ from hyco_lab.bench import configs as C
 from hyco_lab.bench import metrics as M
 from hyco_lab.bench.drive import Sampling, run_cloud, run_phones
 from hyco_lab.bench.linkproxy import LinkModel
-from hyco_lab.bench.report import build_results, write_report
-from hyco_lab.bench.server import BenchServer, counters_delta, spec_counters
+from hyco_lab.bench.report import build_results, fixture_weights, handoff_values, phone_notes, write_report
+from hyco_lab.bench.server import BenchServer, budget_counters, counters_delta, spec_counters
 from vllm_hyco.errors import ConfigError, HycoError
 
 
@@ -34,12 +34,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--configs", default="all", help=f"comma-separated, from: {', '.join(C.CONFIGS)} (all)")
     p.add_argument("--phones", type=int, default=1, help="concurrent phones (requests) in the main runs")
     p.add_argument("--prompts", type=int, default=6, help="prompts per run")
-    p.add_argument("--prompt-set", default="uc_val", choices=("uc_val", "bench"))
+    p.add_argument("--prompt-set", default="uc_val", choices=("uc_val", "bench", "recall", "family"),
+                   help="uc_val / bench: KJV validation chapters; recall: held-out requests about trained KJV "
+                        "text (corpus.recall_prompts); family: the issue-18 family's held-out requests")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--out", default=None, help="output folder (default benchmarks/out/<time>)")
     p.add_argument("--link", default="lte", help="lan | lte | 5g | rtt=MS,up=MBPS,down=MBPS")
     p.add_argument("--sweep", default="", help="concurrency levels, e.g. 1,4,16,64 (empty: no sweep)")
-    p.add_argument("--sweep-configs", default="cloud-mtp,hyco")
+    p.add_argument("--sweep-configs", default=",".join(C.SWEEP),
+                   help="configurations of the sweep (default: Cloud+MTP greedy and sampled drafts, HyCo exact "
+                        "static 4/8/16/32 and adaptive, HyCo eps adaptive)")
+    p.add_argument("--sweep-runs", type=int, default=None, help="runs per sweep level (default: --runs)")
     p.add_argument("--ordinary", action="store_true", help="ordinary requests: hyco server vs plain vLLM")
     p.add_argument("--fixtures", default=None, help="a built fixtures folder (default: build/reuse in HYCO_CACHE)")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -51,6 +56,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="every server's token budget per step; large enough that no prefill is chunked "
                         "(unpatched vLLM 0.32 CPU crashes on a seeded request whose prefill is chunked; "
                         "vllm_hyco/vllm_adapter/patches/cpu_seeded_discard.py)")
+    p.add_argument("--eps-sweep", action="store_true",
+                   help="add the ε sweep (paper Figure 3): HyCo's and SLM-only trees at ε 0.001, 0.005, 0.02, 0.1 "
+                        "and exact")
+    p.add_argument("--replay", default="hyco-exact",
+                   help="log this phone configuration's trees in run 0 and re-decide them at each ε offline "
+                        "('' : no replay)")
+    p.add_argument("--tv", default="", help="SEEDS,POSITIONS: distance from plain sampling, e.g. 200,4 ('': off)")
+    p.add_argument("--tv-prompts", default="uc_val-000,uc_val-005",
+                   help="prompt ids for --tv (from the uc_val/bench/recall sets; these two have an uncertain start)")
+    p.add_argument("--tv-configs", default="cloud-mtp,hyco-exact,hyco-eps-0.001,hyco",
+                   help="configurations measured by --tv (each against plain vLLM)")
     p.add_argument("--machine", default=None, help="how to describe this machine in the report")
     p.add_argument("--engine-threads", type=int, default=1,
                    help="CPU engine: OpenMP threads (passive waits, no binding); 0: vLLM's default binding")
@@ -64,6 +80,21 @@ def fixtures_dir(arg: str | None) -> Path:
     from hyco_lab.fixtures import ensure_fixtures
 
     return ensure_fixtures(envs.HYCO_CACHE, fp32=True, window=128, seed=0).root
+
+
+def bench_prompts(name: str, n: int) -> list[dict]:
+    """The first ``n`` prompts of a set (each with its ``reference`` answer)."""
+    if name == "recall":
+        from hyco_lab.fixtures.corpus import recall_prompts
+
+        return recall_prompts(max(n, 1))[:n]
+    if name == "family":
+        from hyco_lab.fixtures import family
+
+        return family.eval_prompts(max(n, 60))[:n]
+    from hyco_lab.fixtures.corpus import eval_prompts
+
+    return eval_prompts(name)[:n]
 
 
 def machine() -> str:
@@ -86,18 +117,18 @@ def machine() -> str:
 
 class Bench:
     def __init__(self, args: argparse.Namespace):
-        from hyco_lab.fixtures.corpus import eval_prompts
-
         self.args = args
         self.fx = fixtures_dir(args.fixtures)
         self.link = LinkModel.parse(args.link)
         self.sampling = Sampling(args.max_tokens, args.temperature, args.top_k, args.top_p)
-        self.prompts = eval_prompts(args.prompt_set)[: args.prompts]
+        self.prompts = bench_prompts(args.prompt_set, args.prompts)
         self.out = Path(args.out or Path("benchmarks/out") / time.strftime("%Y%m%d-%H%M%S"))
         self.out.mkdir(parents=True, exist_ok=True)
         self._ids: list[list[int]] | None = None
         self.records: list[dict] = []
         self.expand_kernels: dict[str, str] = {}  # server -> its rejection sampler's expand_kernel
+        self.logged: list[dict] = []  # run 0 of the --replay configuration: its sessions' trees
+        self.tv_arms: dict[str, dict[str, list[tuple]]] = {}  # config -> prompt id -> first tokens per answer
 
     def ids(self) -> list[list[int]]:
         if self._ids is None:
@@ -114,7 +145,8 @@ class Bench:
 
     def one_pass(self, srv: BenchServer, cfg: C.BenchConfig, run: int, prompts: list[dict], ids, concurrency: int
                  ) -> M.RunRecord:
-        before_t, before_c = srv.timing(), spec_counters(srv.metrics())
+        before_t, before_m = srv.timing(), srv.metrics()
+        before_c, before_b = spec_counters(before_m), budget_counters(before_m)
         t0 = time.perf_counter()
         if cfg.kind == "cloud":
             recs, proxy = asyncio.run(run_cloud(srv.url, cfg.name, run, prompts, self.sampling,
@@ -124,11 +156,21 @@ class Bench:
                                                  concurrency=concurrency, link=self.link, seed0=1000 * run))
         wall = time.perf_counter() - t0
         time.sleep(0.5)  # let the API server's stat loggers see the last outputs
-        counters = counters_delta(before_c, spec_counters(srv.metrics())) | {"k": C.MTP_K}
-        rec = M.RunRecord(cfg.name, run, recs, engine=M_delta(before_t, srv.timing()),
+        after_m = srv.metrics()
+        counters = counters_delta(before_c, spec_counters(after_m)) | {"k": C.MTP_K}
+        engine = M_delta(before_t, srv.timing())
+        if cfg.kind == "phone":  # the node budget over this pass: nodes verified per round, the fit at its end
+            b = budget_counters(after_m)
+            n = b["verified_n"] - before_b["verified_n"]
+            engine["budget"] = {"verified_nodes_round": round((b["verified_sum"] - before_b["verified_sum"]) / n, 3)
+                                if n else None, "fit_ms": b["fit"]}
+        rec = M.RunRecord(cfg.name, run, recs, engine=engine,
                           spec_counters=counters if cfg.kind == "cloud" else {}, wall_s=round(wall, 4),
                           concurrency=concurrency, link=self.link.to_dict(), proxy_bytes=proxy)
         self.records.append(rec.to_dict())
+        if cfg.name == self.args.replay and run == 0 and ids is not None:
+            self.logged = [{"prompt_ids": ids[i], "token_ids": getattr(r, "token_ids", []),
+                            "rounds": getattr(r, "trees", [])} for i, r in enumerate(recs) if r.error is None]
         return rec
 
     def main_runs(self, selected: list[C.BenchConfig]) -> list[dict]:
@@ -151,6 +193,8 @@ class Bench:
                                             self.ids() if cfg.kind == "phone" else None, self.args.phones)
                         per_run.append(M.run_metrics(rec))
                         _log(f"  {cfg.name} run {run}: {_brief(per_run[-1])}")
+                    if self.args.tv and cfg.name in self.args.tv_configs.split(","):
+                        self.tv_arm(srv, cfg, 2_000_000, 202)
         return per_run
 
     def check_expand_kernel(self, srv: BenchServer, cfgs: list[C.BenchConfig]) -> None:
@@ -165,17 +209,83 @@ class Bench:
             raise ConfigError(f"server for {names}: vLLM's CPU expand_kernel fallback is not patched (is the "
                               "hyco plugin loaded in the engine?); sampled MTP would run at temperature 0")
 
+    def tv_arm(self, srv: BenchServer, cfg: C.BenchConfig, seed0: int, run: int) -> None:
+        """Distance from plain sampling (``--tv PROMPTS,SEEDS,POSITIONS``): ``SEEDS`` answers of ``cfg`` to
+        each of the first ``PROMPTS`` prompts, kept as the first ``POSITIONS`` tokens of each answer
+        (re-tokenized: a function of the text, so equal answer distributions give equal token ones)."""
+        from transformers import AutoTokenizer
+
+        seeds, positions = (int(x) for x in self.args.tv.split(","))
+        tok = AutoTokenizer.from_pretrained(str(self.fx / "verifier"))
+        sampling = Sampling(positions + 2, self.args.temperature, self.args.top_k, self.args.top_p)
+        base = self.tv_prompts()
+        plist = [p for p in base for _ in range(seeds)]
+        if cfg.kind == "cloud":
+            recs, _ = asyncio.run(run_cloud(srv.url, cfg.name, run, plist, sampling, concurrency=8,
+                                            link=self.link, seed0=seed0))
+        else:
+            from hyco_lab.bench.phones import prompt_ids
+
+            tdir = self.fx / "tokenizer" if (self.fx / "tokenizer").exists() else self.fx / "verifier"
+            ids = [prompt_ids(tdir, p["messages"]) for p in base for _ in range(seeds)]
+            recs, _ = asyncio.run(run_phones(srv.url, cfg, run, plist, ids, self.fx, sampling, concurrency=4,
+                                             link=self.link, seed0=seed0))
+        arm = self.tv_arms.setdefault(cfg.name, {})
+        for r in recs:
+            if r.error is None and r.text is not None:
+                ids_ = tok(r.text, add_special_tokens=False)["input_ids"][:positions]
+                arm.setdefault(r.prompt_id, []).append(tuple(ids_))
+        _log(f"  tv {cfg.name}: {sum(map(len, arm.values()))} answers")
+
+    def tv_prompts(self) -> list[dict]:
+        wanted = [x for x in self.args.tv_prompts.split(",") if x]
+        pool = {p["id"]: p for name in ("uc_val", "bench") for p in bench_prompts(name, 400)}
+        pool.update({p["id"]: p for p in bench_prompts("recall", 120)})
+        missing = [x for x in wanted if x not in pool]
+        if missing:
+            raise ConfigError(f"--tv-prompts: unknown prompt ids {missing}")
+        return [pool[x] for x in wanted]
+
+    def tv(self) -> dict:
+        """Plain vLLM twice (disjoint seeds), then TV per configuration and prompt against plain set A with
+        the plain-vs-plain bound (``quality.tv_check``)."""
+        from hyco_lab import quality as Q
+
+        seeds, positions = (int(x) for x in self.args.tv.split(","))
+        base = self.tv_prompts()
+        plain_cfgs = [C.BenchConfig(n, "cloud", "plain vLLM") for n in ("plain-a", "plain-b")]
+        with self.server(None) as srv:
+            for i, cfg in enumerate(plain_cfgs):
+                self.tv_arm(srv, cfg, 1_000_000 * i, 200 + i)
+        a, b = self.tv_arms.pop("plain-a", {}), self.tv_arms.pop("plain-b", {})
+        rows = []
+        for name, arm in self.tv_arms.items():
+            for p in base:
+                if a.get(p["id"]) and b.get(p["id"]) and arm.get(p["id"]):
+                    rows.append({"config": name, "prompt": p["id"],
+                                 **Q.tv_check(a[p["id"]], b[p["id"]], arm[p["id"]], positions)})
+        note = (f"{len(base)} prompts x {seeds} seeds per arm, the first {positions} tokens of each answer "
+                "(re-tokenized); plain vLLM twice with disjoint seeds; bound: the 95th percentile of the largest "
+                "per-position TV between resampled plain sets of the configuration's size (tokens plain "
+                "sampling drew fewer than 5 times pooled into one category).")
+        return {"rows": rows, "note": note}
+
     def sweep(self, levels: list[int]) -> list[dict]:
         out: list[dict] = []
         for cfg in C.select(self.args.sweep_configs):
             spec = cfg.server_spec(str(self.fx / "assistant"), max_sessions=max(levels))
+            runs = self.args.sweep_runs if self.args.sweep_runs is not None else self.args.runs
             with self.server(spec, max_num_seqs=max(levels)) as srv:
+                # one warm-up request, as the main runs have (first-use costs; the budget's cost model
+                # starts fitting)
+                self.one_pass(srv, cfg, -1, self.prompts[:1], self.ids()[:1] if cfg.kind == "phone" else None, 1)
                 for n in levels:
                     prompts = [self.prompts[i % len(self.prompts)] for i in range(n)]
                     ids = [self.ids()[i % len(self.prompts)] for i in range(n)] if cfg.kind == "phone" else None
-                    rec = self.one_pass(srv, cfg, 100 + n, prompts, ids, n)
-                    out.append(M.run_metrics(rec))
-                    _log(f"  sweep {cfg.name} x{n}: {_brief(out[-1])}")
+                    for run in range(runs):
+                        rec = self.one_pass(srv, cfg, 100 * (run + 1) + n, prompts, ids, n)
+                        out.append(M.run_metrics(rec) | {"sweep_run": run})
+                        _log(f"  sweep {cfg.name} x{n} run {run}: {_brief(out[-1])}")
         return out
 
     def ordinary(self) -> list[dict]:
@@ -211,25 +321,36 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         selected = C.select(args.configs)
+        if args.eps_sweep:
+            selected += [c for c in C.sweep_configs() if c not in selected]
         bench = Bench(args)
         per_run = bench.main_runs(selected)
         levels = [int(x) for x in args.sweep.split(",") if x.strip()]
         sweep = bench.sweep(levels) if levels else []
         ordinary = bench.ordinary() if args.ordinary else []
+        tv = bench.tv() if args.tv else None
     except HycoError as e:
         print(f"python -m hyco_lab.bench: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     env: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                            "machine": args.machine or machine(), "fixtures": str(bench.fx),
-                           "weights": _weights(bench.fx), "link": bench.link.to_dict(), "prompts": len(bench.prompts),
+                           "weights": fixture_weights(bench.fx), "link": bench.link.to_dict(), "prompts": len(bench.prompts),
                            "prompt_set": args.prompt_set, "runs": args.runs, "phones": args.phones,
                            "max_tokens": args.max_tokens, "temperature": args.temperature, "top_k": args.top_k,
                            "top_p": args.top_p, "engine_threads": args.engine_threads,
                            "max_num_batched_tokens": args.max_num_batched_tokens,
                            "slm_only": any(c.name == "slm-only" for c in selected),
-                           "argv": sys.argv[1:] if argv is None else argv, "phone_notes": _phone_notes(bench.fx),
-                           "handoff_values": _handoff_values(bench.fx), "expand_kernel": bench.expand_kernels}
+                           "argv": sys.argv[1:] if argv is None else argv, "phone_notes": phone_notes(bench.fx),
+                           "handoff_values": handoff_values(bench.fx), "expand_kernel": bench.expand_kernels,
+                           "references": {p["id"]: p.get("reference") for p in bench.prompts}}
     results = build_results(per_run, env, sweep, ordinary)
+    from hyco_lab.bench import qreport
+
+    results["quality"] = qreport.quality_results(bench.records, env["references"])
+    if bench.logged:
+        results["replay"] = _replay(bench, args)
+    if tv:
+        results["tv"] = tv
     (bench.out / "records.json").write_text(json.dumps(bench.records, default=str))
     paths = write_report(bench.out, results)
     print(paths["markdown"].read_text())
@@ -237,32 +358,25 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _handoff_values(fx: Path) -> dict[str, int] | None:
-    """The fixture verifier's hand-off size in the paper's terms (Algorithm 4 line 14)."""
-    try:
-        from vllm_hyco.handoff.sizes import spec_from_hf_config
+def _replay(bench: Bench, args: argparse.Namespace) -> dict:
+    """The --replay configuration's logged trees re-decided at each ε (``hyco_lab.bench.replay``)."""
+    import torch
+    import transformers
 
-        spec = spec_from_hf_config(json.loads((fx / "verifier" / "config.json").read_text()))
-        return {"header": 44, "per_round": spec.values_per_round, "per_position": spec.values_per_position}
-    except Exception:  # noqa: BLE001 - a report note, never fatal
-        return None
+    from hyco_lab.bench import replay
 
+    torch.set_num_threads(1)  # small model on a shared box: more threads only wait on each other
+    verifier = transformers.Gemma4ForCausalLM.from_pretrained(str(bench.fx / "verifier"), dtype=torch.float32).eval()
+    sampling = {"temperature": args.temperature, "top_k": args.top_k or -1, "top_p": args.top_p}
+    cfg = C.CONFIGS[args.replay]
+    out = replay.replay(bench.logged, verifier, [None, *C.EPS_SWEEP], sampling, exact_log=cfg.epsilon is None)
+    out["config"] = args.replay
+    out["note"] = (f"The trees of `{args.replay}` run 0 ({out['rounds']} rounds, {len(bench.logged)} sessions), "
+                   "re-decided at each ε with p̃ from the fixture verifier (transformers, fp32); ŷ as logged "
+                   "along each accepted path and at its end, drawn (seeded) elsewhere; `support`: every drafted "
+                   "token with p̃ > 0. Headroom on fixed trajectories, not the quality of new answers.")
+    return out
 
-def _phone_notes(fx: Path) -> list[str]:
-    """What the bundle lets the HyCo phone do (e.g. no hand-off scales: SLM-only trees)."""
-    from hyco_lab.bench.phones import load_phone
-
-    try:
-        return load_phone(fx, C.CONFIGS["hyco"])[4]
-    except Exception as e:  # noqa: BLE001 - a report note, never fatal
-        return [f"could not load the phone bundle: {e}"]
-
-
-def _weights(fx: Path) -> str:
-    try:
-        return json.loads((fx / "fixtures.json").read_text()).get("options", {}).get("weights", "?")
-    except (OSError, ValueError):
-        return "?"
 
 
 if __name__ == "__main__":

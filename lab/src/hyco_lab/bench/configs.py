@@ -10,10 +10,14 @@
 | ``hyco`` | hyco, ε = 0.005 | MTP chain K = 4 + runner-ups + 1 SLM pass | ε = 0.005 |
 | ``hyco-2p`` | hyco, ε = 0.005 | same, 2 SLM passes | ε = 0.005 |
 | ``hyco-exact`` | hyco | same as hyco | exact |
+| ``hyco-exact-s4`` .. ``-s32`` | hyco, ``budget_policy`` static, ``node_budget`` 4, 8, 16, 32 | same as hyco, that many nodes | exact |
+
+Every ``hyco`` server without a static budget runs the default ``budget_policy`` ``adaptive`` (cap 32):
+the server cuts each tree to the prefix that pays and grants each phone its next tree's nodes.
 | ``server-head`` | dropped (``DROPPED``): the engine runs no MTP head for phone sessions | | |
 | ``slm-only`` | none: modelled from the paper's device numbers (no server) | | |
 
-Phone compute is **modelled** (decisions.md D8) from the paper's device numbers unless a phone measured
+Phone compute is **modelled** (docs/decisions.md D8) from the paper's device numbers unless a phone measured
 it: one SLM pass over 32 rows 15.7 ms; a HyCo round 52.9 ms of device time (MTP head K steps, one SLM
 pass, the tree); the on-device head is about 20 ms of that. So: SpecEdge-style 4 x 15.7 ms, HyCo-2P
 52.9 + 15.7 ms, the first round (SLM only, D2) 15.7 ms for every configuration.
@@ -31,7 +35,7 @@ from dataclasses import dataclass
 
 from vllm_hyco.errors import ConfigError
 
-#: the paper's device numbers (decisions.md D8), milliseconds
+#: the paper's device numbers (docs/decisions.md D8), milliseconds
 SLM_PASS_MS = 15.7
 HYCO_ROUND_MS = 52.9
 HEAD_ON_DEVICE_MS = 20.0
@@ -39,6 +43,7 @@ HEAD_ON_DEVICE_MS = 20.0
 SLM_ONLY_TOK_S = 26.4
 SLM_ONLY_MS_PER_TOKEN = 36.8
 EPSILON = 0.005
+STATIC_BUDGETS = (4, 8, 16, 32)  # the static node budgets the sweep compares with the adaptive policy
 MTP_K = 4
 
 
@@ -54,6 +59,7 @@ class BenchConfig:
     drafter: str | None = None  # "hybrid", "hybrid-2p", "specedge", "specedge-pd"
     draft_sample_method: str | None = None  # cloud configurations: vLLM's option (None: its default, greedy)
     device_ms: float = 0.0  # modelled device ms per round after the first
+    node_budget: int | None = None  # hyco servers: a static budget (budget_policy static); None: adaptive
     first_round_ms: float = SLM_PASS_MS  # round 0 is the SLM's alone (D2)
 
     @property
@@ -70,11 +76,13 @@ class BenchConfig:
         spec: dict = {"method": "hyco", "max_sessions": max_sessions}
         if self.epsilon is not None:
             spec["epsilon"] = self.epsilon
+        if self.node_budget is not None:
+            spec.update(node_budget=self.node_budget, budget_policy="static")
         return json.dumps(spec)
 
     def server_key(self) -> tuple:
         """Configurations with equal keys can share one server (same engine arguments)."""
-        return (self.server, self.epsilon, self.draft_sample_method)
+        return (self.server, self.epsilon, self.draft_sample_method, self.node_budget)
 
 
 CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
@@ -92,18 +100,51 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
     BenchConfig("hyco-2p", "phone", "HyCo-2P", server="hyco", epsilon=EPSILON, drafter="hybrid-2p",
                 device_ms=round(HYCO_ROUND_MS + SLM_PASS_MS, 3)),
     BenchConfig("hyco-exact", "phone", "HyCo exact", server="hyco", drafter="hybrid", device_ms=HYCO_ROUND_MS),
+    *(BenchConfig(f"hyco-exact-s{b}", "phone", f"HyCo exact, static {b}", server="hyco", drafter="hybrid",
+                  device_ms=HYCO_ROUND_MS, node_budget=b) for b in STATIC_BUDGETS),
     BenchConfig("slm-only", "modelled", "SLM alone (modelled)"),
 )}
 
 #: configurations the harness knows but does not run, and why
 DROPPED = {
     "server-head": "HyCo server head (paper Table 5) is not run: the HyCo engine runs no MTP head for phone "
-                   "sessions (NullProposer, decisions.md D1), so a server-side head drafting into the "
+                   "sessions (NullProposer, docs/decisions.md D1), so a server-side head drafting into the "
                    "phone's tree would need a server drafter that does not exist; its cost would be "
                    "cloud-mtp's head steps plus a 33-row verify, reported by neither.",
 }
+#: issue 16's sweep: Cloud+MTP (greedy, sampled drafts), HyCo exact static 4..32 and adaptive, HyCo ε adaptive
+SWEEP = ("cloud-mtp", "cloud-mtp-prob", *(f"hyco-exact-s{b}" for b in STATIC_BUDGETS), "hyco-exact", "hyco")
 DEFAULT = ("cloud-mtp", "cloud-mtp-prob", "specedge", "specedge-pd", "specedge-eps", "hyco", "hyco-2p", "hyco-exact",
            "slm-only")
+
+
+#: the paper's ε sweep (Figure 3); ε = 0.005 is ``hyco`` / ``specedge-eps``, exact ``hyco-exact`` / ``specedge``
+EPS_SWEEP = (0.001, 0.005, 0.02, 0.1)
+
+
+def epsilon_config(tree: str, epsilon: float) -> BenchConfig:
+    """HyCo's tree (``tree="hyco"``) or the SLM-only tree (``"specedge"``) verified at ``epsilon``, named
+    ``hyco-eps-0.02`` / ``specedge-eps-0.02`` (ε = 0.005: the standing ``hyco`` / ``specedge-eps``), and
+    registered in ``CONFIGS``.
+
+    >>> epsilon_config("hyco", 0.02).name, epsilon_config("specedge", 0.005).name
+    ('hyco-eps-0.02', 'specedge-eps')
+    """
+    if epsilon == EPSILON:
+        return CONFIGS["hyco" if tree == "hyco" else "specedge-eps"]
+    base = CONFIGS["hyco" if tree == "hyco" else "specedge-eps"]
+    name = f"{tree}-eps-{epsilon:g}"
+    if name not in CONFIGS:
+        label = f"{'HyCo' if tree == 'hyco' else 'SpecEdge'}-ε {epsilon:g}"
+        CONFIGS[name] = BenchConfig(name, base.kind, label, server="hyco", epsilon=float(epsilon),
+                                    drafter=base.drafter, device_ms=base.device_ms)
+    return CONFIGS[name]
+
+
+def sweep_configs(epsilons=EPS_SWEEP) -> list[BenchConfig]:
+    """Exact, then each ε, on HyCo's trees and on SLM-only trees."""
+    return ([CONFIGS["hyco-exact"]] + [epsilon_config("hyco", e) for e in epsilons]
+            + [CONFIGS["specedge"]] + [epsilon_config("specedge", e) for e in epsilons])
 
 
 def select(names: str | list[str] | None) -> list[BenchConfig]:
@@ -115,6 +156,11 @@ def select(names: str | list[str] | None) -> list[BenchConfig]:
     items = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
     out = []
     for n in filter(None, items):
+        if n not in CONFIGS and n.split("-eps-")[0] in ("hyco", "specedge") and "-eps-" in n:
+            try:
+                epsilon_config(n.split("-eps-")[0], float(n.split("-eps-")[1]))
+            except ValueError:
+                pass
         if n in DROPPED:
             raise ConfigError(f"configuration {n!r} is not run: {DROPPED[n]}")
         if n not in CONFIGS:

@@ -25,7 +25,7 @@ from hyco_lab.bench.server import MODEL_NAME
 
 @dataclass(frozen=True)
 class Sampling:
-    """The requests' sampling (decisions.md D4: the paper's T = 1, top-k 64, top-p 0.95 by default)."""
+    """The requests' sampling (docs/decisions.md D4: the paper's T = 1, top-k 64, top-p 0.95 by default)."""
 
     max_tokens: int = 64
     temperature: float = 1.0
@@ -51,11 +51,15 @@ async def _cloud_one(client, config: str, run: int, prompt: dict, sampling: Samp
         stream = await client.chat.completions.create(
             model=MODEL_NAME, messages=prompt["messages"], stream=True,
             stream_options={"include_usage": True}, extra_body=extra, **body)
+        parts: list[str] = []
         async for chunk in stream:
-            if chunk.choices and chunk.choices[0].delta.content and rec.ttft_ms is None:
-                rec.ttft_ms = (time.perf_counter() - t0) * 1e3
+            if chunk.choices and chunk.choices[0].delta.content:
+                parts.append(chunk.choices[0].delta.content)
+                if rec.ttft_ms is None:
+                    rec.ttft_ms = (time.perf_counter() - t0) * 1e3
             if chunk.usage is not None:
                 rec.tokens = chunk.usage.completion_tokens
+        rec.text = "".join(parts)
     except Exception as e:  # noqa: BLE001 - recorded, not raised: errors are a metric of the sweep
         rec.error = f"{type(e).__name__}: {e}"[:300]
     rec.wall_ms = (time.perf_counter() - t0) * 1e3
@@ -106,6 +110,9 @@ async def _phone_one(url: str, cfg: BenchConfig, run: int, prompt: dict, ids: li
         finally:
             rec.wall_ms = (time.perf_counter() - t0) * 1e3
         rec.tokens = len(result.token_ids)
+        rec.text = result.text
+        rec.trees = [session.bench_trees[k] for k in sorted(session.bench_trees)]  # not a field: not in records
+        rec.token_ids = list(result.token_ids)
         if session.bench_first_token is not None:
             rec.ttft_ms = (session.bench_first_token - t0) * 1e3
         rec.rounds = phones.round_records(session, result)

@@ -5,7 +5,7 @@ real bytes on the wire (WebSocket frames, HTTP requests and streamed chunks alik
 FIFO pipe: a chunk that arrives at ``t`` leaves the sender's side once the link is free and its bytes are
 serialized (``n * 8 / bandwidth``), and reaches the other side half a round trip later. So a 2.2 KB tree
 on a 10 Mbit/s uplink costs 1.8 ms of serialization plus RTT/2, and back-to-back chunks queue behind each
-other as they would on a real bottleneck link. No loss, no jitter: the link is a model (decisions.md D8,
+other as they would on a real bottleneck link. No loss, no jitter: the link is a model (docs/decisions.md D8,
 "simulated"), not a measurement.
 
     >>> LinkModel.parse("lte").rtt_ms, LinkModel.parse("rtt=20,up=5,down=50").up_mbps

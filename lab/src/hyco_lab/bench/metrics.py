@@ -9,6 +9,9 @@ paper's Appendix G does):
 
 * ``g_ms``: engine compute ms / output tokens, prefill included: the engine process's CPU time inside
   the model calls (CPU-measured; ``g_wall_ms``: their wall time, which other load on the box inflates);
+* ``g_core_ms``: all engine-core work / output tokens: every step (schedule, model calls, update, vLLM's
+  draft hand-over) and HyCo's utility calls (CPU time; wall on a GPU), ``step_timing``'s ``core_*``;
+* ``nodes_round``: mean tree nodes per round the phone drafted (after its budget; the root excluded);
 * ``mat``: committed tokens per round (path + bonus); Cloud+MTP: 1 + accepted / drafts from vLLM's counters;
 * ``tok_s``: output tokens / the requests' wall seconds from start to last token (delivery speed);
 * ``draft_ms_per_token``: modelled device ms / output tokens (``measured_draft_ms_per_token``: CPU-measured);
@@ -40,7 +43,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-#: node sources (mobile_client.tree.Source / vllm_hyco.spec_decode.tree.NodeSource values)
+#: node sources (vllm_hyco.handoff.tree_contract.NodeLabel values)
 SOURCES = {1: "chain", 2: "runner_up", 3: "slm", 4: "other"}
 
 
@@ -50,7 +53,7 @@ class RoundRecord:
     nodes: int  # drafted nodes sent (root excluded)
     accepted: int  # |P|
     committed: int  # path + bonus (fewer on a finishing round)
-    device_ms: float = 0.0  # modelled device time of this round (decisions.md D8)
+    device_ms: float = 0.0  # modelled device time of this round (docs/decisions.md D8)
     draft_ms: float = 0.0  # CPU-measured drafting on this machine
     wait_ms: float = 0.0  # tree sent -> verdict in (link + server)
     bytes_up: int = 0
@@ -72,6 +75,7 @@ class RequestRecord:
     wall_ms_measured: float = 0.0  # start -> last token as measured on this machine
     rounds: list[RoundRecord] = field(default_factory=list)
     error: str | None = None
+    text: str | None = None  # the answer (quality metrics)
 
 
 @dataclass
@@ -182,6 +186,8 @@ def run_metrics(run: RunRecord) -> dict[str, Any]:
         "requests": len(run.requests), "errors": len(run.requests) - len(ok), "tokens": tokens,
         "g_ms": _div(cpu_ms, tokens, 4) if run.engine else None,  # CPU seconds (wall on a GPU)
         "g_wall_ms": _div(busy_ms, tokens, 4) if run.engine else None,
+        "g_core_ms": _div(float(run.engine.get("core_cpu_s" if clock == "cpu_s" else "core_s", 0.0)) * 1e3,
+                          tokens, 4) if run.engine.get("core_s") else None,
         "engine_rows_per_step": _div(run.engine.get("rows", 0), run.engine.get("steps", 0), 2),
         "tok_s": _div(tokens, sum(r.wall_ms for r in ok) / 1e3, 3),
         "server_tok_s": _div(tokens, run.wall_s, 3),
@@ -193,6 +199,10 @@ def run_metrics(run: RunRecord) -> dict[str, Any]:
         out.update(_phone_metrics(ok, tokens))
         rounds = [x for r in ok for x in r.rounds]
         rows = 1 + sum(x.nodes for x in rounds) / len(rounds)
+        out["nodes_round"] = round(rows - 1, 3)
+        budget = run.engine.get("budget") or {}
+        out["verified_nodes_round"] = budget.get("verified_nodes_round")
+        out["cost_fit_ms"] = budget.get("fit_ms")
     elif run.spec_counters:
         out.update(_cloud_metrics(run.spec_counters))
         rows = 1 + run.spec_counters.get("k", 4)
@@ -247,13 +257,13 @@ def summarize(per_run: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
-# -- a GPU-modelled g (physics.md: a memory-bound H200, batch 1, independent expert routing) ---------------
-#: rows per forward -> ms per forward at the memory-bound limit (physics.md table, H200 column)
+# -- a GPU-modelled g (docs/vllm-notes.md §9: a memory-bound H200, batch 1, independent expert routing) --
+#: rows per forward -> ms per forward at the memory-bound limit (docs/vllm-notes.md §9 table, H200 column)
 PHYSICS_H200_MS = ((1, 0.59), (5, 1.11), (33, 2.60))
 
 
 def physics_forward_ms(rows: float) -> float:
-    """Piecewise-linear interpolation of physics.md's H200 bound over rows per forward.
+    """Piecewise-linear interpolation of docs/vllm-notes.md §9's H200 bound over rows per forward.
 
     >>> physics_forward_ms(5), physics_forward_ms(19)
     (1.11, 1.855)
@@ -267,6 +277,6 @@ def physics_forward_ms(rows: float) -> float:
 
 
 def gpu_model_g(rows_per_round: float, mat: float | None) -> float | None:
-    """Modelled decode g (ms/token) on an H200 at physics.md's limit: one verify forward per round / MAT.
+    """Modelled decode g (ms/token) on an H200 at docs/vllm-notes.md §9's limit: one verify forward per round / MAT.
     Prefill and the server head's own steps (Cloud+MTP) are not in it."""
     return round(physics_forward_ms(rows_per_round) / mat, 4) if mat else None

@@ -2,7 +2,7 @@
 the metrics need (sources of the accepted nodes, modelled device time, time to first token).
 
 Drafters come from the fixture bundle (``python -m hyco_lab.fixtures DIR``; docs/phone-loop.md's bundle
-layout) and run on this machine's CPU; their *timing* is modelled (decisions.md D8): the client pads each
+layout) and run on this machine's CPU; their *timing* is modelled (docs/decisions.md D8): the client pads each
 round's drafting to the configuration's device time (``BenchClient``), 15.7 ms for the SLM-only first
 round (D2), and nothing when a proactive tree is reused (SpecEdge + PD).
 
@@ -36,26 +36,28 @@ WINDOW = 1024
 def load_phone(bundle: Path, config: BenchConfig, *, window: int = WINDOW):
     """(drafter, handoff spec or None, SessionOptions kwargs, notes) for one phone of ``config``."""
     from mobile_client.baselines import proactive_draft
-    from mobile_client.cli import _handoff_spec, _hf_dir, _keep_ids, _mtp_drafter
+    from mobile_client.bundle import handoff_spec, keep_ids, mtp_drafter, read_hf_dir
     from mobile_client.drafters.base import HybridDrafter, SpecEdgeDrafter
     from mobile_client.drafters.slm import SlmDrafter
     from mobile_client.drafters.spec import SlmSpec
     from mobile_client.session import HycoPhoneDrafter
 
     bundle, notes = Path(bundle), []
-    scfg, ssd = _hf_dir(bundle / "slm")
+    scfg, ssd = read_hf_dir(bundle / "slm")
     sspec = SlmSpec.from_hf_config(scfg)
-    keep = _keep_ids(bundle, sspec.vocab, None)
+    keep = keep_ids(bundle, sspec.vocab, None)
     slm = SlmDrafter(sspec, ssd, keep, window=window, rows=ROWS)
     rows = MultiPassSlm(slm)
     options: dict[str, Any] = {"mode": config.mode}
+    if config.node_budget is not None:  # a static server budget: the phone's trees are never bigger
+        options["max_nodes"] = config.node_budget
     spec, mtp, scales = None, None, None
     if config.drafter in ("hybrid", "hybrid-2p"):
-        spec, scales = _handoff_spec(bundle)
+        spec, scales = handoff_spec(bundle)
         if scales is None:
             notes.append("no handoff_scales.npz in the bundle: SLM-only trees (no MTP chain)")
         else:
-            mtp = _mtp_drafter(bundle, keep, "torch", bundle / "build", window, notes)
+            mtp = mtp_drafter(bundle, keep, "torch", bundle / "build", window, notes)
         inner = HybridDrafter(mtp, rows, two_pass=config.drafter == "hybrid-2p")
     else:
         inner = SpecEdgeDrafter(rows, passes=4, keep_ids=np.asarray(keep))
@@ -76,9 +78,10 @@ def recording_session_class():
             self.bench_paths: dict[int, tuple[list[int], dict[int, int]]] = {}
             self.bench_first_token: float | None = None
             self.bench_device_ms: dict[int, float] = {}
+            self.bench_trees: dict[int, dict] = {}  # round -> the tree, its path and the tokens before it
 
         def apply_verdict(self, v, handoff=None, **kw):
-            p = self._pending
+            p, before = self._pending, len(self.tokens)
             stats = super().apply_verdict(v, handoff, **kw)
             if stats is not None and p is not None:
                 src = p.tree.sources
@@ -86,6 +89,10 @@ def recording_session_class():
                 for s in src[1:]:
                     drafted[int(s)] = drafted.get(int(s), 0) + 1
                 self.bench_paths[stats.round] = ([int(src[r]) for r in v.path], drafted)
+                self.bench_trees[stats.round] = {"tokens": [int(t) for t in p.tree.tokens],
+                                                 "parents": [int(x) for x in p.tree.parents],
+                                                 "sources": [int(s) for s in src], "before": before,
+                                                 "path": [int(r) for r in v.path]}
                 if self.bench_first_token is None and stats.committed > 0:
                     self.bench_first_token = time.perf_counter()
             return stats

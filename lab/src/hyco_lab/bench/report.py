@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from hyco_lab.bench.configs import CONFIGS, DROPPED, SLM_ONLY_MS_PER_TOKEN, SLM_ONLY_TOK_S
-from hyco_lab.bench.metrics import disjoint, summarize, with_ratios
+from hyco_lab.bench.metrics import disjoint, spread, summarize, with_ratios
 
 LABELS = {
     "g": "CPU-measured (engine process CPU seconds in the model calls, prefill included, / output tokens; compare only as ratios in one run)",
-    "gpu_model_g": "modelled: physics.md H200 memory-bound verify forward / MAT (no prefill, no server head)",
+    "gpu_model_g": "modelled: docs/vllm-notes.md §9 H200 memory-bound verify forward / MAT (no prefill, no server head)",
     "tok_s": "simulated: CPU-measured server + modelled link (proxy) + modelled device time (D8)",
     "draft": "modelled from the paper's device numbers (D8); CPU-measured drafting in the JSON",
     "bytes": "measured: whole WebSocket frames (msgpack) per round after the first",
@@ -91,6 +91,9 @@ def markdown(results: dict[str, Any]) -> str:
             f"{_fmt(s['ttft_p50_ms'], 0)} / {_fmt(s['ttft_p90_ms'], 0)} | {errors} |")
     lines += ["", "Labels: " + "; ".join(f"**{k}**: {v}" for k, v in results["labels"].items()), ""]
     lines += _bytes_md(results)
+    from hyco_lab.bench import qreport
+
+    lines += qreport.markdown(results)
     lines += _acceptance_md(summary) + _sweep_md(results) + _ordinary_md(results)
     lines += ["", "Not run: " + "; ".join(f"**{k}**: {v}" for k, v in results["dropped"].items()), "",
               f"Bars: `{json.dumps(results['bars'])}`", ""]
@@ -134,11 +137,23 @@ def _acceptance_md(summary: dict[str, Any]) -> list[str]:
 def _sweep_md(results: dict[str, Any]) -> list[str]:
     if not results["sweep"]:
         return []
-    out = ["## Concurrency sweep", "", "| configuration | phones | server tok/s | g ms/token (CPU) | MAT | errors |",
-           "|---|---|---|---|---|---|"]
+    out = ["## Concurrency sweep", "",
+           ("Mean over the sweep's runs (sd in parentheses); g: model calls, g core: all engine-core work "
+            "(steps and HyCo utility calls), both CPU ms per output token."), "",
+           ("| configuration | phones | runs | server tok/s | g ms/token | g core ms/token | MAT | nodes/round | "
+            "verified/round | errors |"), "|---|---|---|---|---|---|---|---|---|---|"]
+    groups: dict[tuple, list[dict]] = {}
     for m in results["sweep"]:
-        out.append(f"| {m['config']} | {m['concurrency']} | {m.get('server_tok_s')} | {m.get('g_ms')} | "
-                   f"{m.get('mat')} | {m.get('errors')} |")
+        groups.setdefault((m["config"], m["concurrency"]), []).append(m)
+    for (config, n), ms in groups.items():
+        def cell(key, digits=3, ms=ms):
+            s = spread([m.get(key) for m in ms])
+            if s["mean"] is None:
+                return "–"
+            return f"{s['mean']:.{digits}f}" + (f" ({s['sd']:.{digits}f})" if s["n"] > 1 else "")
+        out.append(f"| {config} | {n} | {len(ms)} | {cell('server_tok_s', 2)} | {cell('g_ms')} | "
+                   f"{cell('g_core_ms')} | {cell('mat')} | {cell('nodes_round', 1)} | "
+                   f"{cell('verified_nodes_round', 1)} | {sum(m.get('errors') or 0 for m in ms)} |")
     return out + [""]
 
 
@@ -197,7 +212,44 @@ def plots(results: dict[str, Any], out_dir: Path) -> list[Path]:
         written.append(out_dir / "mat.png")
         fig.savefig(written[-1], dpi=120)
         plt.close(fig)
+    ratios = sweep_g_ratios(results.get("sweep") or [])
+    if ratios:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for name, points in ratios.items():
+            xs = sorted(points)
+            ax.plot(xs, [points[x] for x in xs], marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.axhline(1.0, c="k", lw=0.5)
+        ax.set_xlabel("concurrent phones / requests")
+        ax.set_ylabel("g / better Cloud+MTP's g (CPU-measured)")
+        ax.set_title("g ratio against concurrency")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        written.append(out_dir / "sweep_g_ratio.png")
+        fig.savefig(written[-1], dpi=120)
+        plt.close(fig)
     return written
+
+
+def sweep_g_ratios(sweep: list[dict], key: str = "g_ms") -> dict[str, dict[int, float]]:
+    """config -> concurrency -> mean g over the runs / the better (lower) Cloud+MTP mean g at that level.
+
+    >>> sweep_g_ratios([{"config": "cloud-mtp", "concurrency": 1, "g_ms": 2.0},
+    ...                 {"config": "cloud-mtp-prob", "concurrency": 1, "g_ms": 4.0},
+    ...                 {"config": "hyco", "concurrency": 1, "g_ms": 1.0}])["hyco"]
+    {1: 0.5}
+    """
+    means: dict[tuple[str, int], list[float]] = {}
+    for m in sweep:
+        if m.get(key) is not None:
+            means.setdefault((m["config"], m["concurrency"]), []).append(float(m[key]))
+    mean = {k: sum(v) / len(v) for k, v in means.items()}
+    out: dict[str, dict[int, float]] = {}
+    for (config, n), g in mean.items():
+        refs = [mean[(c, n)] for c in ("cloud-mtp", "cloud-mtp-prob") if (c, n) in mean]
+        if refs and min(refs) > 0:
+            out.setdefault(config, {})[n] = round(g / min(refs), 4)
+    return out
 
 
 def write_report(out_dir: str | Path, results: dict[str, Any]) -> dict[str, Path]:
@@ -206,9 +258,41 @@ def write_report(out_dir: str | Path, results: dict[str, Any]) -> dict[str, Path
     paths = {"json": out / "results.json", "markdown": out / "report.md"}
     paths["json"].write_text(json.dumps(results, indent=1, default=str))
     paths["markdown"].write_text(markdown(results))
-    for p in plots(results, out):
+    from hyco_lab.bench import qreport
+
+    for p in plots(results, out) + qreport.plot(results, out):
         paths[p.stem] = p
     return paths
+
+
+# -- notes on the fixture bundle (the bench's environment block) ----------------------------------------
+def handoff_values(fx: Path) -> dict[str, int] | None:
+    """The fixture verifier's hand-off size in the paper's terms (Algorithm 4 line 14)."""
+    try:
+        from vllm_hyco.handoff.sizes import spec_from_hf_config
+
+        spec = spec_from_hf_config(json.loads((fx / "verifier" / "config.json").read_text()))
+        return {"header": 44, "per_round": spec.values_per_round, "per_position": spec.values_per_position}
+    except Exception:  # noqa: BLE001 - a report note, never fatal
+        return None
+
+
+def phone_notes(fx: Path) -> list[str]:
+    """What the bundle lets the HyCo phone do (e.g. no hand-off scales: SLM-only trees)."""
+    from hyco_lab.bench.phones import load_phone
+
+    try:
+        return load_phone(fx, CONFIGS["hyco"])[4]
+    except Exception as e:  # noqa: BLE001 - a report note, never fatal
+        return [f"could not load the phone bundle: {e}"]
+
+
+def fixture_weights(fx: Path) -> str:
+    """The fixtures' weights label (``fixtures.json`` options), ``?`` when unknown."""
+    try:
+        return json.loads((fx / "fixtures.json").read_text()).get("options", {}).get("weights", "?")
+    except (OSError, ValueError):
+        return "?"
 
 
 def rebuild(out_dir: str | Path, env_updates: dict[str, Any] | None = None) -> dict[str, Path]:
@@ -221,14 +305,21 @@ def rebuild(out_dir: str | Path, env_updates: dict[str, Any] | None = None) -> d
     runs = [RunRecord.from_dict(r) for r in json.loads((out / "records.json").read_text())
             if not r["config"].startswith("ordinary")]
     per_run = [run_metrics(r) for r in runs if 0 <= r.run < 100]
-    sweep = [run_metrics(r) for r in runs if r.run >= 100]
+    sweep = [run_metrics(r) for r in runs if 100 <= r.run < 200]  # 200+: distance-from-plain passes
     env = {**old["env"], **(env_updates or {})}
     if env.get("fixtures"):
-        from hyco_lab.bench.__main__ import _handoff_values, _phone_notes
+        env.setdefault("phone_notes", phone_notes(Path(env["fixtures"])))
+        env.setdefault("handoff_values", handoff_values(Path(env["fixtures"])))
+    results = build_results(per_run, env, sweep or old.get("sweep"), old.get("ordinary"))
+    from hyco_lab.bench import qreport
 
-        env.setdefault("phone_notes", _phone_notes(Path(env["fixtures"])))
-        env.setdefault("handoff_values", _handoff_values(Path(env["fixtures"])))
-    return write_report(out, build_results(per_run, env, sweep or old.get("sweep"), old.get("ordinary")))
+    if env.get("references"):
+        results["quality"] = qreport.quality_results(json.loads((out / "records.json").read_text()),
+                                                     env["references"])
+    for key in ("replay", "tv"):
+        if old.get(key):
+            results[key] = old[key]
+    return write_report(out, results)
 
 
 if __name__ == "__main__":

@@ -86,6 +86,18 @@ def spec_counters(metrics: dict[str, list[tuple[dict[str, str], float]]]) -> dic
             "accepted_per_pos": [per_pos[k] for k in sorted(per_pos)]}
 
 
+def budget_counters(metrics: dict[str, list[tuple[dict[str, str], float]]]) -> dict[str, Any]:
+    """The HyCo server's node budget (``vllm_hyco.serving.metrics``): verdicts, nodes granted and verified
+    (histogram sums and counts), and the step-cost model's current fit."""
+    def one(name, **want):
+        return sum(v for labels, v in metrics.get(name, []) if all(labels.get(k) == x for k, x in want.items()))
+
+    return {"granted_sum": one("vllm_hyco_node_budget_sum"), "granted_n": one("vllm_hyco_node_budget_count"),
+            "verified_sum": one("vllm_hyco_verified_nodes_sum"), "verified_n": one("vllm_hyco_verified_nodes_count"),
+            "fit": {t: one("vllm_hyco_step_cost_seconds", term=t) * 1e3 for t in ("fixed", "per_row", "rmse")}
+            | {"steps": one("vllm_hyco_step_cost_steps")}}
+
+
 def counters_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     per_pos = [a - (before["accepted_per_pos"][i] if i < len(before["accepted_per_pos"]) else 0)
                for i, a in enumerate(after["accepted_per_pos"])]

@@ -10,7 +10,7 @@ Three roles (structural ``Protocol``s: implement the methods, no base class need
   After the call it holds KV for the catch-up rows (committed) and for the tree rows (until the verdict).
 * ``Drafter``: ``propose(context, tree_budget) -> DraftTree``, what the phone loop calls each round.
 
-``HybridDrafter`` (HyCo, HyCo-2P, and the SLM-only first round of decisions.md D2) and
+``HybridDrafter`` (HyCo, HyCo-2P, and the SLM-only first round of docs/decisions.md D2) and
 ``SpecEdgeDrafter`` (the SpecEdge-style baseline) implement ``Drafter`` on top of the other two.
 
 >>> import numpy as np

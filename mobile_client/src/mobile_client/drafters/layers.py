@@ -2,8 +2,8 @@
 
 Everything here lowers to plain ONNX ops that QNN's HTP backend takes: RMSNorm as one LpNormalization
 node, rotary embedding from cos/sin tables fed by the CPU, masks as 0/1
-multipliers with a bounded fill (a -1e4 fill would blow up a 16-bit activation range; mobile-qnn.md
-section 11 risk 4). Each ``ActQuant`` point is the identity until the quantizer calibrates it.
+multipliers with a bounded fill (a -1e4 fill would blow up a 16-bit activation range; docs/phone-build.md,
+"16-bit activations and masks"). Each ``ActQuant`` point is the identity until the quantizer calibrates it.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ CPU, logits only over the keep set. ``MtpDrafter`` is the CPU side around it: th
 hand-off's 8-bit rows, the per-layer window masks, K = 4 greedy steps with the runner-up at steps <= D = 2,
 and the 8-bit embedding table for its own drafted tokens.
 
-Inputs follow decisions.md D1 (what vLLM's Gemma-4 MTP proposer feeds the assistant):
+Inputs follow docs/decisions.md D1 (what vLLM's Gemma-4 MTP proposer feeds the assistant):
 ``z = [e(x) * sqrt(H) ; h]`` with h the verifier's hidden state *after* its final norm, keys already
 rotated, and the query at the last committed position t - 1 for every step (vLLM's
 ``constant_draft_positions``). Transformers' ``Gemma4AssistantForCausalLM`` gives the same outputs when

@@ -10,7 +10,7 @@ the keep set and the rows' new K/V.
 ``FrontierPlan`` (catch-up rows are committed at once), ``accept(tree_rows)`` moves the KV of the root and
 the accepted path's computed rows into the ring (Algorithm 1 line 10; the path's uncomputed nodes and the
 bonus are the next plan's catch-up rows and root), ``prefill(tokens)`` fills the ring for the first round
-(decisions.md D2: the prompt's last W tokens before its last one).
+(docs/decisions.md D2: the prompt's last W tokens before its last one).
 
 Keys enter the ring rotated, so a column keeps its absolute position wherever it sits.
 

@@ -231,7 +231,7 @@ def toy_slm_spec(**overrides) -> SlmSpec:
 
 
 def e2b_slm_spec(num_layers: int = 35) -> SlmSpec:
-    """Gemma-4 E2B shapes (mobile-qnn.md section 7): hidden 1,536, 8 heads, 1 KV head, head dim 256/512,
+    """Gemma-4 E2B shapes (docs/phone-build.md, "Gemma-4 E2B shapes"): hidden 1,536, 8 heads, 1 KV head, head dim 256/512,
     window 512, 4:1 sliding:full, 20 KV-shared layers, PLE 256, MLP 6,144 (double wide when shared).
     ``num_layers`` < 35 keeps the same pattern and widths with fewer layers (op coverage only)."""
     types = tuple(FULL if (i + 1) % 5 == 0 else SLIDING for i in range(35))[:num_layers]

@@ -29,7 +29,7 @@ from mobile_client.drafters.mtp import MTP_INPUTS, MTP_OUTPUTS, EmbedLut, MtpHea
 from mobile_client.drafters.spec import MtpSpec, SlmSpec, full_mtp_spec, random_mtp_state_dict, toy_mtp_spec
 from mobile_client.export import qnn
 from mobile_client.export.calib import mtp_feeds
-from mobile_client.export.pipeline import StepArtifacts, build_step, fake_quant_copy, run_ladder, sha256
+from mobile_client.export.pipeline import StepArtifacts, build_step, fake_quant_copy, sha256, write_golden
 
 ROOT = Path(__file__).resolve().parents[4]
 MTP_WINDOW = 1024
@@ -68,28 +68,10 @@ def build_mtp(
     qhead = fake_quant_copy(head if head is not None else float_head, feeds[:n_calib], MTP_INPUTS)
     art = build_step("mtp", qhead, out, MTP_INPUTS, MTP_OUTPUTS, feeds[:n_calib], compile=compile)
     np.savez(out / "mtp_embed_lut.npz", table=lut.table, scale=lut.scale)
-    ladder = _golden(
+    ladder = write_golden(
         out / "mtp_golden.npz", float_head, qhead, art, feeds[n_calib:], MTP_INPUTS, emulate and compile
     )
     return art, ladder
-
-
-def _golden(path: Path, float_m, quant_m, art: StepArtifacts, feeds, names, emulate: bool) -> dict:
-    """Save inputs and per-rung outputs of the golden feeds; return the ladder comparisons."""
-    sessions: dict = {}
-    arrays, stats = {}, []
-    for i, f in enumerate(feeds):
-        lad = run_ladder(float_m, quant_m, art, f, names, htp=emulate, sessions=sessions)
-        for n in names:
-            arrays[f"{i}/in/{n}"] = f[n]
-        for rung, v in lad.outputs.items():
-            arrays[f"{i}/out/{rung}"] = v
-        pairs = [("float", "fake_quant"), ("fake_quant", "ort_cpu_qdq")]
-        if emulate:
-            pairs.append(("ort_cpu_qdq", "htp_emulator"))
-        stats.append({f"{a}->{b}": lad.compare(a, b) for a, b in pairs})
-    np.savez(path, **arrays)
-    return {"feeds": len(feeds), "per_feed": stats}
 
 
 def build_slm(

@@ -1,7 +1,7 @@
 """One drafter step from torch to a QNN context binary: export -> encodings -> QDQ -> compile.
 
 ``build_step`` is shared by both drafters and by the tests; it returns the paths, the encodings and the
-compile report that the manifest records. Every stage is labelled as in mobile-qnn.md section 10:
+compile report that the manifest records. Every stage is labelled as in docs/phone-build.md, "The agreement ladder":
 float and fake-quant are *simulated* (torch), ORT-CPU on the QDQ graph is *simulated(cpu-qdq)*, the
 context binary run on x86 is *emulated(x86-HTP)*; nothing here is a phone measurement.
 """
@@ -146,3 +146,24 @@ def run_ladder(
             sessions["htp"] = qnn.htp_session(art.ctx_onnx)
         out["htp_emulator"] = qnn.run(sessions["htp"], feeds)[0]
     return Ladder(out)
+
+
+def write_golden(path: Path, float_m, quant_m, art: StepArtifacts, feeds, names, emulate: bool) -> dict:
+    """Save inputs and per-rung outputs of the golden feeds to ``path`` (npz); return the ladder comparisons.
+
+    Shared by both drafters' builds (``export.build`` for the MTP step, ``export.slm_build`` for the SLM step).
+    """
+    sessions: dict = {}
+    arrays, stats = {}, []
+    for i, f in enumerate(feeds):
+        lad = run_ladder(float_m, quant_m, art, f, names, htp=emulate, sessions=sessions)
+        for n in names:
+            arrays[f"{i}/in/{n}"] = f[n]
+        for rung, v in lad.outputs.items():
+            arrays[f"{i}/out/{rung}"] = v
+        pairs = [("float", "fake_quant"), ("fake_quant", "ort_cpu_qdq")]
+        if emulate:
+            pairs.append(("ort_cpu_qdq", "htp_emulator"))
+        stats.append({f"{a}->{b}": lad.compare(a, b) for a, b in pairs})
+    np.savez(path, **arrays)
+    return {"feeds": len(feeds), "per_feed": stats}

@@ -4,7 +4,7 @@
 cannot take fails the compile: that is the "lowers entirely onto HTP v81" gate) and writes an EPContext
 ONNX plus its ``_qnn.bin``. ``htp_session`` runs such a context model; on x86 the bundled ``libQnnHtp.so``
 is the HTP *emulator* (functional, not a timing model), on a phone the same file runs on the NPU.
-Versions are pinned (mobile-qnn.md section 1.2): onnxruntime 1.24.x with onnxruntime-qnn 2.3.0 (QAIRT 2.47).
+Versions are pinned (docs/phone-build.md, "Packages"): onnxruntime 1.24.x with onnxruntime-qnn 2.3.0 (QAIRT 2.47).
 """
 
 from __future__ import annotations

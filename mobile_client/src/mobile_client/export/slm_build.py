@@ -19,7 +19,7 @@ from mobile_client.drafters.slm import (
     torch_slm_step,
 )
 from mobile_client.drafters.spec import SlmSpec
-from mobile_client.export.pipeline import StepArtifacts, build_step, fake_quant_copy
+from mobile_client.export.pipeline import StepArtifacts, build_step, fake_quant_copy, write_golden
 
 SLM_WINDOW = 1024  # full layers; sliding layers keep W / 2 = 512
 
@@ -70,12 +70,10 @@ def build_slm_step(
     window: int = SLM_WINDOW,
     max_prefill: int | None = None,
 ) -> tuple[StepArtifacts, dict]:
-    from mobile_client.export.build import _golden
-
     step = SlmStep.from_hf_state_dict(spec, {k: v.float() for k, v in sd.items()}, keep_ids)
     names, outs = slm_input_names(spec), slm_output_names(spec)
     feeds = slm_feeds(spec, step, sd, keep_ids, window, n_calib + n_golden, seed=2, max_prefill=max_prefill)
     qstep = fake_quant_copy(step, feeds[:n_calib], names)
     art = build_step("slm", qstep, out, names, outs, feeds[:n_calib], compile=compile)
-    ladder = _golden(out / "slm_golden.npz", step, qstep, art, feeds[n_calib:], names, emulate and compile)
+    ladder = write_golden(out / "slm_golden.npz", step, qstep, art, feeds[n_calib:], names, emulate and compile)
     return art, ladder

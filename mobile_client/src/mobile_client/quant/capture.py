@@ -3,7 +3,7 @@ the top-1 agreement measurement (paper Appendix A: the training inputs are the i
 hidden state and the K/V of the two hand-off layers, captured by the verifier).
 
 For a token sequence x_0 .. x_{n-1} and every root position t in [1, n): ``x_hat = [e(x_t) * sqrt(H) ;
-h_{t-1}]`` (h after the final norm, decisions.md D1) and K/V of positions [max(0, t - W), t) of the
+h_{t-1}]`` (h after the final norm, docs/decisions.md D1) and K/V of positions [max(0, t - W), t) of the
 verifier's last sliding and last full-attention layers, turned into step feeds by an ``MtpDrafter``.
 """
 

@@ -1,7 +1,7 @@
 """Fake quantization for the phone's drafters: W4 per-channel symmetric weights, A16 fixed-point activations.
 
 The simulator ("simulated(fake-quant)" rung of the agreement ladder) uses the same encodings that the
-QDQ ONNX export writes (``mobile_client.quant.encodings``):
+QDQ ONNX export writes (``mobile_client.export.qdq``):
 
 * weights: per output channel ``w_q = clamp(round(w / s), -8, 7) * s`` with ``s = ratio * max|w| / 7`` and the
   clipping ratio picked per channel from 1.0 down to 0.6 by mean-squared error (paper Table 4);

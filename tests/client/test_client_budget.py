@@ -1,0 +1,97 @@
+"""The phone's side of the adaptive node budget: trees sent in value order, never more nodes than granted.
+
+Value order (``mobile_client.tree.value_order``): Algorithm 3's node set is unchanged, parents come before
+children, and every prefix of k nodes is the k best nodes (``trim(tree, k)``), so a server that verifies
+only a prefix verifies the most valuable tree of that size.
+"""
+
+import math
+
+import numpy as np
+import pytest
+
+from mobile_client.session import PhoneSession, SessionOptions
+from mobile_client.tree import DraftTree, build_draft_tree, trim, value_order
+from vllm_hyco.handoff import (HandoffPayload, HandoffScales, HandoffSpec, LayerSpec, SessionFrame, VerdictFrame,
+                               openai_chunk)
+from vllm_hyco.handoff.tree_contract import validate_tree
+
+LAYERS = (LayerSpec(2, "sliding", kv_heads=2, head_dim=4, window=8),)
+SCALES = HandoffScales(np.full(6, 0.5, np.float32), np.full(6, 0.25, np.float32),
+                       ((2, np.full((2, 4), 0.1, np.float32), np.full((2, 4), 0.2, np.float32)),))
+SPEC = HandoffSpec.from_scales({"model_type": "toy"}, LAYERS, SCALES)
+
+
+def _paths(tree: DraftTree) -> set[tuple[int, ...]]:
+    """Each node as the tokens on its path from the root (row-order independent)."""
+    return {tuple(tree.tokens[r] for r in tree.path(i)) for i in range(len(tree.tokens))}
+
+
+def _random_tree(seed: int, budget: int = 32) -> DraftTree:
+    rng = np.random.default_rng(seed)
+    V, K = 64, 4
+    chain = [int(t) for t in rng.choice(V, K, replace=False)]
+    runner_ups = [int((c + 1) % V) for c in chain[:2]]
+    lp = rng.normal(0, 2.0, size=(1 + K + 2, V))
+    lp = lp - np.log(np.exp(lp).sum(axis=1, keepdims=True))
+    return build_draft_tree(int(rng.integers(V)), chain, runner_ups, lp, budget=budget)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_value_order_keeps_algorithm_3s_node_set_and_every_prefix_is_the_best_tree(seed):
+    tree = _random_tree(seed)
+    ordered = value_order(tree)
+    assert _paths(ordered) == _paths(tree) and ordered.num_nodes == tree.num_nodes
+    assert sorted(ordered.scores) == sorted(tree.scores)
+    assert list(ordered.scores[1:]) == sorted(ordered.scores[1:], reverse=True)
+    validate_tree(ordered.tokens, ordered.parents, vocab_size=64, labels=ordered.sources)  # parents first
+    for k in (1, 2, 5, 9, 17, tree.num_nodes):
+        prefix = DraftTree(ordered.tokens[:k + 1], ordered.parents[:k + 1], ordered.scores[:k + 1],
+                           ordered.sources[:k + 1])
+        assert _paths(prefix) == _paths(trim(tree, k)), k
+
+
+def test_a_smaller_budget_drafts_the_prefix_of_the_bigger_tree():
+    big, small = value_order(_random_tree(11, budget=32)), value_order(_random_tree(11, budget=8))
+    assert big.tokens[:9] == small.tokens and big.parents[:9] == small.parents
+
+
+class Chain:
+    """A budget-respecting drafter: ``tree_budget`` nodes, one chain and a low-scoring sibling first in
+    insertion order (so value order moves it last)."""
+
+    def __init__(self):
+        self.asked = []
+
+    def propose(self, context, tree_budget):
+        self.asked.append(tree_budget)
+        r, a = context.root, math.log(0.66)
+        tokens = [r, r + 100] + [r + 1 + i for i in range(tree_budget - 1)]
+        parents = [-1, 0] + [0] + list(range(2, tree_budget))
+        scores = [0.0, 40 * a] + [a * (i + 1) for i in range(tree_budget - 1)]
+        return DraftTree(tuple(tokens[:tree_budget + 1]), tuple(parents[:tree_budget + 1]),
+                         tuple(scores[:tree_budget + 1]), tuple([0] + [1] * tree_budget), tree_budget)
+
+
+def _verdict(rnd, path, tokens, budget, root):
+    """Verdict ``rnd`` committing ``tokens`` (path + bonus), its hand-off at the new root ``root``."""
+    h = HandoffPayload.make_dummy(SPEC, 0, root, tokens[-1], salt=rnd)
+    chunk = openai_chunk("text_completion", "c", "m", "", None, created=0)
+    return VerdictFrame(rnd, tuple(path), tuple(tokens), tokens[-1], h, None, budget, chunk)
+
+
+def test_the_phone_drafts_no_more_nodes_than_the_last_verdict_granted():
+    d = Chain()
+    s = PhoneSession(d, prompt_tokens=[5, 6, 7], request={"prompt": [5, 6, 7]}, endpoint="completions",
+                     spec=SPEC, options=SessionOptions(max_nodes=16))
+    s.apply_session(SessionFrame("hyco." + "0" * 32, -1, 16, SPEC))  # protocol v2: the session frame first
+    frame = s.next_tree()
+    assert d.asked == [16] and len(frame.tokens) - 1 == 16
+    assert frame.tokens[-1] == 7 + 100  # the low-value sibling goes last: a prefix drops it first
+    s.apply_verdict(_verdict(0, [1], [frame.tokens[1], 40], 3, root=4))  # prompt root at 2, +2
+    frame = s.next_tree()
+    assert d.asked[-1] == 3 and len(frame.tokens) - 1 == 3
+    s.apply_verdict(_verdict(1, [], [41], 1, root=5))
+    assert len(s.next_tree().tokens) - 1 == 1 and d.asked[-1] == 1
+    s.apply_verdict(_verdict(2, [], [42], 32, root=6))
+    assert len(s.next_tree().tokens) - 1 == 16  # never past the phone's own max_nodes

@@ -1,0 +1,357 @@
+"""The adaptive node budget: how many rows of each session's tree the server verifies (numpy only).
+
+A round of a session costs the server its share of one engine step, and a step's cost grows with the rows
+it schedules (wide trees load more experts at low load and cost arithmetic under load). A node is worth
+its expected committed tokens. This module holds the three parts of the decision, all engine-agnostic:
+
+* :class:`AcceptanceModel`: per-session running estimates of the *conditional* acceptance of a node given
+  that its parent was accepted, by (depth, source label), from the rounds the server verified. Estimates
+  shrink towards the engine-wide estimate of the same cell, which shrinks towards the label's pooled
+  estimate, which starts from the paper's per-edge factor ``PRIOR_ACCEPT`` (λ = 0.66, Algorithm 3): λ for
+  a chain node, λ (1 - λ) for any other node (a sibling of a likelier node: tried when it fails). A node's
+  expected acceptance is the product of the conditional estimates along its path (siblings are exclusive:
+  the conditionals of one node's children are scaled to sum to at most 1). Phone-sent values are
+  untrusted: :func:`bound_values` takes ``min(phone, server)`` per node, so they can only lower a node.
+  :func:`reliability_table` bins predicted against observed acceptance (calibration).
+* :class:`StepCostModel`: the step's cost as ``c0 + c1 * rows + c2 * kctx``, with ``rows`` the tokens the
+  step scheduled and ``kctx`` the attention work (sum over requests of rows times context, in thousands of
+  tokens), fitted online by recursive least squares on the measured steps. No cost constant is set by hand:
+  until ``min_steps`` steps with at least three distinct row counts were seen the model is not ``ready``
+  and the policy verifies whole trees (the paper's static budget).
+* :func:`choose_nodes`: the cut rule. A session whose round shares a step with ``n`` requests pays
+  ``c0 / n`` of the step's fixed cost plus the marginal cost ``m = c1 + c2 * ctx / 1000`` per row (the
+  root included). With nodes in value order, it keeps the prefix of ``k >= 1`` nodes that minimises its
+  expected cost per committed token ``(c0 / n + m (k + 1)) / (1 + sum of the k values)`` (the bonus token
+  counts): a node is kept only when its expected tokens per unit of cost beat the session's average, so no
+  row is verified whose expected committed tokens are worth less than its cost. Every session keeps at
+  least its first node (no starvation). Flat cost (``m`` ~ 0) keeps whole trees; steep cost keeps chains.
+
+:class:`BudgetPolicy` ties them to sessions and steps (the scheduler mixin calls it). Example::
+
+    >>> choose_nodes([1.0, 0.9, 0.8, 0.1, 0.05], fixed=10.0, per_row=0.1)   # fixed cost dominates
+    4
+    >>> choose_nodes([1.0, 0.9, 0.8, 0.1, 0.05], fixed=0.5, per_row=1.0)    # rows cost: keep the best
+    2
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from vllm_hyco.errors import TreeValidationError
+from vllm_hyco.handoff.tree_contract import MAX_TREE_NODES, NodeLabel, depths
+
+PRIOR_ACCEPT = 0.66  # the paper's per-edge acceptance factor λ (Algorithm 3): the estimate before any round
+PRIOR_STRENGTH = 2.0  # pseudo-observations behind each level's prior
+SESSION_HALF_LIFE = 64.0  # rounds after which a session's old observations count half
+ENGINE_HALF_LIFE = 2048.0  # rounds (of any session) after which the engine-wide ones count half
+NUM_LABELS = len(NodeLabel)
+POLICIES = ("adaptive", "static")
+
+
+# ---------------------------------------------------------------------------------------- acceptance
+
+
+class _Counts:
+    """Decayed (trials, accepted) by (depth, label)."""
+
+    def __init__(self, max_depth: int, half_life: float):
+        self.trials = np.zeros((max_depth + 1, NUM_LABELS))
+        self.accepted = np.zeros((max_depth + 1, NUM_LABELS))
+        self.keep = 0.5 ** (1.0 / half_life)
+
+    def add(self, d: np.ndarray, lab: np.ndarray, ok: np.ndarray) -> None:
+        self.trials *= self.keep
+        self.accepted *= self.keep
+        np.add.at(self.trials, (d, lab), 1.0)
+        np.add.at(self.accepted, (d, lab), ok.astype(np.float64))
+
+
+def _labels(labels: Sequence[int] | None, n: int) -> np.ndarray:
+    if labels is None:
+        out = np.full(n, int(NodeLabel.OTHER), dtype=np.int64)
+        out[0] = int(NodeLabel.ROOT)
+        return out
+    out = np.asarray(labels, dtype=np.int64)
+    if out.shape != (n,):
+        raise TreeValidationError(f"labels has {out.shape[0] if out.ndim else 0} rows but the tree has {n}",
+                                  code="length_mismatch")
+    return np.clip(out, 0, NUM_LABELS - 1)
+
+
+class AcceptanceModel:
+    """Conditional acceptance by (depth, label): one engine-wide table and one per session."""
+
+    def __init__(self, max_depth: int = MAX_TREE_NODES, *, prior: float = PRIOR_ACCEPT,
+                 strength: float = PRIOR_STRENGTH, session_half_life: float = SESSION_HALF_LIFE,
+                 engine_half_life: float = ENGINE_HALF_LIFE):
+        self.max_depth, self.prior, self.strength = max_depth, prior, strength
+        self.session_half_life = session_half_life
+        self.engine = _Counts(max_depth, engine_half_life)
+        self.sessions: dict[str, _Counts] = {}
+
+    def _session(self, sid: str) -> _Counts:
+        c = self.sessions.get(sid)
+        if c is None:
+            c = self.sessions[sid] = _Counts(self.max_depth, self.session_half_life)
+        return c
+
+    def forget(self, sid: str) -> None:
+        self.sessions.pop(sid, None)
+
+    def conditional(self, sid: str | None = None) -> np.ndarray:
+        """[max_depth + 1, NUM_LABELS] P(node accepted | parent accepted), shrunk level by level."""
+        s, e = self.strength, self.engine
+        prior = np.full(NUM_LABELS, self.prior * (1.0 - self.prior))
+        prior[[NodeLabel.ROOT, NodeLabel.CHAIN]] = self.prior
+        pooled = (e.accepted.sum(0) + s * prior) / (e.trials.sum(0) + s)  # [labels]
+        cell = (e.accepted + s * pooled) / (e.trials + s)
+        c = self.sessions.get(sid) if sid is not None else None
+        if c is not None:
+            cell = (c.accepted + s * cell) / (c.trials + s)
+        return cell
+
+    def node_values(self, parents: Sequence[int], labels: Sequence[int] | None = None,
+                    sid: str | None = None) -> np.ndarray:
+        """[n] float64 expected acceptance of every row (1 for the root): products along the paths."""
+        par = np.asarray(parents, dtype=np.int64)
+        d = np.minimum(depths(par), self.max_depth)
+        lab = _labels(labels, len(par))
+        cond = self.conditional(sid)[d, lab]
+        cond[0] = 1.0
+        total = np.zeros(len(par))
+        np.add.at(total, par[1:], cond[1:])  # siblings are exclusive: at most one child is accepted
+        scale = np.where(total > 1.0, 1.0 / np.maximum(total, 1e-12), 1.0)
+        vals = np.ones(len(par))
+        for j in range(1, len(par)):
+            vals[j] = vals[par[j]] * cond[j] * scale[par[j]]
+        return vals
+
+    def observe(self, sid: str | None, parents: Sequence[int], labels: Sequence[int] | None,
+                path_rows: Sequence[int]) -> None:
+        """One verified round: every node whose parent was accepted is a trial at (depth, label)."""
+        par = np.asarray(parents, dtype=np.int64)
+        if len(par) < 2:
+            return
+        accepted = np.zeros(len(par), dtype=bool)
+        accepted[0] = True
+        accepted[[int(r) for r in path_rows if 0 < int(r) < len(par)]] = True
+        nodes = np.arange(1, len(par))
+        tried = nodes[accepted[par[1:]]]
+        d = np.minimum(depths(par), self.max_depth)[tried]
+        lab = _labels(labels, len(par))[tried]
+        ok = accepted[tried]
+        self.engine.add(d, lab, ok)
+        if sid is not None:
+            self._session(sid).add(d, lab, ok)
+
+
+def bound_values(server: np.ndarray, phone: Sequence[float] | None) -> np.ndarray:
+    """The values the cut uses: ``min(phone, server)`` per row (NaN or missing phone values: the server's),
+    clipped to [0, 1]. Phone values can only lower a node, never raise it above the server's estimate."""
+    if phone is None:
+        return server
+    ph = np.asarray(phone, dtype=np.float64)
+    if ph.shape != server.shape:
+        raise TreeValidationError(f"values has {ph.size} entries but the tree has {server.size} rows",
+                                  code="length_mismatch")
+    return np.clip(np.fmin(server, ph), 0.0, 1.0)
+
+
+def reliability_table(predicted: Sequence[float], observed: Sequence[float], bins: int = 10) -> list[dict]:
+    """Calibration: per bin of predicted acceptance, the rows, the mean prediction and the observed rate.
+
+    >>> reliability_table([0.1, 0.1, 0.9, 0.9], [0, 0, 1, 1], bins=2)[1]
+    {'lo': 0.5, 'hi': 1.0, 'n': 2, 'predicted': 0.9, 'observed': 1.0}
+    """
+    p = np.asarray(predicted, dtype=np.float64)
+    o = np.asarray(observed, dtype=np.float64)
+    idx = np.minimum((p * bins).astype(np.int64), bins - 1)
+    out = []
+    for b in range(bins):
+        m = idx == b
+        n = int(m.sum())
+        out.append({"lo": b / bins, "hi": (b + 1) / bins, "n": n,
+                    "predicted": round(float(p[m].mean()), 4) if n else None,
+                    "observed": round(float(o[m].mean()), 4) if n else None})
+    return out
+
+
+def calibration_error(table: list[dict]) -> float:
+    """Expected calibration error: the row-weighted mean |predicted - observed| over the bins."""
+    n = sum(r["n"] for r in table)
+    return sum(r["n"] * abs(r["predicted"] - r["observed"]) for r in table if r["n"]) / max(n, 1)
+
+
+# ---------------------------------------------------------------------------------------------- cost
+
+
+class StepCostModel:
+    """Step seconds ~ ``c0 + c1 * rows + c2 * kctx``, recursive least squares with forgetting.
+
+    Features are scaled internally (rows / 64, kctx / 64) so the fit is well conditioned; the prior is a
+    wide ridge around zero (``prior_var``), so the first steps decide the fit. Steps scheduling more than
+    ``max_rows`` tokens (prefill chunks far outside any verification step) are not fitted.
+    """
+
+    SCALE = np.array([1.0, 64.0, 64.0])
+
+    def __init__(self, *, forget: float = 0.995, min_steps: int = 16, max_rows: int | None = None,
+                 prior_var: float = 1e4):
+        self.forget, self.min_steps, self.max_rows = forget, min_steps, max_rows
+        self.theta = np.zeros(3)
+        self.P = np.eye(3) * prior_var
+        self.steps = 0
+        self.row_counts: set[int] = set()
+        self.sq_err = 0.0  # decayed squared residual (before each update)
+        self.weight = 0.0
+
+    def _x(self, rows: float, kctx: float) -> np.ndarray:
+        return np.array([1.0, rows, kctx]) / self.SCALE
+
+    def observe(self, rows: int, kctx: float, seconds: float) -> bool:
+        if rows <= 0 or not math.isfinite(seconds) or seconds < 0 or \
+                (self.max_rows is not None and rows > self.max_rows):
+            return False
+        x = self._x(rows, kctx)
+        err = seconds - float(x @ self.theta)
+        Px = self.P @ x
+        gain = Px / (self.forget + float(x @ Px))
+        self.theta = self.theta + gain * err
+        self.P = (self.P - np.outer(gain, Px)) / self.forget
+        self.steps += 1
+        if len(self.row_counts) < 8:
+            self.row_counts.add(int(rows))
+        self.sq_err = self.forget * self.sq_err + err * err
+        self.weight = self.forget * self.weight + 1.0
+        return True
+
+    @property
+    def ready(self) -> bool:
+        return self.steps >= self.min_steps and len(self.row_counts) >= 3
+
+    @property
+    def coef(self) -> tuple[float, float, float]:
+        """(fixed s, per-row s, per-(row x 1000 context tokens) s), each clipped at >= 0."""
+        c = self.theta / self.SCALE
+        return float(max(c[0], 0.0)), float(max(c[1], 0.0)), float(max(c[2], 0.0))
+
+    def predict(self, rows: float, kctx: float = 0.0) -> float:
+        c0, c1, c2 = self.coef
+        return c0 + c1 * rows + c2 * kctx
+
+    def marginal(self, ctx: int) -> float:
+        """Seconds one more row costs for a request with ``ctx`` tokens of context."""
+        _, c1, c2 = self.coef
+        return c1 + c2 * ctx / 1000.0
+
+    def snapshot(self) -> dict:
+        c0, c1, c2 = self.coef
+        rmse = math.sqrt(self.sq_err / self.weight) if self.weight else None
+        return {"fixed_ms": round(c0 * 1e3, 6), "per_row_ms": round(c1 * 1e3, 6),
+                "per_krow_ctx_ms": round(c2 * 1e3, 6), "steps": self.steps, "ready": self.ready,
+                "rmse_ms": None if rmse is None else round(rmse * 1e3, 6)}
+
+
+# ----------------------------------------------------------------------------------------------- cut
+
+
+def choose_nodes(values: Sequence[float], *, fixed: float, per_row: float) -> int:
+    """Nodes to keep (``1 <= k <= n``; 0 for a root-only tree): the prefix minimising the expected cost per
+    committed token ``(fixed + per_row * (k + 1)) / (1 + values[1] + ... + values[k])``, first minimum.
+
+    ``values``: [n + 1] expected acceptance per row in tree order (row 0 the root, ignored)."""
+    v = np.asarray(values, dtype=np.float64)
+    n = len(v) - 1
+    if n <= 0:
+        return 0
+    k = np.arange(1, n + 1)
+    tokens = 1.0 + np.cumsum(np.clip(v[1:], 0.0, None))
+    cost = max(fixed, 0.0) + max(per_row, 0.0) * (k + 1)
+    if not cost.any():
+        return n  # nothing costs anything: verify it all
+    ratio = cost / tokens
+    return int(np.argmin(ratio)) + 1
+
+
+@dataclass
+class Plan:
+    """One session's cut: ``nodes`` of ``sent`` kept; ``values`` the bounded value of every kept row."""
+
+    nodes: int
+    sent: int
+    values: np.ndarray  # [nodes + 1]
+    predicted: np.ndarray  # [nodes + 1] the server's own estimate (for the reliability table)
+
+
+class BudgetPolicy:
+    """The engine's node-budget policy: ``adaptive`` (cut trees, adapt the granted budget) or ``static``.
+
+    ``cap``: the operator's ``node_budget`` (never exceeded). ``log_size``: (predicted, observed) node
+    pairs kept for :meth:`reliability`.
+    """
+
+    def __init__(self, cap: int, policy: str = "adaptive", *, max_rows: int | None = None,
+                 min_steps: int = 16, log_size: int = 20_000):
+        if policy not in POLICIES:
+            raise ValueError(f"budget_policy {policy!r}: choose from {', '.join(POLICIES)}")
+        self.cap, self.policy = int(cap), policy
+        self.acceptance = AcceptanceModel()
+        self.cost = StepCostModel(max_rows=max_rows, min_steps=min_steps)
+        self.log: deque[tuple[float, float]] = deque(maxlen=log_size)
+        self.last_nodes: int | None = None  # the last cut's kept nodes (for the metrics)
+
+    @property
+    def adaptive(self) -> bool:
+        return self.policy == "adaptive"
+
+    def plan(self, sid: str | None, parents: Sequence[int], labels: Sequence[int] | None = None,
+             phone_values: Sequence[float] | None = None, *, ctx: int = 0, sharing: int = 1) -> Plan:
+        """The cut of one tree verified in a step with ``sharing`` requests, context ``ctx`` tokens."""
+        server = self.acceptance.node_values(parents, labels, sid)
+        vals = bound_values(server, phone_values)
+        sent = len(vals) - 1
+        nodes = sent
+        if self.adaptive and self.cost.ready and sent > 1:
+            c0, _, _ = self.cost.coef
+            nodes = choose_nodes(vals, fixed=c0 / max(sharing, 1), per_row=self.cost.marginal(ctx))
+        self.last_nodes = nodes
+        return Plan(nodes, sent, vals[: nodes + 1], server[: nodes + 1])
+
+    def observe_round(self, sid: str | None, parents: Sequence[int], labels: Sequence[int] | None,
+                      path_rows: Sequence[int], predicted: np.ndarray | None = None) -> None:
+        self.acceptance.observe(sid, parents, labels, path_rows)
+        if predicted is not None and len(predicted) > 1:
+            hit = np.zeros(len(predicted), dtype=bool)
+            hit[[r for r in path_rows if 0 < r < len(predicted)]] = True
+            self.log.extend(zip(predicted[1:].tolist(), hit[1:].astype(float).tolist()))
+
+    def observe_step(self, rows: int, kctx: float, seconds: float) -> bool:
+        return self.cost.observe(rows, kctx, seconds)
+
+    def next_budget(self, plan: Plan | None) -> int:
+        """Nodes granted for the session's next round: the cap (static, or no fit yet); else the nodes kept
+        when the server cut the tree, and twice them (up to the cap) when it kept every node sent, so a
+        session whose trees pay grows back to the cap."""
+        if not self.adaptive or plan is None or not self.cost.ready:
+            return self.cap
+        if plan.nodes < plan.sent:
+            return max(1, min(plan.nodes, self.cap))
+        return max(1, min(2 * max(plan.nodes, 1), self.cap))
+
+    def forget(self, sid: str) -> None:
+        self.acceptance.forget(sid)
+
+    def reliability(self, bins: int = 10) -> list[dict]:
+        if not self.log:
+            return reliability_table([], [], bins)
+        p, o = zip(*self.log)
+        return reliability_table(p, o, bins)
+
+    def snapshot(self) -> dict:
+        return {"policy": self.policy, "cap": self.cap, "last_nodes": self.last_nodes, **self.cost.snapshot()}

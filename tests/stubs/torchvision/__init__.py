@@ -5,7 +5,7 @@ vLLM's ``Gemma4ForConditionalGeneration`` (``vllm/model_executor/models/gemma4_m
 functional`` at import time. PyPI's torchvision 0.28 is a CUDA build that cannot load beside the CPU
 torch 2.13 the tests run on, so without this stand-in the real checkpoint's class cannot even be inspected
 on CPU. The checkpoint-shaped tests serve the text model only (``language_model_only``), where no image
-is ever processed; any use of the stand-in raises. ``tests/stubs/__init__.py`` puts it on the path only
+is ever processed; any use of the stand-in raises. ``tests/checkpoint_shaped.py`` puts it on the path only
 when no real torchvision is importable.
 """
 

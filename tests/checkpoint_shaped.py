@@ -107,7 +107,8 @@ def start_server(verifier: Path, name: str, api_key: str, *, timeout_s: float = 
     args = [*cli(), "serve", str(verifier), "--host", "127.0.0.1", "--port", str(port), "--served-model-name",
             name, "--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "4", "--enforce-eager",
             "--distributed-executor-backend", "uni", "--language-model-only", "--api-key", api_key,
-            "--speculative-config", json.dumps({"method": "hyco", "max_sessions": 8})]
+            "--speculative-config", json.dumps({"method": "hyco", "max_sessions": 8,
+                                                     "budget_policy": "static"})]  # planted depths stay whole
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT)
     base, deadline = f"http://127.0.0.1:{port}", time.monotonic() + timeout_s

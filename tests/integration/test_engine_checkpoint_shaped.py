@@ -10,7 +10,7 @@ images), which keeps the same class and prefixes.
 
 Random weights accept almost nothing, so the trees plant plain vLLM's greedy continuation (behind decoy
 siblings, so accepted rows are not contiguous) at depths 0 to 11: every round commits exactly the greedy
-tokens, every cache-owning layer captured the tree rows, the hand-off rows equal the session's cache in
+tokens, every cache-owning layer wrote the tree rows, the int8 hand-off rows equal the quantized session cache in
 the two hand-off layers, and after the rounds every layer's KV equals a fresh prefill of the text.
 """
 
@@ -42,7 +42,9 @@ def shaped(request):
         kwargs.update(language_model_only=False, limit_mm_per_prompt={"image": 1, "video": 0, "audio": 0},
                       skip_mm_profiling=True)
     with torchvision_stand_in():
-        llm = LLM(model=str(bundle(kv_shared) / "verifier"), speculative_config={"method": "hyco"}, **kwargs)
+        # static budget: the trees plant paths at known depths (the adaptive policy would cut them)
+        llm = LLM(model=str(bundle(kv_shared) / "verifier"),
+                  speculative_config={"method": "hyco", "budget_policy": "static"}, **kwargs)
     yield llm, HycoEngine(llm), kv_shared
     llm.llm_engine.engine_core.shutdown()
     del llm
@@ -72,7 +74,9 @@ def test_layers_are_the_ones_vllm_built(shaped):
 
 
 def test_deep_trees_commit_greedy_and_hand_off_at_every_depth(shaped, monkeypatch):
+    from vllm_hyco.kernels import quantize_int8_ref
     from vllm_hyco.vllm_adapter import runner_mixin
+    from vllm_hyco.vllm_adapter.tree_step import handoff_scales
 
     llm, hy, kv_shared = shaped
     captured: list[set[str]] = []
@@ -100,10 +104,12 @@ def test_deep_trees_commit_greedy_and_hand_off_at_every_depth(shaped, monkeypatc
         num_kv = len(prompt) + len(out) - 1  # positions with K/V: the bonus has none yet
         assert h["layers"] == want_layers and h["position"] == num_kv - 1 and h["start"] == num_kv - 1 - depth
         kv = _session_kv(llm, s.engine_req_id, num_kv)
-        for kind, name in want_layers.items():
+        scales = handoff_scales(_runner(llm))
+        for kind, name in want_layers.items():  # int8, quantized on the device from the compacted cache
             k, vv = kv[name]
-            torch.testing.assert_close(h[f"{kind}_k"], k[-(depth + 1):], **tol("kv_copy", torch.float32))
-            torch.testing.assert_close(h[f"{kind}_v"], vv[-(depth + 1):], **tol("kv_copy", torch.float32))
+            ks, vs = scales[kind]
+            assert torch.equal(h[f"{kind}_k"], quantize_int8_ref(k[-(depth + 1):], ks)), (rnd, kind)
+            assert torch.equal(h[f"{kind}_v"], quantize_int8_ref(vv[-(depth + 1):], vs)), (rnd, kind)
         assert ("seed" in h) == (rnd == 0)
     assert out == ref
     # compaction moved every cache owner's rows: the cache equals a fresh prefill of the committed text

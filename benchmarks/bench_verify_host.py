@@ -127,6 +127,7 @@ def build_step(args, dev, sampled: bool):
         compilation_config=SimpleNamespace(static_forward_context=layers),
         input_batch=SimpleNamespace(block_table=tables), _hyco_window=lambda: 1024,
         _hyco_handoff_layers=lambda: {"sliding": "sliding", "full": "full"},
+        _hyco_kv_layers=lambda: SimpleNamespace(owners=tuple(kinds)),  # layers.discover's cache owners
         model=SimpleNamespace(embed_input_ids=lambda ids: embed[ids % 64]))
     fresh = {k: torch.randn(q, hkv, 2 * dim, generator=gen).to(torch.bfloat16).to(dev)
              for k, (hkv, dim) in kinds.items()}  # the step's K/V rows as the layers wrote them

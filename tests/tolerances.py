@@ -32,6 +32,10 @@ TOLERANCES[("qnn_sim_vs_cpu_qdq", torch.float32)] = (0.1, 0.0)
 TOLERANCES[("qnn_cpu_qdq_vs_htp_emulator", torch.float32)] = (0.03, 0.0)
 # engine: K/V a session's cache holds after tree rounds + compaction vs a fresh prefill of the same text
 TOLERANCES[("kv_engine_vs_prefill", torch.float32)] = (1e-4, 1e-4)
+# the same on the checkpoint-shaped fixture (128 random-router experts, top-8): a row's last-bit difference
+# between the tree path and a prefill flips near-tied expert picks, measured up to 8.4e-4 in 1.6% of a
+# later layer's K/V elements; a row written at the wrong position differs by O(1) (normed K and V)
+TOLERANCES[("kv_engine_vs_prefill_moe128", torch.float32)] = (1e-2, 1e-2)
 TOLERANCES[("qnn_sim_vs_cpu_qdq_worst_row", torch.float32)] = (0.1, 0.0)  # SLM: worst of the 32 tree rows
 TOLERANCES[("qnn_cpu_qdq_vs_htp_emulator_worst_row", torch.float32)] = (0.15, 0.0)
 # e2e soak: growth of the server's resident memory (API server + engine core) between the end of the

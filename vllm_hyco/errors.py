@@ -139,6 +139,14 @@ class KeepSetError(ConfigError):
     code = "bad_keep_set"
 
 
+class KVCaptureError(HycoError, RuntimeError):
+    """A tree step in which a cache-owning attention layer did not capture the tree rows' K/V: the engine
+    stops rather than compact (and hand off) a KV cache it cannot keep right. A server bug or an
+    unsupported compile/backend configuration, never a client's fault."""
+
+    code = "kv_capture"
+
+
 # -- the wire's error codes ---------------------------------------------------------------------------------
 class ErrorCode(NamedTuple):
     """One code of ``error`` frames: fatal by default, the HTTP status the OpenAI routes would give for

@@ -238,6 +238,7 @@ def _runner(groups: dict, t: int, n: int, window: int | None = None, scales: dic
         compilation_config=SimpleNamespace(static_forward_context=layers),
         input_batch=SimpleNamespace(block_table=tables), _hyco_window=lambda: window,
         _hyco_handoff_layers=lambda: {k: k for k in groups},
+        _hyco_kv_layers=lambda: SimpleNamespace(owners=tuple(groups)),  # layers.discover's cache owners
         model=SimpleNamespace(embed_input_ids=lambda ids: ids.float().unsqueeze(1).expand(-1, hidden)))
 
 

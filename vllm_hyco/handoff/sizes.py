@@ -64,6 +64,10 @@ FIXTURE_VERIFIER_CONFIG = {
 def layers_from_hf_config(cfg: dict) -> tuple[int, tuple[LayerSpec, ...]]:
     """(hidden, hand-off layers) of a Gemma-4 text config: its last sliding and last full layer, by id.
 
+    With ``num_kv_shared_layers`` the trailing layers own no KV (they read the last earlier layer of their
+    type), so the hand-off layers are the last ones of each type before them: the layers whose cache the
+    engine captures (``vllm_adapter/layers.py``) and vLLM's Gemma 4 MTP head reads.
+
     Per-layer head counts and dims come from ``per_layer_config`` when the config has one (what
     transformers 5.x writes to config.json), else full layers of a k_eq_v model use
     ``num_global_key_value_heads`` and ``global_head_dim`` (the hub's keys). Both K and V are sent (see
@@ -72,6 +76,7 @@ def layers_from_hf_config(cfg: dict) -> tuple[int, tuple[LayerSpec, ...]]:
     cfg = cfg.get("text_config", cfg)
     try:
         types = list(cfg["layer_types"])
+        types = types[:len(types) - int(cfg.get("num_kv_shared_layers") or 0)]
         hidden = int(cfg["hidden_size"])
         k_eq_v = bool(cfg.get("attention_k_eq_v", False))
         layers = []
@@ -88,7 +93,8 @@ def layers_from_hf_config(cfg: dict) -> tuple[int, tuple[LayerSpec, ...]]:
 def _layer_dims(cfg: dict, lid: int, global_kv: bool) -> tuple[int, int]:
     per_layer = cfg.get("per_layer_config")
     if per_layer is not None:
-        over = per_layer.get(str(lid), per_layer.get(lid, {}))
+        # transformers writes zero-padded keys ("05" in a 12-layer model)
+        over = next((v for k, v in per_layer.items() if int(k) == lid), {})
         return (
             int(over.get("num_key_value_heads", cfg["num_key_value_heads"])),
             int(over.get("head_dim", cfg["head_dim"])),

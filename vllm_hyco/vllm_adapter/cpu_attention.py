@@ -10,8 +10,12 @@ Matches vLLM 0.32 (``v1/attention/backends/cpu_attn.py``).
   spawned engine core). ``forward`` runs the stock op for the whole batch, then overwrites the output of
   each tree request's rows with the kernels' torch twin (``tree_attention_dense_ref``) over the prefix
   K/V gathered through the KV view (only the window's tail for sliding layers; visibility depends on
-  position differences only, so the tail is passed as a shorter prefix) plus the fresh tree K/V. ``do_kv_cache_update`` writes as stock and records that the layer
-  was written this step (compaction and the hand-off read the paged cache afterwards). Batches without trees are untouched.
+  position differences only, so the tail is passed as a shorter prefix) plus the fresh tree K/V. A
+  KV-shared layer (called with no key/value) reads the tree rows' K/V from its target's paged cache: vLLM
+  hands it the target's cache, and the target's ``do_kv_cache_update`` wrote the rows at their sequential
+  slots earlier in the same forward. ``do_kv_cache_update`` writes as stock and records that the layer was
+  written this step (compaction and the hand-off read the paged cache afterwards); vLLM never calls it for
+  a KV-shared layer. Batches without trees are untouched.
 * Overrides: ``CPUAttentionBackendImpl.forward`` and ``do_kv_cache_update`` (above);
   ``CPUAttentionBackend.get_impl_cls`` (returns the HyCo impl). tests/unit/test_vllm_surface.py checks them.
 * When it can go: when vLLM's CPU op takes a per-sequence tree mask and per-row positions.
@@ -65,12 +69,18 @@ class HycoCPUAttentionImpl(CPUAttentionBackendImpl):
             rows = slice(tr.q_start, tr.q_start + tr.num_rows)
             t = tr.context_len
             lo = 0 if self.sliding_window <= 0 else max(0, t - self.sliding_window + 1)
-            prefix_pos = torch.arange(lo, t, dtype=torch.int64)  # [L]
+            shared = key is None  # a KV-shared layer: its target wrote the tree rows at slots t .. t + n - 1
+            hi = t + tr.num_rows if shared else t
+            prefix_pos = torch.arange(lo, hi, dtype=torch.int64)  # [L] (+ the tree rows when shared)
             slots = slots_for_positions(attn_metadata.block_table[tr.batch_idx], prefix_pos, block_size)
             k_pre, v_pre = view.gather(kv_cache, slots)  # [L, Hkv, D] each
             q = query[rows].view(tr.num_rows, self.num_heads, self.head_size)
-            k_tree = key[rows].view(tr.num_rows, self.num_kv_heads, self.head_size)
-            v_tree = value[rows].view(tr.num_rows, self.num_kv_heads, self.head_size)
+            if shared:
+                k_pre, k_tree = k_pre[: t - lo], k_pre[t - lo:].to(q.dtype)
+                v_pre, v_tree = v_pre[: t - lo], v_pre[t - lo:].to(q.dtype)
+            else:
+                k_tree = key[rows].view(tr.num_rows, self.num_kv_heads, self.head_size)
+                v_tree = value[rows].view(tr.num_rows, self.num_kv_heads, self.head_size)
             window = self.sliding_window if self.sliding_window > 0 else None
             res = tree_attention_dense_ref(q, torch.cat([k_pre.to(q.dtype), k_tree]), torch.cat([v_pre.to(q.dtype), v_tree]),
                                            t - lo, tr.masks, tr.depths, self.scale, sliding_window=window,

@@ -19,7 +19,11 @@ FULL_AND_PIECEWISE to PIECEWISE (attention and the KV write run eagerly, where t
 compilation option is set here. Another backend asked for on the command line is refused.
 
 Topologies a HyCo server cannot run are refused here (``REFUSALS``): each message names the flag, why,
-and what to use instead (replicas behind a proxy; docs/engine.md "Scale-out").
+and what to use instead (replicas behind a proxy; docs/engine.md "Scale-out"). So are the configurations
+in which the tree path cannot keep the KV cache right (:func:`check_capture`): the attention backend's
+``do_kv_cache_update`` hook records each layer's write of the tree rows, which vLLM only calls eagerly
+when ``vllm::unified_kv_cache_update`` stays a splitting op (its default without inductor graph
+partition), and the KV views read unquantized caches only.
 
 Example::
 
@@ -104,6 +108,55 @@ def check_topology(args: Any) -> None:
         raise _refuse("--async-scheduling", True)
 
 
+# KV-cache dtypes the tree path reads and writes (kv_view: CPU_ATTN's view takes the model dtype only)
+GPU_KV_DTYPES = ("auto", "float16", "bfloat16", "float32", "half", "float")
+CPU_KV_DTYPES = ("auto",)
+# the op that runs the capture hook, and the attention op whose tree rows are recomputed: both must stay
+# outside compiled CUDA graphs (splitting ops) or the hooks are not called on replay
+CAPTURE_OPS = ("vllm::unified_kv_cache_update", "vllm::unified_attention_with_output")
+
+
+def _field(obj: Any, name: str, default: Any = None) -> Any:
+    return obj.get(name, default) if isinstance(obj, dict) else getattr(obj, name, default)
+
+
+def check_capture(args: Any, *, is_cpu: bool) -> None:
+    """Refuse what would stop the KV-capture hook from running, or a KV cache the tree path cannot read.
+
+    ``--kv-cache-dtype`` fp8 and other quantized caches; with compilation on (no ``--enforce-eager``):
+    ``use_inductor_graph_partition`` (vLLM then keeps the KV update inside the compiled graph) and user
+    ``splitting_ops`` without the KV-update and attention ops.
+    """
+    dtype = str(getattr(args, "kv_cache_dtype", None) or "auto")
+    allowed = CPU_KV_DTYPES if is_cpu else GPU_KV_DTYPES
+    if dtype not in allowed:
+        raise ConfigError(f"--speculative-config hyco verifies trees on an unquantized KV cache: --kv-cache-dtype "
+                          f"{dtype} is not supported{' on CPU' if is_cpu else ''}; use --kv-cache-dtype auto")
+    if getattr(args, "enforce_eager", False):
+        return
+    comp = getattr(args, "compilation_config", None)
+    if isinstance(comp, str):
+        import json
+
+        try:
+            comp = json.loads(comp)
+        except ValueError:
+            comp = None
+    if comp is None:
+        return
+    if _field(comp, "use_inductor_graph_partition"):
+        raise ConfigError("--speculative-config hyco checks each tree step's K/V write in the KV-cache update hook, "
+                          "which inductor graph partition compiles into the CUDA graph: remove "
+                          "--compilation-config use_inductor_graph_partition (or set it to false)")
+    ops = _field(comp, "splitting_ops")
+    if ops is not None:
+        missing = [op for op in CAPTURE_OPS if op not in ops]
+        if missing:
+            raise ConfigError(f"--speculative-config hyco needs {', '.join(missing)} among the compilation "
+                              f"splitting_ops (tree rows' writes are recorded and their attention recomputed there, eagerly): add them "
+                              f"to --compilation-config splitting_ops or leave splitting_ops unset")
+
+
 def _select_tree_attention(args: Any) -> None:
     """GPU: attention_backend = CUSTOM (HyCo's tree attention) unless the user already chose CUSTOM."""
     cfg = getattr(args, "attention_config", None)
@@ -123,6 +176,7 @@ def expand_engine_args(args: Any, *, is_cpu: bool) -> HycoConfig:
     """Validate ``args.speculative_config`` (a HyCo spec), rewrite ``args`` in place, return the config."""
     cfg = HycoConfig.parse(args.speculative_config)
     check_topology(args)
+    check_capture(args, is_cpu=is_cpu)
     scheduler = getattr(args, "scheduler_cls", None)
     if scheduler not in _DEFAULT_SCHEDULERS:
         raise ConfigError(f"--speculative-config hyco brings its own scheduler; "

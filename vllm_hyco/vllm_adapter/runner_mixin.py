@@ -42,6 +42,7 @@ import time
 import torch
 
 from vllm_hyco.vllm_adapter import tree_plan, tree_step
+from vllm_hyco.vllm_adapter.layers import KVLayers, check_captured, discover
 from vllm_hyco.vllm_adapter.tree_plan import TreeRows
 
 PLACEHOLDER = -1
@@ -135,6 +136,9 @@ class HycoRunnerMixin:
                 # drafts its result is the plain sampler's on the one row per request.
                 return super()._sample(logits, None)
             return super()._sample(logits, spec_decode_metadata)
+        # before anything is compacted: a cache-owning layer whose KV write did not run is a hard error
+        check_captured(tree_plan.layers_written(), self._hyco_kv_layers(),
+                       ", ".join(tr.req_id for tr in st["trees"]))
         trees = {tr.batch_idx: tr for tr in st["trees"]}
         num_reqs = self.input_batch.num_reqs
         # Row ranges of each request in ``logits``: [lo, hi).
@@ -203,16 +207,15 @@ class HycoRunnerMixin:
         window = getattr(cfg, "window", None)
         return int(window or getattr(self.model_config.hf_text_config, "sliding_window", None) or 1024)
 
-    def _hyco_handoff_layers(self) -> dict[str, str]:
-        """{'full': layer_name, 'sliding': layer_name}: the last full-attention and last sliding layer."""
+    def _hyco_kv_layers(self) -> KVLayers:
+        """The cache-owning attention layers and the two hand-off layers, as vLLM built them (``layers``)."""
         st = self._hyco_state()
-        if "handoff_layers" not in st:
-            cfg = self.model_config.hf_text_config
-            types = list(getattr(cfg, "layer_types", []) or [])
-            names = {}
-            for kind, tag in (("full", "full_attention"), ("sliding", "sliding_attention")):
-                idx = [i for i, t in enumerate(types) if t == tag]
-                if idx:
-                    names[kind] = f"model.layers.{idx[-1]}.self_attn.attn"
-            st["handoff_layers"] = names
-        return st["handoff_layers"]
+        if "kv_layers" not in st:
+            cfg = getattr(self, "kv_cache_config", None)
+            st["kv_layers"] = discover(self.compilation_config.static_forward_context,
+                                       getattr(cfg, "kv_cache_groups", None))
+        return st["kv_layers"]
+
+    def _hyco_handoff_layers(self) -> dict[str, str]:
+        """{'full': layer_name, 'sliding': layer_name}: the last full and last sliding layer's cache owners."""
+        return self._hyco_kv_layers().handoff

@@ -20,8 +20,8 @@ mixin's ``_sample`` calls, once per step with trees:
    (``kernels.handoff_gather``), then copied to the host as int8 in one transfer. Round 0's seed (the last
    W positions) is gathered and quantized the same way.
 
-The layer list: attention layers of every KV-cache group that own their cache (``kv_sharing_target``
-unset). :func:`warm_up` compiles the Triton variants the engine launches at load (GPU only).
+The layer list: the cache owners and the two hand-off layers of ``layers.discover`` (read from vLLM's
+forward context; KV-shared layers own no cache and are skipped). :func:`warm_up` compiles the Triton variants the engine launches at load (GPU only).
 """
 
 from __future__ import annotations
@@ -163,22 +163,22 @@ class CacheLayer:
 
 
 def cache_layers(runner) -> list[CacheLayer]:
-    """Every attention layer that owns its KV cache, with its KV-cache group (cached on the runner)."""
+    """Every attention layer that owns its KV cache (``layers.discover``, via the runner's
+    ``_hyco_kv_layers``), with its KV-cache group and KV view (cached on the runner)."""
     st = runner._hyco_state()
     if st.get("cache_layers") is None:
         ctx = runner.compilation_config.static_forward_context
+        group_of = {name: g for g, group in enumerate(runner.kv_cache_config.kv_cache_groups)
+                    for name in group.layer_names}
         out = []
-        for g, group in enumerate(runner.kv_cache_config.kv_cache_groups):
-            for name in group.layer_names:
-                layer = ctx.get(name)
-                cache = getattr(layer, "kv_cache", None)
-                if not isinstance(cache, torch.Tensor) or getattr(layer, "kv_sharing_target_layer_name", None):
-                    continue
-                if hasattr(layer, "isa"):  # CPU_ATTN sets it on its layers
-                    view = cpu_kv_view(layer.isa, cache, getattr(layer, "kv_cache_dtype", "auto"))
-                else:
-                    view = BlockMajorKVView(getattr(layer, "kv_cache_dtype", "auto"))
-                out.append(CacheLayer(name, g, layer, view))
+        for name in runner._hyco_kv_layers().owners:
+            layer = ctx[name]
+            cache = layer.kv_cache
+            if hasattr(layer, "isa"):  # CPU_ATTN sets it on its layers
+                view = cpu_kv_view(layer.isa, cache, getattr(layer, "kv_cache_dtype", "auto"))
+            else:
+                view = BlockMajorKVView(getattr(layer, "kv_cache_dtype", "auto"))
+            out.append(CacheLayer(name, group_of[name], layer, view))
         st["cache_layers"] = out
     return st["cache_layers"]
 

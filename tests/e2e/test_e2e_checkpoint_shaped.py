@@ -1,10 +1,10 @@
 """A whole HyCo session on the fixture shaped like the real Gemma 4 26B-A4B checkpoint, over the real server.
 
 ``vllm-hyco serve DIR/verifier --language-model-only`` (``Gemma4ForConditionalGeneration``, text model under
-``language_model.``, 262,144-token vocabulary, 128 experts top-8, the variant with KV-shared trailing
-layers) and phones whose drafters come from the same bundle (``hyco-phone``'s ``load_bundle``:
-the MTP head on the hand-off rows + the SLM, flat hand-off scales). Every round carries a hand-off the
-phone applies, and the committed text must be plain greedy decoding's. Random weights accept almost
+``language_model.``, 262,144-token vocabulary, 128 experts top-8; both variants: every layer owning its
+KV cache, and KV-shared trailing layers) and phones whose drafters come from the same bundle
+(``hyco-phone``'s ``load_bundle``: the MTP head on the hand-off rows + the SLM, flat hand-off scales).
+Every round carries a hand-off the phone applies, and the committed text must be plain greedy decoding's. Random weights accept almost
 nothing, so a second phone also grafts plain decoding's next tokens into its trees (deep acceptance).
 """
 
@@ -28,11 +28,11 @@ PROMPT = [2, 1427, 281, 2099, 430, 3304, 281, 814]  # "In the beginning God crea
 MAX_TOKENS = 12
 
 
-@pytest.fixture(scope="module")
-def served():
-    """(base URL, bundle root, plain greedy token ids, text): one server, on the KV-shared variant (the
-    integration tests run both variants in-process; one server keeps CI short)."""
-    root = bundle(True)
+@pytest.fixture(scope="module", params=[False, True], ids=["own-kv", "kv-shared"])
+def served(request):
+    """(base URL, bundle root, plain greedy token ids, text): one server per variant (every layer owns its
+    KV cache / trailing layers share another layer's), one at a time."""
+    root = bundle(request.param)
     base, proc, _ = start_server(root / "verifier", NAME, API_KEY)
     try:
         oai = openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY, timeout=300, max_retries=0)

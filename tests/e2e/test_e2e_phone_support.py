@@ -301,6 +301,18 @@ def tree_frame(round_: int, root: int, extra: list[int] = (), parents: list[int]
     return TreeFrame.from_lists(round_, tokens, parents, labels, schema=schema)
 
 
+async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+    """Copy one direction of a proxied TCP connection until either side closes (the test proxies use it)."""
+    try:
+        while data := await r.read(65536):
+            w.write(data)
+            await w.drain()
+    except (ConnectionError, asyncio.CancelledError):
+        pass
+    finally:
+        w.close()
+
+
 class KillingProxy:
     """A TCP proxy on 127.0.0.1 that cuts connections after a random 0.05-0.3 s (mid-round: the tiny
     server's rounds take tens of milliseconds): the first ``kills`` connections, then each further one with
@@ -321,16 +333,6 @@ class KillingProxy:
 
     async def _conn(self, reader, writer):
         ur, uw = await asyncio.open_connection(*self.up)
-
-        async def pipe(r, w):
-            try:
-                while data := await r.read(65536):
-                    w.write(data)
-                    await w.drain()
-            except (ConnectionError, asyncio.CancelledError):
-                pass
-            finally:
-                w.close()
 
         tasks = [asyncio.create_task(pipe(reader, uw)), asyncio.create_task(pipe(ur, writer))]
         if self.cut < self.kills or self.rng.random() < self.p_kill:

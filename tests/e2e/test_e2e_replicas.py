@@ -38,6 +38,7 @@ from test_e2e_phone_support import (
     make_client,
     make_phone,
     metric_values,
+    pipe,
     resume_frame,
     start_frame,
     tree_frame,
@@ -267,16 +268,6 @@ class CutProxy:
     async def _conn(self, reader, writer):
         ur, uw = await asyncio.open_connection(*self.up)
         self.conns += [writer, uw]
-
-        async def pipe(r, w):
-            try:
-                while data := await r.read(65536):
-                    w.write(data)
-                    await w.drain()
-            except (ConnectionError, asyncio.CancelledError):
-                pass
-            finally:
-                w.close()
 
         await asyncio.gather(pipe(reader, uw), pipe(ur, writer), return_exceptions=True)
 

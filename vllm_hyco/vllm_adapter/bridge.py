@@ -2,7 +2,7 @@
 request into a session and a tree into a verdict. The phone route (``vllm_hyco.serving``) uses
 :class:`EngineBridge`; the in-process harness of tests and benchmarks (``vllm_adapter/api.py``
 ``HycoEngine``) uses the same request checks (:func:`check_fields`, :data:`SAMPLING_FIELDS`,
-:func:`session_params`, :func:`resolve_session_eps`) and the same engine-core methods
+:func:`session_params`, ``vllm_hyco.config.resolve_session_eps``) and the same engine-core methods
 (``vllm_adapter/core_ext.py``, one error format).
 
 A session is one long-lived request added with ``engine_client.generate`` (``SamplingParams.extra_args
@@ -36,7 +36,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_hyco.config import resolve_session_eps  # noqa: F401 - re-exported for the client's callers
 from vllm_hyco.errors import EngineError, FrameError, HycoError, RequestFieldError, SessionError
 from vllm_hyco.vllm_adapter.core_ext import raise_if_error
 

@@ -84,7 +84,7 @@ def test_api_server_without_plugin_env_is_refused(fixtures_dir, monkeypatch):
         args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
 
 
-@pytest.mark.parametrize("extra, needle", [({"tensor_parallel_size": 2}, "--tensor-parallel-size"),
+@pytest.mark.parametrize("extra, needle", [({"pipeline_parallel_size": 2}, "--pipeline-parallel-size"),
                                            ({"async_scheduling": True}, "--async-scheduling")])
 def test_unsupported_topology_refused_through_vllm(fixtures_dir, extra, needle):
     from vllm.engine.arg_utils import EngineArgs

@@ -100,7 +100,6 @@ def test_expansion_sets_engine_args(is_cpu, worker):
 
 
 @pytest.mark.parametrize("overrides, needle", [
-    (dict(tensor_parallel_size=2), "--tensor-parallel-size"),
     (dict(pipeline_parallel_size=2), "--pipeline-parallel-size"),
     (dict(data_parallel_size=4), "--data-parallel-size"),
     (dict(_api_process_count=2), "--api-server-count"),

@@ -1,5 +1,6 @@
-"""Issue 17 items 1 and 4 without vLLM: the topologies a HyCo server refuses say why and what to use instead,
-and ``replica_id`` (the replica's routing key, the prefix of its session ids) is validated."""
+"""Issue 17 items 1, 3 and 4 without vLLM: the topologies a HyCo server refuses say why and what to use
+instead, tensor parallelism is not refused, and ``replica_id`` (the replica's routing key, the prefix of
+its session ids) is validated."""
 
 from __future__ import annotations
 
@@ -20,7 +21,6 @@ def _args(**overrides):
 
 
 @pytest.mark.parametrize("overrides, flag, why, instead", [
-    (dict(tensor_parallel_size=2), "--tensor-parallel-size 2", "KV head", "replicas behind a proxy"),
     (dict(pipeline_parallel_size=2), "--pipeline-parallel-size 2", "every layer", "replicas behind a proxy"),
     (dict(data_parallel_size=2), "--data-parallel-size 2", "lockstep", "one replica per GPU"),
     (dict(_api_process_count=3), "--api-server-count 3", "one API server's session table",
@@ -36,9 +36,18 @@ def test_refusals_name_the_flag_why_and_what_instead(overrides, flag, why, inste
 
 
 def test_every_refusal_has_a_reason_and_an_alternative():
-    assert set(REFUSALS) == {"--tensor-parallel-size", "--pipeline-parallel-size", "--data-parallel-size",
-                             "--api-server-count", "--async-scheduling"}
+    assert set(REFUSALS) == {"--pipeline-parallel-size", "--data-parallel-size", "--api-server-count",
+                             "--async-scheduling"}
     assert all(why and instead for why, instead in REFUSALS.values())
+
+
+@pytest.mark.parametrize("is_cpu", [True, False])
+def test_tensor_parallelism_is_not_refused(is_cpu):
+    """Each rank verifies trees on its KV heads and the hand-off gathers them (the engine side:
+    tests/e2e/test_e2e_tensor_parallel.py)."""
+    args = _args(tensor_parallel_size=2)
+    expand_engine_args(args, is_cpu=is_cpu)
+    assert args.tensor_parallel_size == 2 and args.speculative_config["method"] == "custom_class"
 
 
 def test_replica_id_is_validated_and_kept():

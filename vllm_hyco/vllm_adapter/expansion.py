@@ -52,18 +52,12 @@ _DEFAULT_SCHEDULERS = (None, "", "vllm.v1.core.sched.scheduler.Scheduler", SCHED
 
 #: flag -> (why HyCo cannot run it, what to use instead); docs/engine.md "Scale-out" has the analysis
 REFUSALS: dict[str, tuple[str, str]] = {
-    "--tensor-parallel-size": (
-        ("HyCo's tree attention, KV compaction and hand-off export read every KV head of a layer in one "
-         "worker; under tensor parallelism each rank holds a slice of the heads and the hand-off would "
-         "have to gather them across ranks, which is not built yet"),
-        ("use --tensor-parallel-size 1 on one GPU that holds the model, and run more replicas behind a "
-         "proxy for more phones (docs/deploy.md, \"Replicas behind nginx\")"),
-    ),
     "--pipeline-parallel-size": (
         ("a round's tree forward, its acceptance decision and the hand-off need every layer's rows of that "
          "round in one step, and vLLM's V1 runner runs pipeline stages with micro-batches that HyCo's "
          "per-step tree plan does not follow"),
-        "use --pipeline-parallel-size 1; for more phones, replicas behind a proxy (docs/deploy.md)",
+        ("use --pipeline-parallel-size 1, and --tensor-parallel-size to split a model that does not fit one "
+         "GPU; for more phones, replicas behind a proxy (docs/deploy.md)"),
     ),
     "--data-parallel-size": (
         ("vLLM's data parallelism runs MoE models in lockstep (every rank steps together, idle ranks run "
@@ -96,9 +90,9 @@ def _refuse(flag: str, value: Any) -> ConfigError:
 
 def check_topology(args: Any) -> None:
     """Refuse what a HyCo server cannot run, each with why and what to use instead (``REFUSALS``): one
-    engine process per server (no TP/PP/DP), one API server, synchronous scheduling."""
-    for name, flag in (("tensor_parallel_size", "--tensor-parallel-size"),
-                       ("pipeline_parallel_size", "--pipeline-parallel-size"),
+    engine per server (no PP/DP), one API server, synchronous scheduling. Tensor parallelism runs (each
+    rank verifies on its KV heads, the hand-off gathers them: ``tp_heads``; docs/engine.md "Scale-out")."""
+    for name, flag in (("pipeline_parallel_size", "--pipeline-parallel-size"),
                        ("data_parallel_size", "--data-parallel-size"),
                        ("_api_process_count", "--api-server-count")):
         value = getattr(args, name, 1) or 1

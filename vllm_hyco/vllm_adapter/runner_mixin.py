@@ -37,6 +37,7 @@ step's Triton variants (``tree_step.warm_up``, GPU only).
 
 from __future__ import annotations
 
+import hashlib
 import time
 
 import torch
@@ -196,8 +197,11 @@ class HycoRunnerMixin:
         if req_id not in gens:
             spec = (params.extra_args or {}).get("hyco") or {}
             seed = spec.get("seed", params.seed)
+            if seed is None:  # derived from the request id, never torch.seed(): under TP every rank must
+                # draw the same uniforms to reach the same decision (each compacts its own KV heads)
+                seed = int.from_bytes(hashlib.sha256(req_id.encode()).digest()[:8], "little") >> 1
             gen = torch.Generator()
-            gen.manual_seed(int(seed) if seed is not None else torch.seed())
+            gen.manual_seed(int(seed))
             gens[req_id] = gen
         return gens[req_id]
 

@@ -37,6 +37,7 @@ from vllm_hyco.spec_decode.verify import BatchVerdict, PackedTrees, verify_batch
 from vllm_hyco.vllm_adapter.kv_view import BlockMajorKVView, cpu_kv_view, slots_for_positions
 from vllm_hyco.handoff.tree_contract import NodeLabel
 from vllm_hyco.handoff.tree_contract import depths as tree_depths
+from vllm_hyco.vllm_adapter import tp_heads
 from vllm_hyco.vllm_adapter.tree_plan import TreeRows
 
 ROOT_LABEL, OTHER_LABEL = int(NodeLabel.ROOT), int(NodeLabel.OTHER)  # the engine has no labels
@@ -239,8 +240,14 @@ def _layer(runner, name: str) -> CacheLayer | None:
 
 def handoff(runner, step: StepTrees, dec: StepDecision, hidden: torch.Tensor | None) -> list[dict]:
     """Per tree: the int8 hand-off (D1) gathered after compaction (``kernels.handoff_gather_quantize``: K and
-    V rows of both hand-off layers, h at v* and e(bonus), quantized on the device), one copy to the host."""
+    V rows of both hand-off layers, h at v* and e(bonus), quantized on the device), one copy to the host.
+
+    Under TP each rank quantizes its own KV heads with its slice of the per-head scales, and the K/V rows
+    of every tree and every round-0 seed of the step are gathered across ranks in one collective
+    (``tp_heads.gather_heads``); the other ranks return empty hand-offs (only rank 0's output reaches the
+    scheduler)."""
     scales = handoff_scales(runner)
+    shard = _shard(runner)
     verdict, num = dec.verdict, len(step.trees)
     dev = verdict.bonus.device
     # batch rows of positions t .. t + d of every tree (the root and the compacted path: exactly the rows
@@ -251,7 +258,7 @@ def handoff(runner, step: StepTrees, dec: StepDecision, hidden: torch.Tensor | N
     idx = torch.tensor(rows + ends, dtype=torch.int64).to(dev, non_blocking=True)
     pos, end_rows = idx[: len(rows)], idx[len(rows):]
     with torch.no_grad():
-        e = runner.model.embed_input_ids(verdict.bonus).float()  # [B, hidden]
+        e = runner.model.embed_input_ids(verdict.bonus).float()  # [B, hidden] (all-reduced under TP)
     h = hidden[end_rows].float() if hidden is not None else torch.zeros_like(e)
     layers, lays = {}, []
     for kind, name in runner._hyco_handoff_layers().items():
@@ -260,15 +267,30 @@ def handoff(runner, step: StepTrees, dec: StepDecision, hidden: torch.Tensor | N
             layers[kind] = name
             lays.append((kind, lay))
     views = [lay.view.kv_views(lay.layer.kv_cache) for _, lay in lays]
+    local = [k.shape[2] for k, _ in views]  # this rank's KV heads of each hand-off layer
     q = handoff_gather_quantize(
         [k for k, _ in views], [v for _, v in views],
         [_slot_mapping(runner, lay.group).to(dev)[pos] for _, lay in lays],
-        [scales[kind][0] for kind, _ in lays], [scales[kind][1] for kind, _ in lays], h, e, scales["h"],
+        [shard.scale_slice(scales[kind][0], n) for (kind, _), n in zip(lays, local)],
+        [shard.scale_slice(scales[kind][1], n) for (kind, _), n in zip(lays, local)], h, e, scales["h"],
         scales["e"])
-    parts, names = [q.e, q.h], ["e_bonus", "h"]
+    # the step's K/V pieces [rows, local heads, D]: both layers' rows of all trees, then the round-0 seeds
+    names, kv, heads = [], [], []
     for (kind, _), k_rows, v_rows in zip(lays, q.k, q.v):
-        parts += [k_rows, v_rows if v_rows is not None else k_rows]
         names += [f"{kind}_k", f"{kind}_v"]
+        kv += [k_rows, v_rows if v_rows is not None else k_rows]
+        heads += [scales[kind][0].shape[0]] * 2
+    seed_of = {b: _seed(runner, tr, layers, scales, tr.context_len + len(dec.path_rows[b]) + 1, shard)
+               for b, tr in enumerate(step.trees) if tr.round == 0}
+    seed_keys = [(b, f"{kind}_{x}") for b in seed_of for kind in layers for x in ("k", "v")]
+    kv += [seed_of[b][key] for b, key in seed_keys]
+    heads += [scales[key.rsplit("_", 1)[0]][0].shape[0] for _, key in seed_keys]
+    kv = tp_heads.gather_heads(kv, shard, heads)  # one all_gather for the whole step (none on one rank)
+    if shard.rank != 0:
+        return [{} for _ in step.trees]
+    for (b, key), rows_b in zip(seed_keys, kv[len(names):]):
+        seed_of[b][key] = rows_b.cpu()
+    parts, names = [q.e, q.h, *kv[: len(names)]], ["e_bonus", "h", *names]
     sizes = [p.numel() for p in parts]
     host = torch.cat([p.flatten() for p in parts]).cpu() if parts else torch.empty(0, dtype=torch.int8)
     pieces = dict(zip(names, torch.split(host, sizes)))
@@ -280,17 +302,26 @@ def handoff(runner, step: StepTrees, dec: StepDecision, hidden: torch.Tensor | N
         ho["e_bonus"] = pieces["e_bonus"].view(num, -1)[b]
         ho["h"] = pieces["h"].view(num, -1)[b]
         for kind in layers:
-            for kv in ("k", "v"):
-                kv_rows = pieces[f"{kind}_{kv}"].view(-1, *parts[names.index(f"{kind}_{kv}")].shape[1:])
-                ho[f"{kind}_{kv}"] = kv_rows[starts[b]: starts[b] + d + 1]
-        if tr.round == 0:
-            ho["seed"] = _seed(runner, tr, layers, scales, tr.context_len + d + 1)
+            for kv_name in (f"{kind}_k", f"{kind}_v"):
+                kv_rows = pieces[kv_name].view(-1, *parts[names.index(kv_name)].shape[1:])
+                ho[kv_name] = kv_rows[starts[b]: starts[b] + d + 1]
+        if b in seed_of:
+            ho["seed"] = seed_of[b]
         out.append(ho)
     return out
 
 
-def _seed(runner, tr: TreeRows, layers: dict, scales: dict, num_committed: int) -> dict:
-    """int8 K/V of positions [max(0, T - W), T) of the two hand-off layers, read from the paged cache."""
+def _shard(runner) -> tp_heads.HeadShard:
+    st = runner._hyco_state()
+    if st.get("shard") is None:
+        st["shard"] = tp_heads.shard_of(runner)
+    return st["shard"]
+
+
+def _seed(runner, tr: TreeRows, layers: dict, scales: dict, num_committed: int,
+          shard: tp_heads.HeadShard) -> dict:
+    """int8 K/V of positions [max(0, T - W), T) of the two hand-off layers, read from the paged cache: this
+    rank's KV heads, on the device (the caller gathers every head and copies them to the host)."""
     lo = max(0, num_committed - runner._hyco_window())
     positions = torch.arange(lo, num_committed, dtype=torch.int64)
     seed = {"start": lo, "end": num_committed}
@@ -299,9 +330,9 @@ def _seed(runner, tr: TreeRows, layers: dict, scales: dict, num_committed: int) 
         table = runner.input_batch.block_table[lay.group]
         slots = slots_for_positions(table.block_table.gpu[tr.batch_idx], positions, table.block_size)
         k_view, v_view = lay.view.kv_views(lay.layer.kv_cache)
-        k_scale, v_scale = scales[kind]
-        seed[f"{kind}_k"] = gather_quantize_kv(k_view, slots, k_scale).cpu()
-        seed[f"{kind}_v"] = gather_quantize_kv(v_view, slots, v_scale).cpu()
+        k_scale, v_scale = (shard.scale_slice(s, k_view.shape[2]) for s in scales[kind])
+        seed[f"{kind}_k"] = gather_quantize_kv(k_view, slots, k_scale)
+        seed[f"{kind}_v"] = gather_quantize_kv(v_view, slots, v_scale)
     return seed
 
 
@@ -365,7 +396,8 @@ def warm_up(runner) -> list[str]:
         if lay is None:
             continue
         for view, scale in zip(lay.view.kv_views(lay.layer.kv_cache), scales[kind]):
-            gather_quantize_kv(view, torch.zeros(34, dtype=torch.int64, device=dev), scale)
+            gather_quantize_kv(view, torch.zeros(34, dtype=torch.int64, device=dev),
+                               _shard(runner).scale_slice(scale, view.shape[2]))
         done.append(f"gather_quantize_kv {kind}")
     for name in ("e", "h"):
         quantize_int8(torch.zeros(2, hidden, dtype=torch.float32, device=dev), scales[name])

@@ -85,7 +85,7 @@ def _serve(verifier, tp: int):
     log_path = cache_dir() / f"e2e-tp{tp}-{port}.log"
     env = dict(os.environ)
     env.pop("VLLM_PLUGINS", None)
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # TP needs the engine core and workers as processes
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # as the other servers (it only matters to offline LLMs)
     hyco = {"method": "hyco", "max_sessions": 8, "session_idle_timeout_s": 30, "budget_policy": "static"}
     args = [*cli(), "serve", str(verifier), "--host", "127.0.0.1", "--port", str(port), "--served-model-name",
             MODEL, "--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", "8", "--enforce-eager",

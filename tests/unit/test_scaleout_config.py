@@ -22,6 +22,10 @@ def _args(**overrides):
 
 @pytest.mark.parametrize("overrides, flag, why, instead", [
     (dict(pipeline_parallel_size=2), "--pipeline-parallel-size 2", "every layer", "replicas behind a proxy"),
+    (dict(decode_context_parallel_size=2), "--decode-context-parallel-size 2", "by token position",
+     "replicas behind a proxy"),
+    (dict(prefill_context_parallel_size=2), "--prefill-context-parallel-size 2", "one rank's cache",
+     "replicas behind a proxy"),
     (dict(data_parallel_size=2), "--data-parallel-size 2", "lockstep", "one replica per GPU"),
     (dict(_api_process_count=3), "--api-server-count 3", "one API server's session table",
      "replicas behind a proxy"),
@@ -36,7 +40,8 @@ def test_refusals_name_the_flag_why_and_what_instead(overrides, flag, why, inste
 
 
 def test_every_refusal_has_a_reason_and_an_alternative():
-    assert set(REFUSALS) == {"--pipeline-parallel-size", "--data-parallel-size", "--api-server-count",
+    assert set(REFUSALS) == {"--pipeline-parallel-size", "--decode-context-parallel-size",
+                             "--prefill-context-parallel-size", "--data-parallel-size", "--api-server-count",
                              "--async-scheduling"}
     assert all(why and instead for why, instead in REFUSALS.values())
 

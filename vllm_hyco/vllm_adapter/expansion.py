@@ -59,6 +59,19 @@ REFUSALS: dict[str, tuple[str, str]] = {
         ("use --pipeline-parallel-size 1, and --tensor-parallel-size to split a model that does not fit one "
          "GPU; for more phones, replicas behind a proxy (docs/deploy.md)"),
     ),
+    "--decode-context-parallel-size": (
+        ("decode context parallelism splits each request's KV cache by token position across the TP ranks, "
+         "and HyCo's compaction moves a tree's accepted rows within one rank's cache and its hand-off reads "
+         "every position of the hand-off layers from one cache"),
+        ("use --decode-context-parallel-size 1; --tensor-parallel-size splits the model by heads, which "
+         "HyCo supports; for more phones, replicas behind a proxy (docs/deploy.md)"),
+    ),
+    "--prefill-context-parallel-size": (
+        ("prefill context parallelism splits a request's tokens and KV cache across ranks, and HyCo's tree "
+         "rows, compaction and hand-off assume every position of a request lives in one rank's cache"),
+        ("use --prefill-context-parallel-size 1; --tensor-parallel-size splits the model by heads; for "
+         "more phones, replicas behind a proxy (docs/deploy.md)"),
+    ),
     "--data-parallel-size": (
         ("vLLM's data parallelism runs MoE models in lockstep (every rank steps together, idle ranks run "
          "dummy batches) and sends utility calls to every rank, returning the first rank's answer, so a "
@@ -90,9 +103,11 @@ def _refuse(flag: str, value: Any) -> ConfigError:
 
 def check_topology(args: Any) -> None:
     """Refuse what a HyCo server cannot run, each with why and what to use instead (``REFUSALS``): one
-    engine per server (no PP/DP), one API server, synchronous scheduling. Tensor parallelism runs (each
+    engine per server (no PP/DP, no context parallelism), one API server, synchronous scheduling. Tensor parallelism runs (each
     rank verifies on its KV heads, the hand-off gathers them: ``tp_heads``; docs/engine.md "Scale-out")."""
     for name, flag in (("pipeline_parallel_size", "--pipeline-parallel-size"),
+                       ("decode_context_parallel_size", "--decode-context-parallel-size"),
+                       ("prefill_context_parallel_size", "--prefill-context-parallel-size"),
                        ("data_parallel_size", "--data-parallel-size"),
                        ("_api_process_count", "--api-server-count")):
         value = getattr(args, name, 1) or 1

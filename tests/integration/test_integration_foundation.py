@@ -85,6 +85,7 @@ def test_api_server_without_plugin_env_is_refused(fixtures_dir, monkeypatch):
 
 
 @pytest.mark.parametrize("extra, needle", [({"pipeline_parallel_size": 2}, "--pipeline-parallel-size"),
+                                           ({"decode_context_parallel_size": 2}, "--decode-context-parallel-size"),
                                            ({"async_scheduling": True}, "--async-scheduling")])
 def test_unsupported_topology_refused_through_vllm(fixtures_dir, extra, needle):
     from vllm.engine.arg_utils import EngineArgs

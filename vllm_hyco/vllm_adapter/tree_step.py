@@ -18,7 +18,9 @@ mixin's ``_sample`` calls, once per step with trees:
 4. :func:`handoff`: the two hand-off layers' K/V rows (root + path, after compaction), h at v* and
    e(bonus), gathered and quantized to int8 on the device with the model's fixed scales
    (``kernels.handoff_gather``), then copied to the host as int8 in one transfer. Round 0's seed (the last
-   W positions) is gathered and quantized the same way.
+   W positions) is gathered and quantized the same way. Under tensor parallelism every rank runs steps 1-3 on
+   its own KV heads (same decision: same logits, same uniforms) and quantizes its heads here; the K/V
+   pieces of the whole step are gathered to rank 0 in one collective (``tp_heads``).
 
 The layer list: the cache owners and the two hand-off layers of ``layers.discover`` (read from vLLM's
 forward context; KV-shared layers own no cache and are skipped). :func:`warm_up` compiles the Triton variants the engine launches at load (GPU only).

@@ -32,6 +32,8 @@ def test_hold_is_bounded_by_one_predicted_step():
     assert g.hold_until(1.0, 0.08, ["a"], now=1.01) == pytest.approx(1.08)
     assert g.hold_until(1.0, 0.08, ["a"], now=1.08) is None  # the deadline passed: run
     assert g.hold_until(1.0, 0.0, ["a"], now=1.0) is None  # no fitted cost: never hold
+    g.taken("c", 0.5)  # expected at 0.6: overdue by more than one step at 1.01, not waited for
+    assert g.hold_until(1.0, 0.08, ["c"], now=1.01) is None
 
 
 def test_round_trip_is_an_average_and_submission_ends_the_wait():

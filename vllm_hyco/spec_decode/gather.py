@@ -66,7 +66,8 @@ class StepGather:
         """The deadline to hold the step until, or None to run it now.
 
         ``ready_since``: when the oldest pending tree was submitted; ``horizon``: the predicted seconds of
-        the step; ``waiting``: the sessions in their round trip (parked with their verdict taken)."""
+        the step; ``waiting``: the sessions in their round trip (parked with their verdict taken). A session
+        is waited for when it is expected by the deadline and not overdue by more than ``horizon``."""
         if not horizon > 0:
             return None
         end = ready_since + horizon
@@ -74,6 +75,8 @@ class StepGather:
             return None
         for sid in waiting:
             e = self.expected(sid)
-            if e is not None and e <= end:
+            # expected within the window, and not overdue by more than one step (a session that stopped
+            # submitting, or a phone far slower than its average, is not waited for)
+            if e is not None and now - horizon <= e <= end:
                 return end
         return None

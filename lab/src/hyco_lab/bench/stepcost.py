@@ -13,7 +13,7 @@ time by wrapping it (the wrappers' own cost is inside the totals; a few microsec
 | --- | --- |
 | ``step`` | ``EngineCore.step`` (schedule + model call + sampling + update) + ``post_step`` |
 | ``forward`` | the runner's ``_model_forward`` (all layers; HyCo's tree attention is inside it) |
-| ``tree_attn`` | HyCo's tree-row recompute in the attention override (gather + dense twin) |
+| ``tree_attn`` | HyCo's tree-row recompute in the attention override: the K/V gathers and the dense twin (the loop around them is in ``forward``) |
 | ``logits`` | ``compute_logits`` |
 | ``decide`` / ``compact`` / ``handoff`` / ``plan`` | ``tree_step``: the tree decision, KV compaction, int8 hand-off, step index tensors |
 | ``schedule`` / ``update`` | the scheduler's ``schedule`` / ``update_from_output`` (HyCo's cut included) |
@@ -82,8 +82,10 @@ def _install(clock: Clock, hyco: bool) -> None:
         from vllm_hyco.vllm_adapter import core_ext, cpu_attention, tree_step
         from vllm_hyco.vllm_adapter.scheduler import HycoScheduler
 
-        clock.wrap(cpu_attention, "_tree_rows", "tree_attn")
-        clock.wrap(cpu_attention, "_tree_rows_loop", "tree_attn")
+        clock.wrap(cpu_attention, "tree_attention_dense_ref", "tree_attn")
+        from vllm_hyco.vllm_adapter import kv_view
+
+        clock.wrap(kv_view.CpuAttnKVView, "gather", "tree_attn")
         for attr in ("decide", "compact", "handoff"):
             clock.wrap(tree_step, attr, attr)
         clock.wrap(tree_step.StepTrees, "build", "plan")

@@ -30,7 +30,6 @@ A round's g is its cost over the tokens it commits (MAT). For HyCo the rows are 
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path

@@ -38,7 +38,7 @@ class StepGather:
         self.gap: dict[str, float] = {}  # sid -> average seconds from verdict taken to next tree submitted
         self.taken_at: dict[str, float] = {}  # sid -> when its last verdict was taken (in its round trip)
         self.ready_at: dict[str, float] = {}  # sid -> when its pending tree was submitted
-        self.holds = 0  # held evaluations that ended in a step (for metrics/tests)
+        self.holds = 0  # holds started (the adapter counts them and logs a few)
 
     def taken(self, sid: str, now: float) -> None:
         self.taken_at[sid] = now

@@ -20,11 +20,14 @@ Can go when vLLM's scheduler has a batching-delay hook for spec-decode requests.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
 from vllm_hyco.spec_decode.gather import StepGather
 from vllm_hyco.vllm_adapter.session import SessionState
+
+logger = logging.getLogger("vllm.hyco")  # a child of vLLM's logger: same handler and format
 
 
 class HycoGatherMixin:
@@ -75,8 +78,12 @@ class HycoGatherMixin:
         end = gather.hold_until(since, pol.cost.predict(rows, kctx), waiting, now=now)
         if end is None:
             return False
-        if self.__dict__.get("_hyco_wake_at", 0.0) < now:  # no timer pending
+        if self.__dict__.get("_hyco_wake_at", 0.0) < now:  # no timer pending: a new hold
             self.__dict__["_hyco_wake_at"] = end
+            gather.holds += 1
+            if gather.holds in (1, 10, 100) or gather.holds % 1000 == 0:
+                logger.info("HyCo step gathering: %d holds so far (this one %.1f ms)", gather.holds,
+                            (end - now) * 1e3)
             timer = threading.Timer(max(end - now, 0.0) + 1e-4, wake)
             timer.daemon = True
             timer.start()

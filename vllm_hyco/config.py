@@ -41,6 +41,7 @@ METHOD = "hyco"
 # The operator may lower the node budget, not raise it past the paper's B (n <= 32 nodes plus the root).
 MAX_NODE_BUDGET = DEFAULT_NODE_BUDGET
 BUDGET_POLICIES = ("adaptive", "static")
+STEP_GATHER = ("auto", "on", "off")
 ADDITIONAL_CONFIG_KEY = "hyco"  # VllmConfig.additional_config[ADDITIONAL_CONFIG_KEY] = HycoConfig.to_dict()
 
 
@@ -57,6 +58,9 @@ class HycoConfig:
             its online step-cost model and grants each phone the nodes worth drafting next round
             (``vllm_hyco.spec_decode.budget``, docs/engine.md); ``static``: every tree verified whole,
             ``node_budget`` granted every round.
+        step_gather: ``auto`` (default: on with ``budget_policy`` adaptive, off with static), ``on``, ``off``:
+            hold a step that would run only phone trees for at most one predicted step time while sessions
+            expected by then can join it (``vllm_hyco.spec_decode.gather``, docs/engine.md).
         window: hand-off window W in tokens (sliding-window K/V rows sent to the phone); None = the
             verifier's ``sliding_window`` (1,024 for Gemma 4 26B-A4B).
         max_sessions: concurrent phone sessions the server accepts.
@@ -75,6 +79,7 @@ class HycoConfig:
     epsilon: float | None = None
     node_budget: int = DEFAULT_NODE_BUDGET
     budget_policy: str = "adaptive"
+    step_gather: str = "auto"
     window: int | None = None
     max_sessions: int = 16
     session_idle_timeout_s: float = 60.0
@@ -88,6 +93,8 @@ class HycoConfig:
         _check_choice("budget_policy", self.budget_policy, BUDGET_POLICIES,
                       "adaptive: verify the prefix of each tree that pays (default); static: the paper's fixed "
                       "node_budget")
+        _check_choice("step_gather", self.step_gather, STEP_GATHER,
+                      "auto: on with budget_policy adaptive (default); on; off")
         _check_int("window", self.window, 1, 1 << 20, optional=True)
         _check_int("max_sessions", self.max_sessions, 1, 1 << 16)
         _check_float("session_idle_timeout_s", self.session_idle_timeout_s, 0.0, 86400.0)
@@ -96,6 +103,11 @@ class HycoConfig:
         _check_replica_id(self.replica_id)
 
     # ------------------------------------------------------------------ derived
+    @property
+    def gathers(self) -> bool:
+        """Whether the engine holds tree-only steps for expected trees (``step_gather``)."""
+        return self.step_gather == "on" or (self.step_gather == "auto" and self.budget_policy == "adaptive")
+
     @property
     def exact(self) -> bool:
         """True when verification is lossless (no ε)."""

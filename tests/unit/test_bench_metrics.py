@@ -138,10 +138,43 @@ def test_engine_timer_wraps_a_worker_class(monkeypatch, tmp_path):
     assert (w.execute_model(Sched()), w.sample_tokens(None)) == ("out", "sampled")
     snap = w.hyco_bench_timing()
     assert (snap["steps"], snap["rows"]) == (1, 33) and snap["busy_s"] > 0
-    on_disk = timing.read_dir(tmp_path)
+    import time
+
+    for _ in range(500):  # the flusher thread writes within FLUSH_S of the change
+        on_disk = timing.read_dir(tmp_path)
+        if on_disk["steps"]:
+            break
+        time.sleep(timing.FLUSH_S)
     assert (on_disk["steps"], on_disk["rows"]) == (1, 33)
     for p in patches:
         p.revert()
     assert not hasattr(Worker, "hyco_bench_timing") and Worker().execute_model(Sched()) == "out"
     monkeypatch.setenv(timing.ENV, "0")
     assert timing.install() is False
+
+
+def test_gpu_model_counts_mtp_head_steps_and_hyco_handicaps():
+    from hyco_lab.bench import physics as P
+
+    s = P.GpuShape()
+    verify5 = P.verify_ms(s, 5, P.independent_experts(s, 5))
+    assert P.mtp_round_ms(s, 4, P.independent_experts) == pytest.approx(verify5 + 4 * P.head_step_ms(s))
+    assert P.mtp_round_ms(s, 4, P.independent_experts, masked_lm=False) > P.mtp_round_ms(s, 4, P.independent_experts)
+    assert P.hyco_round_ms(s, 5, P.independent_experts) == pytest.approx(verify5 + P.handicap_ms(s))
+    fewer = P.table_experts({1: 8.0, 5: 30.0, 33: 99.0})
+    assert fewer(s, 33) < P.independent_experts(s, 33)
+    assert P.committed_on_prefix([1, 3, 7], 4) == 3 and P.committed_on_prefix([1, 3, 7], 32) == 4
+
+
+def test_gpu_replay_of_logged_trees():
+    from hyco_lab.bench import physics as P
+
+    chain = {"parents": [-1] + list(range(32)), "sources": [0] + [1] * 4 + [3] * 28, "path": [1, 2]}
+    rounds = [chain] * 40
+    s = P.GpuShape()
+    static4 = P.replay(rounds, s, P.independent_experts, policy="static", cap=4)
+    static32 = P.replay(rounds, s, P.independent_experts, policy="static", cap=32)
+    adaptive = P.replay(rounds, s, P.independent_experts, policy="adaptive", cap=32)
+    assert static4["mat"] == static32["mat"] == 3.0 and static4["rows"] == 5 and static32["rows"] == 33
+    assert static4["g_ms"] < static32["g_ms"]
+    assert adaptive["g_ms"] < static32["g_ms"] and adaptive["rows"] < 33  # it learns the tail does not pay

@@ -210,5 +210,11 @@ def test_engine_core_time_is_counted_apart_from_the_model_calls(monkeypatch, tmp
     timer.add("execute_s", 0.1, rows=3)
     snap = timer.snapshot()
     assert (snap["core_s"], snap["core_cpu_s"], snap["busy_s"]) == (0.5, 0.25, 0.1)
-    total = t.read_dir(tmp_path)
+    import time
+
+    for _ in range(500):  # the flusher thread writes the file within FLUSH_S of the last change
+        total = t.read_dir(tmp_path)
+        if total["busy_s"]:
+            break
+        time.sleep(t.FLUSH_S)
     assert (total["core_s"], total["busy_s"]) == (0.5, 0.1)

@@ -39,6 +39,7 @@ EXPECTED: dict[str, str | None] = {
     "vllm.v1.core.sched.scheduler:Scheduler.update_from_output": "self, scheduler_output, model_runner_output",
     "vllm.v1.core.sched.scheduler:Scheduler.update_draft_token_ids": "self, draft_token_ids",
     "vllm.v1.core.sched.scheduler:Scheduler.finish_requests": "self, request_ids, finished_status",
+    "vllm.v1.core.sched.scheduler:Scheduler.has_requests": "self",  # gather_mixin.py (step gathering)
     # runners (runner_mixin.py, cpu_worker.py, worker.py)
     "vllm.v1.worker.gpu_model_runner:GPUModelRunner.__init__": "self, vllm_config, device",
     "vllm.v1.worker.gpu_model_runner:GPUModelRunner._update_states": "self, scheduler_output",

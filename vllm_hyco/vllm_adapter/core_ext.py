@@ -91,10 +91,26 @@ def plain(obj: Any) -> Any:
     return obj
 
 
+def _wire_wake(core, sched) -> None:
+    """Once per engine core: give the scheduler a callable that wakes the busy loop (vLLM's no-op
+    ``WAKEUP`` request on the input queue), for step gathering (``gather_mixin``). An in-process engine
+    core has no input queue and gets none."""
+    if sched.__dict__.get("_hyco_wake_wired"):
+        return
+    sched.__dict__["_hyco_wake_wired"] = True
+    q = getattr(core, "input_queue", None)
+    if q is None or not hasattr(sched, "hyco_set_wake"):
+        return
+    from vllm.v1.engine import EngineCoreRequestType
+
+    sched.hyco_set_wake(lambda: q.put_nowait((EngineCoreRequestType.WAKEUP, None)))
+
+
 @_typed
 def hyco_submit_tree(self, sid: str, round_: int, tokens: list[int], parents: list[int],
                      eps: float | None = None, labels: list[int] | None = None,
                      values: list[float] | None = None) -> dict[str, Any]:
+    _wire_wake(self, _scheduler(self))
     return _scheduler(self).hyco_submit_tree(sid, int(round_), list(tokens), list(parents), eps,
                                              labels=labels, values=values)
 

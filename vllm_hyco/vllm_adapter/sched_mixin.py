@@ -172,7 +172,10 @@ class HycoSchedulerMixin:
         value below the server's own estimate, never raise it)."""
         t0 = self._hyco_clock()
         try:
-            return self._hyco_submit(sid, round_, tokens, parents, eps, labels, values)
+            out = self._hyco_submit(sid, round_, tokens, parents, eps, labels, values)
+            if hasattr(self, "hyco_gather"):
+                self.hyco_gather.submitted(sid, t0[0])
+            return out
         finally:
             self._hyco_note_utility(t0)
 
@@ -223,7 +226,10 @@ class HycoSchedulerMixin:
     def hyco_take_verdict(self, sid: str, round_: int) -> Any:
         t0 = self._hyco_clock()
         try:
-            return self.hyco_sessions.take_verdict(sid, int(round_))
+            out = self.hyco_sessions.take_verdict(sid, int(round_))
+            if hasattr(self, "hyco_gather"):
+                self.hyco_gather.taken(sid, t0[0])
+            return out
         finally:
             self._hyco_note_utility(t0)
 
@@ -437,6 +443,9 @@ class HycoSchedulerMixin:
         live = {s.sid for s in reg.live()}
         for sid in [k for k in pol.acceptance.sessions if k not in live]:
             pol.forget(sid)
+        gather = self.__dict__.get("_hyco_gather")
+        for sid in [k for k in (gather.gap if gather is not None else ()) if k not in live]:
+            gather.forget(sid)
         sharing = len(self.running)  # requests this step will run (an estimate: before vLLM's admission)
         for s in reg.live():
             t = s.tree

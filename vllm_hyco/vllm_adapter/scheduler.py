@@ -7,7 +7,8 @@ scheduled exactly as by vLLM's scheduler. Constructing it adds the ``hyco_*`` ut
 EngineCore (vllm_hyco/vllm_adapter/core_ext.py) in the engine-core process.
 
 Overrides: ``Scheduler.__init__`` (attaches the config), plus HycoSchedulerMixin's
-(vllm_hyco/vllm_adapter/sched_mixin.py). tests/unit/test_vllm_surface.py checks them.
+(vllm_hyco/vllm_adapter/sched_mixin.py) and HycoGatherMixin's ``has_requests`` (step gathering,
+vllm_hyco/vllm_adapter/gather_mixin.py). tests/unit/test_vllm_surface.py checks them.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from vllm_hyco.config import HycoConfig
 from vllm_hyco.vllm_adapter import core_ext
+from vllm_hyco.vllm_adapter.gather_mixin import HycoGatherMixin
 from vllm_hyco.vllm_adapter.sched_mixin import HycoSchedulerMixin
 
 
-class HycoScheduler(HycoSchedulerMixin, Scheduler):
+class HycoScheduler(HycoGatherMixin, HycoSchedulerMixin, Scheduler):
     """vLLM's scheduler plus HyCo sessions and the HyCo config (``self.hyco_config``)."""
 
     def __init__(self, *args, **kwargs):

@@ -46,6 +46,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "static 4/8/16/32 and adaptive, HyCo eps adaptive)")
     p.add_argument("--sweep-runs", type=int, default=None, help="runs per sweep level (default: --runs)")
     p.add_argument("--ordinary", action="store_true", help="ordinary requests: hyco server vs plain vLLM")
+    p.add_argument("--ordinary-phones", type=int, default=0,
+                   help="N > 0: ordinary requests' per-token latency beside N phones (hyco-exact adaptive, "
+                        "static 32) or N Cloud+MTP requests")
+    p.add_argument("--expert-overlap", default=None,
+                   help="JSON of `python -m hyco_lab.bench.physics` (its 'overlap'): the measured expert overlap "
+                        "for the GPU-modelled g")
     p.add_argument("--fixtures", default=None, help="a built fixtures folder (default: build/reuse in HYCO_CACHE)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=1.0)
@@ -288,6 +294,42 @@ class Bench:
                         _log(f"  sweep {cfg.name} x{n} run {run}: {_brief(out[-1])}")
         return out
 
+    def ordinary_mixed(self, phones: int) -> list[dict]:
+        """Per-token latency (TPOT: (wall - TTFT) / (tokens - 1)) of ordinary streaming requests sharing the
+        engine with ``phones`` phones (hyco servers) or as many Cloud+MTP requests (an MTP server)."""
+        from hyco_lab.bench.drive import run_cloud, run_phones
+
+        out = []
+        for name in ("cloud-mtp", "hyco-exact-s32", "hyco-exact"):
+            cfg = C.CONFIGS[name]
+            spec = cfg.server_spec(str(self.fx / "assistant"), max_sessions=phones + len(self.prompts))
+            with self.server(spec, max_num_seqs=phones + len(self.prompts)) as srv:
+                self.one_pass(srv, cfg, -1, self.prompts[:1], self.ids()[:1] if cfg.kind == "phone" else None, 1)
+                load = [self.prompts[i % len(self.prompts)] for i in range(phones)]
+                ids = [self.ids()[i % len(self.prompts)] for i in range(phones)] if cfg.kind == "phone" else None
+
+                async def both():
+                    if cfg.kind == "phone":
+                        bg = run_phones(srv.url, cfg, 900, load, ids, self.fx, self.sampling, concurrency=phones,
+                                        link=self.link, seed0=900_000)
+                    else:
+                        bg = run_cloud(srv.url, cfg.name, 900, load, self.sampling, concurrency=phones,
+                                       link=self.link, seed0=900_000)
+                    await asyncio.sleep(0.5)  # the phones are past their prefill
+                    fg = run_cloud(srv.url, "ordinary", 901, self.prompts, self.sampling, concurrency=1,
+                                   link=self.link, seed0=901_000)
+                    return await asyncio.gather(bg, fg)
+
+                (_bg, _), (recs, _) = asyncio.run(both())
+                tpot = [(r.wall_ms - r.ttft_ms) / (r.tokens - 1) for r in recs
+                        if r.error is None and r.ttft_ms is not None and r.tokens > 1]
+                out.append({"server": name, "phones": phones, "requests": len(recs),
+                            "tpot_ms_mean": round(sum(tpot) / len(tpot), 2) if tpot else None,
+                            "tpot_ms_p90": M.percentile(tpot, 90), "errors": sum(r.error is not None for r in recs),
+                            "background_errors": sum(r.error is not None for r in _bg)})
+                _log(f"  ordinary beside {phones} on {name}: {out[-1]}")
+        return out
+
     def ordinary(self) -> list[dict]:
         out = []
         cloud = C.BenchConfig("ordinary", "cloud", "ordinary")
@@ -324,10 +366,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.eps_sweep:
             selected += [c for c in C.sweep_configs() if c not in selected]
         bench = Bench(args)
+        if args.expert_overlap:
+            M.OVERLAP.update(json.loads(Path(args.expert_overlap).read_text()).get("overlap") or {})
         per_run = bench.main_runs(selected)
         levels = [int(x) for x in args.sweep.split(",") if x.strip()]
         sweep = bench.sweep(levels) if levels else []
         ordinary = bench.ordinary() if args.ordinary else []
+        mixed = bench.ordinary_mixed(args.ordinary_phones) if args.ordinary_phones else []
         tv = bench.tv() if args.tv else None
     except HycoError as e:
         print(f"python -m hyco_lab.bench: {type(e).__name__}: {e}", file=sys.stderr)
@@ -344,6 +389,10 @@ def main(argv: list[str] | None = None) -> int:
                            "handoff_values": handoff_values(bench.fx), "expand_kernel": bench.expand_kernels,
                            "references": {p["id"]: p.get("reference") for p in bench.prompts}}
     results = build_results(per_run, env, sweep, ordinary)
+    from hyco_lab.bench import physics
+
+    results["gpu_batch1"] = physics.batch1(bench.records, sweep, M.OVERLAP or None)
+    results["ordinary_mixed"] = mixed
     from hyco_lab.bench import qreport
 
     results["quality"] = qreport.quality_results(bench.records, env["references"])

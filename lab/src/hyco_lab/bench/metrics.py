@@ -62,6 +62,7 @@ class RoundRecord:
     drafted_sources: dict[int, int] = field(default_factory=dict)  # source -> nodes drafted
     proactive_hit: bool | None = None
     proactive_ms: float = 0.0  # CPU-measured proactive drafting during the wait
+    tree: dict | None = None  # the tree as sent ({"parents", "sources", "path"}: GPU replay of the budget)
 
 
 @dataclass
@@ -207,6 +208,12 @@ def run_metrics(run: RunRecord) -> dict[str, Any]:
         out.update(_cloud_metrics(run.spec_counters))
         rows = 1 + run.spec_counters.get("k", 4)
     out["gpu_model_g_ms"] = gpu_model_g(rows, out.get("mat")) if rows else None
+    verified = out.get("verified_nodes_round")
+    cloud = bool(run.spec_counters) and not any(r.rounds for r in ok)
+    for name, experts in (("independent", None), ("overlap", OVERLAP.get("rows"))):
+        if rows and out.get("mat") and (experts or name == "independent"):
+            out[f"gpu_g_{name}_ms"] = gpu_round_g(rows if cloud or not verified else 1 + verified, out["mat"],
+                                                  cloud=cloud, experts=experts)
     return out
 
 
@@ -274,6 +281,22 @@ def physics_forward_ms(rows: float) -> float:
         if rows <= r1:
             return round(t0 + (t1 - t0) * (rows - r0) / (r1 - r0), 4)
     return pts[-1][1]
+
+
+#: the measured expert-overlap table (``physics.measure_expert_overlap``), set by the bench when it has one
+OVERLAP: dict = {}
+
+
+def gpu_round_g(rows: float, mat: float, *, cloud: bool, experts: dict | None = None) -> float:
+    """GPU-modelled g with both sides' own terms (``hyco_lab.bench.physics``): Cloud+MTP pays its verify
+    forward of ``rows`` rows plus K = rows - 1 head steps; HyCo its verify forward of the rows the server
+    verified plus its GPU handicaps. ``experts``: a measured ``{rows: experts}`` table, else independent."""
+    from hyco_lab.bench import physics as P
+
+    shape = P.GpuShape()
+    fn = P.table_experts({int(k): v for k, v in experts.items()}) if experts else P.independent_experts
+    ms = P.mtp_round_ms(shape, int(round(rows)) - 1, fn) if cloud else P.hyco_round_ms(shape, rows, fn)
+    return round(ms / mat, 4)
 
 
 def gpu_model_g(rows_per_round: float, mat: float | None) -> float | None:

@@ -138,8 +138,13 @@ def round_records(session, result) -> list[RoundRecord]:
                                device_ms=session.bench_device_ms.get(st.round, 0.0), draft_ms=st.draft_ms,
                                wait_ms=st.wait_ms, bytes_up=st.bytes_up, bytes_down=st.bytes_down,
                                path_sources=sources, drafted_sources=drafted, proactive_hit=st.proactive_hit,
-                               proactive_ms=st.proactive_ms))
+                               proactive_ms=st.proactive_ms, tree=_tree_record(session, st.round)))
     return out
+
+
+def _tree_record(session, round_: int) -> dict | None:
+    t = session.bench_trees.get(round_)
+    return None if t is None else {"parents": t["parents"], "sources": t["sources"], "path": t["path"]}
 
 
 def prompt_ids(tokenizer_dir: Path, messages: list[dict]) -> list[int]:

@@ -141,7 +141,7 @@ def _sweep_md(results: dict[str, Any]) -> list[str]:
            ("Mean over the sweep's runs (sd in parentheses); g: model calls, g core: all engine-core work "
             "(steps and HyCo utility calls), both CPU ms per output token."), "",
            ("| configuration | phones | runs | server tok/s | g ms/token | g core ms/token | MAT | nodes/round | "
-            "verified/round | errors |"), "|---|---|---|---|---|---|---|---|---|---|"]
+            "verified/round | GPU g indep. / overlap | errors |"), "|---|---|---|---|---|---|---|---|---|---|---|"]
     groups: dict[tuple, list[dict]] = {}
     for m in results["sweep"]:
         groups.setdefault((m["config"], m["concurrency"]), []).append(m)
@@ -153,7 +153,36 @@ def _sweep_md(results: dict[str, Any]) -> list[str]:
             return f"{s['mean']:.{digits}f}" + (f" ({s['sd']:.{digits}f})" if s["n"] > 1 else "")
         out.append(f"| {config} | {n} | {len(ms)} | {cell('server_tok_s', 2)} | {cell('g_ms')} | "
                    f"{cell('g_core_ms')} | {cell('mat')} | {cell('nodes_round', 1)} | "
-                   f"{cell('verified_nodes_round', 1)} | {sum(m.get('errors') or 0 for m in ms)} |")
+                   f"{cell('verified_nodes_round', 1)} | {cell('gpu_g_independent_ms')} / {cell('gpu_g_overlap_ms')} | "
+                   f"{sum(m.get('errors') or 0 for m in ms)} |")
+    return out + [""] + _gpu_batch1_md(results) + _mixed_md(results)
+
+
+def _gpu_batch1_md(results: dict[str, Any]) -> list[str]:
+    g = results.get("gpu_batch1") or {}
+    if not g.get("rows"):
+        return []
+    out = ["## GPU-modelled g at batch 1 (H200 model, `hyco_lab.bench.physics`)", "",
+           (f"The logged whole trees of `{g['source']}` at one phone ({g['sessions']} sessions) replayed under each "
+            "budget (adaptive: the server's policy with its cost model fitted on the modelled step times); "
+            "Cloud+MTP: its verify forward of 5 rows plus 4 head steps over its measured MAT at one request. "
+            "Experts per layer: independent routing, or the overlap measured on a router of the real shape."), "",
+           "| configuration | experts | g ms/token | MAT | rows/round |", "|---|---|---|---|---|"]
+    for r in g["rows"]:
+        out.append(f"| {r['config']} | {r['experts']} | {r['g_ms']:.3f} | {r['mat']:.2f} | {r['rows']:.1f} |")
+    return out + [""]
+
+
+def _mixed_md(results: dict[str, Any]) -> list[str]:
+    rows = results.get("ordinary_mixed") or []
+    if not rows:
+        return []
+    out = ["## Ordinary requests beside phones: per-token latency (TPOT, ms)", "",
+           "| server | phones (or Cloud+MTP requests) | ordinary requests | TPOT mean | TPOT p90 | errors |",
+           "|---|---|---|---|---|---|"]
+    for m in rows:
+        out.append(f"| {m['server']} | {m['phones']} | {m['requests']} | {m['tpot_ms_mean']} | "
+                   f"{m['tpot_ms_p90']} | {m['errors']} / {m['background_errors']} |")
     return out + [""]
 
 

@@ -168,7 +168,9 @@ class BenchServer:
             return ""
 
     def timing(self) -> dict[str, Any]:
-        """The engine's cumulative compute totals (sum over its processes)."""
+        """The engine's cumulative compute totals (sum over its processes), after the engines' flushers
+        wrote their last totals (``timing.FLUSH_S``)."""
+        time.sleep(5 * timing.FLUSH_S)
         return timing.read_dir(self.timing_dir)
 
     def metrics(self) -> dict[str, list[tuple[dict[str, str], float]]]:

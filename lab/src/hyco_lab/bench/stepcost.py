@@ -1,0 +1,268 @@
+"""Where a step's server time goes: HyCo trees against vLLM's MTP, per component, at 1 and N requests.
+
+``python -m hyco_lab.bench.stepcost --requests 1,16 --nodes 4,32 --steps 24 [--fixtures DIR] [--out F]``
+
+One engine per setup, in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; each setup in its own child
+process so the two engines never share one), on the bench fixtures. HyCo: ``n`` sessions submit a tree of
+``nodes`` nodes each round, all in the same step (``HycoEngine.submit_many``); the trees are value-ordered
+chains of the greedy continuation planted at depth 0..3 plus random siblings, so every round commits a few
+tokens. MTP: ``n`` plain requests with vLLM's MTP (K = 4) decode. Each component is timed with process CPU
+time by wrapping it (the wrappers' own cost is inside the totals; a few microseconds a call), per step:
+
+| component | what |
+| --- | --- |
+| ``step`` | ``EngineCore.step`` (schedule + model call + sampling + update) + ``post_step`` |
+| ``forward`` | the runner's ``_model_forward`` (all layers; HyCo's tree attention is inside it) |
+| ``tree_attn`` | HyCo's tree-row recompute in the attention override: the K/V gathers and the dense twin (the loop around them is in ``forward``) |
+| ``logits`` | ``compute_logits`` |
+| ``decide`` / ``compact`` / ``handoff`` / ``plan`` | ``tree_step``: the tree decision, KV compaction, int8 hand-off, step index tensors |
+| ``schedule`` / ``update`` | the scheduler's ``schedule`` / ``update_from_output`` (HyCo's cut included) |
+| ``utility`` | the HyCo utility calls (tree submission, verdict take): once per session per round |
+| ``propose`` | MTP: vLLM's draft proposer (K sequential head steps) |
+| ``sample`` | MTP: the rejection sampler; HyCo: ``decide`` |
+
+Reported per step and per committed token (the CPU build: compare ratios within one run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import multiprocessing as mp
+import os
+import random
+import time
+from collections import defaultdict
+
+COMPONENTS = ("step", "forward", "tree_attn", "logits", "plan", "decide", "compact", "handoff", "schedule",
+              "update", "utility", "propose", "sample")
+
+
+class Clock:
+    def __init__(self):
+        self.cpu = defaultdict(float)
+        self.calls = defaultdict(int)
+        self.depth = defaultdict(int)
+
+    def wrap(self, owner, attr: str, name: str) -> None:
+        fn = getattr(owner, attr)
+        clock = self
+
+        @functools.wraps(fn)
+        def timed(*a, **k):
+            if clock.depth[name]:  # recursion (a wrapped super() call): count the outer call only
+                return fn(*a, **k)
+            clock.depth[name] += 1
+            c0 = time.process_time()
+            try:
+                return fn(*a, **k)
+            finally:
+                clock.depth[name] -= 1
+                clock.cpu[name] += time.process_time() - c0
+                clock.calls[name] += 1
+
+        setattr(owner, attr, timed)
+
+    def snapshot(self) -> dict:
+        return {"cpu": dict(self.cpu), "calls": dict(self.calls)}
+
+
+def _install(clock: Clock, hyco: bool) -> None:
+    from vllm.v1.engine.core import EngineCore
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    clock.wrap(EngineCore, "step", "step")
+    clock.wrap(EngineCore, "post_step", "step")
+    clock.wrap(GPUModelRunner, "_model_forward", "forward")
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+
+    clock.wrap(LogitsProcessor, "forward", "logits")
+    if hyco:
+        from vllm_hyco.vllm_adapter import core_ext, cpu_attention, tree_step
+        from vllm_hyco.vllm_adapter.scheduler import HycoScheduler
+
+        clock.wrap(cpu_attention, "tree_attention_dense_ref", "tree_attn")
+        from vllm_hyco.vllm_adapter import kv_view
+
+        clock.wrap(kv_view.CpuAttnKVView, "gather", "tree_attn")
+        for attr in ("decide", "compact", "handoff"):
+            clock.wrap(tree_step, attr, attr)
+        clock.wrap(tree_step.StepTrees, "build", "plan")
+        clock.wrap(HycoScheduler, "schedule", "schedule")
+        clock.wrap(HycoScheduler, "update_from_output", "update")
+        for attr in ("hyco_submit_tree", "hyco_take_verdict"):
+            clock.wrap(core_ext, attr, "utility")
+        core_ext.install()  # re-add the (wrapped) methods to EngineCore
+        for p in core_ext.PATCHES:
+            setattr(p._owner(), p.attr, getattr(core_ext, p.attr))
+    else:
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.sample.rejection_sampler import RejectionSampler
+
+        clock.wrap(GPUModelRunner, "propose_draft_token_ids", "propose")
+        clock.wrap(RejectionSampler, "forward", "sample")
+        clock.wrap(Scheduler, "schedule", "schedule")
+        clock.wrap(Scheduler, "update_from_output", "update")
+
+
+def _prompts(n: int, seed: int = 7) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[2] + [rng.randrange(10, 4000) for _ in range(40)] for _ in range(n)]
+
+
+def _tree(root: int, greedy: list[int], nodes: int, rng: random.Random, vocab: int) -> tuple[list, list]:
+    """A value-ordered tree: the greedy chain (depth 0..4 planted), then random siblings level by level."""
+    depth = min(rng.randrange(0, 5), len(greedy))
+    tokens, parents = [root], [-1]
+    for d in range(depth):
+        tokens.append(greedy[d])
+        parents.append(d)
+    chain = list(range(len(tokens)))
+    used = {p: {tokens[p + 1]} if p + 1 < len(tokens) else set() for p in chain}
+    while len(tokens) < nodes + 1:
+        for p in chain:
+            if len(tokens) >= nodes + 1:
+                break
+            tok = rng.randrange(10, vocab)
+            if tok in used[p]:
+                continue
+            used[p].add(tok)
+            tokens.append(tok)
+            parents.append(p)
+    return tokens, parents
+
+
+def run_hyco(verifier: str, n: int, nodes: int, steps: int, out: dict) -> None:
+    from vllm import LLM, SamplingParams
+
+    clock = Clock()
+    _install(clock, hyco=True)
+    llm = LLM(model=verifier, dtype="float32", max_model_len=1024, max_num_seqs=max(n, 1), enforce_eager=True,
+              distributed_executor_backend="uni", skip_tokenizer_init=True, seed=0, enable_prefix_caching=False,
+              speculative_config={"method": "hyco", "budget_policy": "static", "node_budget": nodes})
+    from vllm_hyco.vllm_adapter.api import HycoEngine
+
+    vocab = llm.llm_engine.model_config.get_vocab_size()
+    prompts = _prompts(n)
+    max_tokens = steps * 6 + 8
+    refs = [o.outputs[0].token_ids for o in llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                                    ignore_eos=True), use_tqdm=False)]
+    hy = HycoEngine(llm)
+    rng = random.Random(0)
+    handles = [hy.open(prompt_token_ids=p, temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+               for p in prompts]
+    st = {h.sid: {"root": h.root, "out": [], "round": 0, "ref": r} for h, r in zip(handles, refs)}
+    warm = 3
+    tokens, base = 0, None
+    for r in range(steps + warm):
+        if r == warm:
+            base = clock.snapshot()
+        batch = []
+        for sid, s in st.items():
+            toks, pars = _tree(s["root"], list(s["ref"][len(s["out"]):]), nodes, rng, vocab)
+            batch.append((sid, s["round"], toks, pars))
+        for v in hy.submit_many(batch):
+            s = st[v.sid]
+            s["out"] += v.committed
+            s["root"], s["round"] = v.bonus, s["round"] + 1
+            if r >= warm:
+                tokens += len(v.committed)
+    out.update(_result(clock, base, tokens, f"hyco-static{nodes}", n))
+
+
+def run_mtp(verifier: str, assistant: str, n: int, steps: int, out: dict) -> None:
+    from vllm import LLM, SamplingParams
+
+    clock = Clock()
+    _install(clock, hyco=False)
+    llm = LLM(model=verifier, dtype="float32", max_model_len=1024, max_num_seqs=max(n, 1), enforce_eager=True,
+              distributed_executor_backend="uni", skip_tokenizer_init=True, seed=0, enable_prefix_caching=False,
+              speculative_config={"method": "mtp", "model": assistant, "num_speculative_tokens": 4})
+    prompts = _prompts(n)
+    params = SamplingParams(temperature=0.0, max_tokens=steps * 3, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in prompts[:1]], SamplingParams(max_tokens=4), use_tqdm=False)
+    base = clock.snapshot()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    out.update(_result(clock, base, tokens, "cloud-mtp", n, prefill_tokens=0))
+
+
+def _result(clock: Clock, base: dict, tokens: int, name: str, n: int, prefill_tokens: int = 0) -> dict:
+    now = clock.snapshot()
+    cpu = {k: now["cpu"].get(k, 0.0) - base["cpu"].get(k, 0.0) for k in COMPONENTS}
+    calls = {k: now["calls"].get(k, 0) - base["calls"].get(k, 0) for k in COMPONENTS}
+    steps = max(calls["forward"], 1)
+    return {"config": name, "requests": n, "steps": steps, "tokens": tokens,
+            "ms_per_step": {k: round(1e3 * v / steps, 3) for k, v in cpu.items()},
+            "ms_per_token": {k: round(1e3 * v / max(tokens, 1), 3) for k, v in cpu.items()},
+            "calls_per_step": {k: round(v / steps, 2) for k, v in calls.items()}}
+
+
+def _child(target, args, q):
+    out: dict = {}
+    try:
+        target(*args, out)
+    except Exception as e:  # noqa: BLE001 - reported in the table
+        out = {"error": repr(e)}
+    q.put(out)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m hyco_lab.bench.stepcost", description=__doc__.split("\n")[0])
+    p.add_argument("--requests", default="1,16")
+    p.add_argument("--nodes", default="4,32")
+    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--fixtures", default=None)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # as the bench's servers (server.BenchServer.env): one passive OpenMP thread, no binding
+    os.environ.update(OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_WAIT_POLICY="PASSIVE")
+    from hyco_lab.bench.server import RUNTIME_ENV
+
+    for k, v in RUNTIME_ENV.items():
+        os.environ.setdefault(k, v)
+    from hyco_lab.bench.__main__ import fixtures_dir
+
+    fx = fixtures_dir(args.fixtures)
+    verifier, assistant = str(fx / "verifier"), str(fx / "assistant")
+    jobs = []
+    for n in [int(x) for x in args.requests.split(",")]:
+        jobs.append((run_mtp, (verifier, assistant, n, args.steps)))
+        for nodes in [int(x) for x in args.nodes.split(",")]:
+            jobs.append((run_hyco, (verifier, n, nodes, args.steps)))
+    ctx = mp.get_context("spawn")
+    rows = []
+    for target, a in jobs:
+        q = ctx.Queue()
+        proc = ctx.Process(target=_child, args=(target, a, q))
+        proc.start()
+        res = q.get()
+        proc.join()
+        rows.append(res)
+        print(json.dumps(res), flush=True)
+    print(table(rows))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+def table(rows: list[dict]) -> str:
+    cols = [c for c in COMPONENTS if any(r.get("ms_per_step", {}).get(c) for r in rows)]
+    head = "| setup | requests | tokens/step | " + " | ".join(f"{c} ms/step" for c in cols) + " | step ms/token |"
+    lines = [head, "|" + "---|" * (len(cols) + 4)]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| error | {r['error']} |")
+            continue
+        ms = r["ms_per_step"]
+        lines.append(f"| {r['config']} | {r['requests']} | {r['tokens'] / r['steps']:.2f} | "
+                     + " | ".join(f"{ms[c]:.2f}" for c in cols) + f" | {r['ms_per_token']['step']:.3f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

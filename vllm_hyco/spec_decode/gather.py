@@ -1,0 +1,82 @@
+"""Step gathering: hold a step that would run only phone trees while sessions about to submit can join it.
+
+A step's cost is a fixed part plus a part per row (``budget.StepCostModel``). Under load the phones' round
+trips (link and drafting) spread their trees out, so each step runs two or three trees and pays the fixed
+part for few tokens: measured on the CPU build at 16 phones, 2-3 trees per step, against Cloud+MTP's 16
+requests per step (docs/benchmarks.md). The engine can wait a little for the trees it expects: every
+session's round trip (verdict taken -> next tree submitted) is measured, so the next arrival of each
+session now in its round trip is predicted.
+
+The rule (:meth:`StepGather.hold_until`): a step whose runnable work is only submitted trees is held
+while some session in its round trip is expected before ``first tree ready + predicted step time``; the
+step runs at that deadline, or as soon as no expected session is left (each submission re-evaluates it).
+So a tree waits at most one predicted step time, the wait a tree arriving just after a step started
+pays anyway, and every session that arrives in the window shares the step's fixed cost. Nothing is held
+while an ordinary request, a prefill or an unfinished output is in the engine (the adapter checks that),
+and nothing is held before the cost model is fitted. Pure Python; the engine wiring is
+``vllm_adapter/sched_mixin.py`` (``has_requests``) and ``core_ext.py`` (the wake-up).
+
+    >>> g = StepGather()
+    >>> g.taken("a", 0.00); g.submitted("a", 0.10)   # a's round trip: 100 ms
+    >>> g.taken("a", 0.20); g.taken("b", 0.20); g.submitted("b", 0.25)
+    >>> g.hold_until(0.25, 0.02, ["a"], now=0.26) is None   # a is expected at 0.30, after 0.25 + 0.02
+    True
+    >>> g.hold_until(0.25, 0.06, ["a"], now=0.26)           # within 0.25 + 0.06: hold until then
+    0.31
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class StepGather:
+    """Per-session round-trip estimates (exponential average, ``alpha`` per round) and the hold rule."""
+
+    def __init__(self, alpha: float = 0.25):
+        self.alpha = alpha
+        self.gap: dict[str, float] = {}  # sid -> average seconds from verdict taken to next tree submitted
+        self.taken_at: dict[str, float] = {}  # sid -> when its last verdict was taken (in its round trip)
+        self.ready_at: dict[str, float] = {}  # sid -> when its pending tree was submitted
+        self.holds = 0  # holds started (the adapter counts them and logs a few)
+
+    def taken(self, sid: str, now: float) -> None:
+        self.taken_at[sid] = now
+        self.ready_at.pop(sid, None)
+
+    def submitted(self, sid: str, now: float) -> None:
+        t = self.taken_at.pop(sid, None)
+        if t is not None and now >= t:
+            g = now - t
+            old = self.gap.get(sid)
+            self.gap[sid] = g if old is None else old + self.alpha * (g - old)
+        self.ready_at[sid] = now
+
+    def forget(self, sid: str) -> None:
+        for d in (self.gap, self.taken_at, self.ready_at):
+            d.pop(sid, None)
+
+    def expected(self, sid: str) -> float | None:
+        """When ``sid``'s next tree is expected, or None (not in its round trip, or no estimate yet)."""
+        t, g = self.taken_at.get(sid), self.gap.get(sid)
+        return None if t is None or g is None else t + g
+
+    def hold_until(self, ready_since: float, horizon: float, waiting: Iterable[str], *,
+                   now: float) -> float | None:
+        """The deadline to hold the step until, or None to run it now.
+
+        ``ready_since``: when the oldest pending tree was submitted; ``horizon``: the predicted seconds of
+        the step; ``waiting``: the sessions in their round trip (parked with their verdict taken). A session
+        is waited for when it is expected by the deadline and not overdue by more than ``horizon``."""
+        if not horizon > 0:
+            return None
+        end = ready_since + horizon
+        if now >= end:
+            return None
+        for sid in waiting:
+            e = self.expected(sid)
+            # expected within the window, and not overdue by more than one step (a session that stopped
+            # submitting, or a phone far slower than its average, is not waited for)
+            if e is not None and now - horizon <= e <= end:
+                return end
+        return None

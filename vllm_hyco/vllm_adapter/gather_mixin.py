@@ -1,0 +1,90 @@
+"""HycoGatherMixin: hold a tree-only step while expected trees can join it (adapter, vLLM 0.32
+``v1/core/sched/scheduler.py`` and ``v1/engine/core.py``'s busy loop).
+
+The rule is ``vllm_hyco.spec_decode.gather`` (pure); this module wires it:
+
+* ``has_requests`` (override of ``Scheduler.has_requests``): False while a step is held, so the engine
+  core's busy loop (``EngineCoreProc._process_input_queue``) blocks on its input queue instead of
+  stepping: the next tree submission (a utility call) wakes it and re-evaluates the hold, and a timer posts
+  vLLM's no-op ``WAKEUP`` request at the deadline. Nothing spins, nothing runs early.
+* The wake-up: ``core_ext`` hands the scheduler a callable that posts ``WAKEUP`` to the engine core's input
+  queue (``hyco_set_wake``) at the first HyCo utility call of an ``EngineCoreProc``. An in-process engine
+  core (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the tests' ``LLM``) has no input queue: it never holds.
+* A step is held only when every runnable request is a session whose submitted tree starts at its root
+  (no ordinary request running or waiting, no prefill, no finished request to report), ``step_gather``
+  is on (``HycoConfig.gathers``) and the step-cost model is fitted; the horizon is the model's predicted
+  step time for the pending trees' rows.
+
+Can go when vLLM's scheduler has a batching-delay hook for spec-decode requests.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from vllm_hyco.spec_decode.gather import StepGather
+from vllm_hyco.vllm_adapter.session import SessionState
+
+logger = logging.getLogger("vllm.hyco")  # a child of vLLM's logger: same handler and format
+
+
+class HycoGatherMixin:
+    @property
+    def hyco_gather(self) -> StepGather:
+        g = self.__dict__.get("_hyco_gather")
+        if g is None:
+            g = self.__dict__["_hyco_gather"] = StepGather()
+        return g
+
+    def hyco_set_wake(self, wake) -> None:
+        """``wake()`` posts a no-op to the engine loop (called from any thread)."""
+        cfg = getattr(self, "hyco_config", None)
+        if cfg is not None and cfg.gathers:
+            self.__dict__["_hyco_wake"] = wake
+
+    def has_requests(self) -> bool:
+        if not super().has_requests():
+            return False
+        return not self._hyco_holding()
+
+    def _hyco_holding(self) -> bool:
+        wake = self.__dict__.get("_hyco_wake")
+        reg = self.__dict__.get("_hyco_sessions")
+        if wake is None or reg is None or len(self.waiting) or self.has_finished_requests():
+            return False
+        pol = self.hyco_budget_policy
+        if not pol.cost.ready:
+            return False
+        gather = self.hyco_gather
+        rows, kctx, since = 0, 0.0, None
+        for request in self.running:
+            s = reg.by_req(request.request_id)
+            if s is None or s.state is not SessionState.VERIFYING or s.tree is None \
+                    or request.num_computed_tokens != request.num_tokens - 1:
+                return False
+            t = gather.ready_at.get(s.sid)
+            if t is None:
+                return False
+            since = t if since is None else min(since, t)
+            n = len(s.tree.tokens) if s.tree.plan is None else s.tree.plan.nodes + 1
+            rows += n
+            kctx += n * request.num_tokens / 1000.0
+        if since is None:
+            return False
+        now = time.perf_counter()
+        waiting = [s.sid for s in reg.live() if s.state is SessionState.PARKED]
+        end = gather.hold_until(since, pol.cost.predict(rows, kctx), waiting, now=now)
+        if end is None:
+            return False
+        if self.__dict__.get("_hyco_wake_at", 0.0) < now:  # no timer pending: a new hold
+            self.__dict__["_hyco_wake_at"] = end
+            gather.holds += 1
+            if gather.holds in (1, 10, 100) or gather.holds % 1000 == 0:
+                logger.info("HyCo step gathering: %d holds so far (this one %.1f ms)", gather.holds,
+                            (end - now) * 1e3)
+            timer = threading.Timer(max(end - now, 0.0) + 1e-4, wake)
+            timer.daemon = True
+            timer.start()
+        return True

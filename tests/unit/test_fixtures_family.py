@@ -30,3 +30,43 @@ def test_diversity_and_blocks():
     d = family.diversity([[1, 2, 3, 1, 2, 3, 1, 2, 3], [4, 5]])
     assert d["distinct_1"] == round(5 / 11, 4) and d["repetition_4"] == 0.5 and d["answers"] == 2
     assert family.to_blocks([[1, 2, 3], [4, 5, 6, 7]], 3).tolist() == [[1, 2, 3], [4, 5, 6]]
+
+
+def test_chain_counts_walks_and_ceiling():
+    import random
+
+    from hyco_lab.fixtures import chain as mc
+
+    seqs = [[10, 11, 12, 13], [10, 11, 14, 15], [20, 11, 12, 16]]
+    ch = mc.Chain.build(seqs, order=2, weights=(0.0, 0.25, 0.75))
+    p = ch.probs([10, 11])  # order 2 after (10, 11): 12 or 14; order 1 after 11: 12 (2/3) or 14 (1/3)
+    assert abs(p[12] - (0.75 * 0.5 + 0.25 * 2 / 3)) < 1e-9 and abs(sum(p.values()) - 1) < 1e-9
+    assert ch.probs([99, 11]) == ch.probs([11])  # an unseen order-2 context passes its weight down
+    walk = ch.walk([10, 11], random.Random(0))
+    assert walk[:2] == [10, 11] and mc.END not in walk and all(t in {10, 11, 12, 13, 14, 15, 16} for t in walk)
+    det = mc.Chain.build([[1, 2, 3, 4, 5]], order=1, weights=(0.0, 1.0))  # one continuation everywhere
+    assert mc.spec_stats(det, [[1]], n=5)["conditional"][0] == 1.0
+    assert mc.walk_stats(det, [[1]], n=5)["argmax_mass"] == 1.0
+
+
+def test_chain_answers_replace_verse_text_only():
+    import random
+
+    plan = family.FamilyPlan()
+    ch, verse_ids = family.domain_chain(plan)
+    u, a, kind, ref = next(p for p in confident.pairs()["train"] if p[2] == "what_says")
+    out = family.chain_answer(a, ref, ch, verse_ids, plan.chain_start, random.Random(0))
+    prefix = a.split(": ", 1)[0] + ": "
+    assert out.startswith(prefix)  # "Genesis C:V says: " kept, the verse replaced by a walk from its start
+    verse = a[len(prefix):]
+    assert out[len(prefix):].split()[0] == verse.split()[0]
+    samples = family.family_samples(dataclasses_replace(plan, chain_copies=1))
+    held = {u for u, _, _, _ in confident.pairs()["heldout"]} - {u for u, _, _, _ in confident.pairs()["train"]}
+    users = {s.split("user\n", 1)[1].split("<turn|>", 1)[0] for s in samples("train")}
+    assert users <= {u for u, _, _, _ in confident.pairs()["train"]} and not users & held
+
+
+def dataclasses_replace(plan, **kw):
+    import dataclasses
+
+    return dataclasses.replace(plan, **kw)

@@ -234,6 +234,7 @@ def _runner(groups: dict, t: int, n: int, window: int | None = None, scales: dic
     hidden = next(iter(groups.values())).dim
     return SimpleNamespace(
         _hyco_state=lambda: state, device=torch.device(DEVICE),
+        vllm_config=SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1)),  # one TP rank
         kv_cache_config=SimpleNamespace(kv_cache_groups=[SimpleNamespace(layer_names=[k]) for k in groups]),
         compilation_config=SimpleNamespace(static_forward_context=layers),
         input_batch=SimpleNamespace(block_table=tables), _hyco_window=lambda: window,

@@ -93,11 +93,9 @@ def start_server(verifier: Path, name: str, api_key: str, *, timeout_s: float = 
     process, log path). Stop it with ``hyco_lab.bench.server.stop_process``."""
     import json
     import subprocess
-    import time
-    import urllib.request
 
     from conftest import cache_dir
-    from hyco_lab.bench.server import cli, free_port, stop_process
+    from hyco_lab.bench.server import cli, free_port, wait_healthy
 
     port = free_port()
     log_path = cache_dir() / f"e2e-{name}-{port}.log"
@@ -111,17 +109,6 @@ def start_server(verifier: Path, name: str, api_key: str, *, timeout_s: float = 
                                                      "budget_policy": "static"})]  # planted depths stay whole
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT)
-    base, deadline = f"http://127.0.0.1:{port}", time.monotonic() + timeout_s
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
-        try:
-            with urllib.request.urlopen(f"{base}/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return base, proc, log_path
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            stop_process(proc)
-            raise RuntimeError(f"server not healthy after {timeout_s:.0f} s:\n{log_path.read_text()[-4000:]}")
-        time.sleep(1.0)
+    base = f"http://127.0.0.1:{port}"
+    wait_healthy(proc, base, log_path, timeout_s)
+    return base, proc, log_path

@@ -29,7 +29,6 @@ import json
 import os
 import subprocess
 import time
-import urllib.request
 
 import aiohttp
 import numpy as np
@@ -47,7 +46,7 @@ from test_e2e_phone_support import (
     tree_frame,
 )
 
-from hyco_lab.bench.server import cli, free_port, stop_process
+from hyco_lab.bench.server import cli, free_port, stop_process, wait_healthy
 from vllm_hyco.handoff.chunks import HandoffAssembler
 from vllm_hyco.handoff.server_frames import FinalFrame, SessionFrame, VerdictFrame
 
@@ -99,21 +98,9 @@ def _serve(verifier, tp: int):
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(c) for c in CORES[:tp])  # '0|1' on a 2-core box
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT)
-    base, deadline = f"http://127.0.0.1:{port}", time.monotonic() + STARTUP_TIMEOUT_S
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"TP={tp} server exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
-        try:
-            with urllib.request.urlopen(f"{base}/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return base, proc, log_path
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            stop_process(proc)
-            raise RuntimeError(f"TP={tp} server not healthy after {STARTUP_TIMEOUT_S} s:\n"
-                               f"{log_path.read_text()[-4000:]}")
-        time.sleep(1.0)
+    base = f"http://127.0.0.1:{port}"
+    wait_healthy(proc, base, log_path, STARTUP_TIMEOUT_S)
+    return base, proc, log_path
 
 
 async def _verdict(phone: RawPhone):

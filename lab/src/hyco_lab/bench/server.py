@@ -54,6 +54,34 @@ def stop_process(proc: subprocess.Popen) -> None:
             proc.wait(timeout=30)
 
 
+def wait_healthy(proc: subprocess.Popen, url: str, log_path: Path, timeout_s: float) -> None:
+    """Poll ``url/health`` once a second until it answers 200. If ``proc`` exits first, or ``timeout_s``
+    passes (then ``proc`` is stopped), raise ``ConfigError`` with the tail of ``log_path``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise ConfigError(f"the server exited with {proc.returncode} during startup; log "
+                              f"{log_path}:\n{_tail(log_path)}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            stop_process(proc)
+            raise ConfigError(f"the server was not healthy after {timeout_s:.0f} s; log "
+                              f"{log_path}:\n{_tail(log_path)}")
+        time.sleep(1.0)
+
+
+def _tail(path: Path, n: int = 4000) -> str:
+    try:
+        return path.read_text(errors="replace")[-n:]
+    except OSError:
+        return ""
+
+
 def parse_prometheus(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
     """Prometheus text exposition -> name -> [(labels, value)]."""
     out: dict[str, list[tuple[dict[str, str], float]]] = {}
@@ -143,29 +171,12 @@ class BenchServer:
         t0 = time.monotonic()
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(self.args(), env=self.env(), stdout=log, stderr=subprocess.STDOUT)
-        while True:
-            if self.proc.poll() is not None:
-                raise ConfigError(f"the server exited with {self.proc.returncode} during startup; log "
-                                  f"{self.log_path}:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() - t0 > self.timeout_s:
-                self.stop()
-                raise ConfigError(f"the server was not healthy after {self.timeout_s:.0f} s; log "
-                                  f"{self.log_path}:\n{self.log_tail()}")
-            time.sleep(1.0)
+        wait_healthy(self.proc, self.url, self.log_path, self.timeout_s)
         self.startup_s = time.monotonic() - t0
         return self
 
     def log_tail(self, n: int = 4000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
+        return _tail(self.log_path, n)
 
     def timing(self) -> dict[str, Any]:
         """The engine's cumulative compute totals (sum over its processes), after the engines' flushers

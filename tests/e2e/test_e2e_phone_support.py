@@ -279,6 +279,25 @@ class RawPhone:
         return frame
 
 
+    async def recv_verdict(self):
+        """The next frame, a verdict, and its hand-off payload, assembled from chunks when it came by
+        reference (``None`` when the verdict carries none)."""
+        from vllm_hyco.handoff.chunks import HandoffAssembler
+        from vllm_hyco.handoff.server_frames import HandoffChunkFrame, VerdictFrame
+
+        v = await self.recv()
+        assert isinstance(v, VerdictFrame), v
+        handoff = v.handoff
+        if v.handoff_ref is not None:
+            asm = HandoffAssembler(v.round, v.handoff_ref)
+            while not asm.complete:
+                chunk = await self.recv()
+                assert isinstance(chunk, HandoffChunkFrame)
+                asm.add(chunk)
+            handoff = asm.payload(self.schema)
+        return v, handoff
+
+
 def start_frame(prompt: str, max_tokens: int = 16, **hyco):
     from vllm_hyco.handoff.client_frames import HycoOptions, StartFrame
 

@@ -25,9 +25,8 @@ from test_e2e_phone_support import (
     tree_frame,
 )
 
-from vllm_hyco.handoff.chunks import HandoffAssembler
 from vllm_hyco.handoff.frames import encode_frame, frame_to_wire
-from vllm_hyco.handoff.server_frames import ErrorFrame, FinalFrame, HandoffChunkFrame, SessionFrame, VerdictFrame
+from vllm_hyco.handoff.server_frames import ErrorFrame, FinalFrame, SessionFrame
 from vllm_hyco.handoff.session_id import route_key
 
 PROMPT = "And God said, Let there be"
@@ -71,20 +70,6 @@ def test_killed_connections_lose_no_token(server, tok, plain):
     assert session.tokens == plain[1] and "".join(session.text_parts) == plain[0]
 
 
-async def _verdict_with_handoff(phone: RawPhone):
-    v = await phone.recv()
-    assert isinstance(v, VerdictFrame), v
-    handoff = v.handoff
-    if v.handoff_ref is not None:
-        asm = HandoffAssembler(v.round, v.handoff_ref)
-        while not asm.complete:
-            chunk = await phone.recv()
-            assert isinstance(chunk, HandoffChunkFrame)
-            asm.add(chunk)
-        handoff = asm.payload(phone.schema)
-    return v, handoff
-
-
 async def _resumed(phone: RawPhone, sid: str, last_round: int, need_seed: bool = False, schema_hash=None):
     """Send a resume; return its `session` frame (checked: same session, same schema) or the error."""
     await phone.send(resume_frame(sid, last_round, need_seed))
@@ -108,15 +93,15 @@ def test_replays_seeds_and_refusals(server, tok, plain):
                 assert v0.handoff is not None and v0.handoff.header.span_start == 0  # seed: prompt < W
                 assert v0.handoff.header.root_position == len(ids) + len(v0.path)
                 await phone.send(tree_frame(1, v0.bonus, plain[1][len(v0.tokens):len(v0.tokens) + 3]))
-                v1, h1 = await _verdict_with_handoff(phone)
+                v1, h1 = await phone.recv_verdict()
             sid, hash_ = ack.session_id, ack.schema_hash
             async with RawPhone(http, server) as phone:  # resume after verdict 0 only: replay of verdict 1
                 again = await _resumed(phone, sid, 0, schema_hash=hash_)
                 assert again.last_round == 1 and again.schema == ack.schema
-                r1, rh1 = await _verdict_with_handoff(phone)
+                r1, rh1 = await phone.recv_verdict()
                 assert r1 == v1 and rh1.header.span_start == h1.header.span_start
                 await _resumed(phone, sid, 1, need_seed=True, schema_hash=hash_)  # a seed for the same verdict
-                s1, sh1 = await _verdict_with_handoff(phone)
+                s1, sh1 = await phone.recv_verdict()
                 t = sh1.header.root_position
                 assert s1.round == 1 and sh1.header.span_start == max(0, t - WINDOW)
                 assert sh1.k[0].shape[0] == t - sh1.header.span_start
@@ -127,7 +112,7 @@ def test_replays_seeds_and_refusals(server, tok, plain):
                 assert isinstance(err, ErrorFrame) and err.code == "unknown_session" and err.fatal
                 # finish the session on this connection, then resume it: the last verdict and `final`
                 await _resumed(phone, sid, 1, schema_hash=hash_)
-                await _verdict_with_handoff(phone)
+                await phone.recv_verdict()
                 # the first tree after a session frame must confirm its schema (bytes: RawPhone would add it)
                 await phone.send(encode_frame(tree_frame(2, v1.bonus, [])))
                 err = await phone.recv()
@@ -135,7 +120,7 @@ def test_replays_seeds_and_refusals(server, tok, plain):
                 done, rnd, root = list(v0.tokens) + list(v1.tokens), 2, v1.bonus
                 while True:
                     await phone.send(tree_frame(rnd, root, plain[1][len(done):len(done) + 4]))
-                    v, _ = await _verdict_with_handoff(phone)
+                    v, _ = await phone.recv_verdict()
                     done += list(v.tokens)
                     if v.finish_reason is not None:
                         break
@@ -145,7 +130,7 @@ def test_replays_seeds_and_refusals(server, tok, plain):
             assert done == plain[1]
             async with RawPhone(http, server) as phone:
                 await _resumed(phone, sid, rnd - 1, schema_hash=hash_)
-                rv, _ = await _verdict_with_handoff(phone)
+                rv, _ = await phone.recv_verdict()
                 assert rv.round == rnd and rv.finish_reason == "length"
                 assert isinstance(await phone.recv(), FinalFrame)
 

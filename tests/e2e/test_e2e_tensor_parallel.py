@@ -47,8 +47,7 @@ from test_e2e_phone_support import (
 )
 
 from hyco_lab.bench.server import cli, free_port, stop_process, wait_healthy
-from vllm_hyco.handoff.chunks import HandoffAssembler
-from vllm_hyco.handoff.server_frames import FinalFrame, SessionFrame, VerdictFrame
+from vllm_hyco.handoff.server_frames import FinalFrame, SessionFrame
 
 FIXTURE = dict(fp32=True, window=128, seed=0, weights="random", verifier_global_kv_heads=2,
                handoff_scales=True)
@@ -103,18 +102,6 @@ def _serve(verifier, tp: int):
     return base, proc, log_path
 
 
-async def _verdict(phone: RawPhone):
-    frame = await phone.recv()
-    assert isinstance(frame, VerdictFrame), frame
-    handoff = frame.handoff
-    if frame.handoff_ref is not None:
-        asm = HandoffAssembler(frame.round, frame.handoff_ref)
-        while not asm.complete:
-            asm.add(await phone.recv())
-        handoff = asm.payload(phone.schema)
-    return frame, handoff
-
-
 async def _raw_session(base: str, prompt_ids: list[int], plain: list[int]) -> list[tuple]:
     """Fixed trees: under the root a decoy, plain decoding's next 1-3 tokens as a chain, a decoy under its
     end. Per round: (round, path, tokens, bonus, hand-off payload)."""
@@ -130,7 +117,7 @@ async def _raw_session(base: str, prompt_ids: list[int], plain: list[int]) -> li
                 extra = [7, *chain, 11]
                 parents = [-1, 0, 0, *range(2, 1 + len(chain)), len(chain) + 1]
                 await phone.send(tree_frame(rnd, root, extra, parents))
-                v, handoff = await _verdict(phone)
+                v, handoff = await phone.recv_verdict()
                 out.append((v.round, v.path, v.tokens, v.bonus, handoff))
                 done, root = done + len(v.tokens), v.bonus
                 if v.bonus is None:

@@ -38,6 +38,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="uc_val / bench: KJV validation chapters; recall: held-out requests about trained KJV "
                         "text (corpus.recall_prompts); family: the issue-18 family's held-out requests")
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--node-budget", type=int, default=0,
+                   help="N > 0: every HyCo configuration without a static budget verifies at budget_policy static, "
+                        "node_budget N (the paper's Table 2: 32); 0: each configuration's own policy")
     p.add_argument("--out", default=None, help="output folder (default benchmarks/out/<time>)")
     p.add_argument("--link", default="lte", help="lan | lte | 5g | rtt=MS,up=MBPS,down=MBPS")
     p.add_argument("--sweep", default="", help="concurrency levels, e.g. 1,4,16,64 (empty: no sweep)")
@@ -365,6 +368,9 @@ def main(argv: list[str] | None = None) -> int:
         selected = C.select(args.configs)
         if args.eps_sweep:
             selected += [c for c in C.sweep_configs() if c not in selected]
+        if args.node_budget:
+            selected = [C.with_static_budget(c, args.node_budget) for c in selected]
+            C.CONFIGS.update({c.name: c for c in selected})  # the replay and TV look configurations up by name
         bench = Bench(args)
         if args.expert_overlap:
             M.OVERLAP.update(json.loads(Path(args.expert_overlap).read_text()).get("overlap") or {})
@@ -381,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
                            "machine": args.machine or machine(), "fixtures": str(bench.fx),
                            "weights": fixture_weights(bench.fx), "link": bench.link.to_dict(), "prompts": len(bench.prompts),
                            "prompt_set": args.prompt_set, "runs": args.runs, "phones": args.phones,
+                           "node_budget": args.node_budget or None,
                            "max_tokens": args.max_tokens, "temperature": args.temperature, "top_k": args.top_k,
                            "top_p": args.top_p, "engine_threads": args.engine_threads,
                            "max_num_batched_tokens": args.max_num_batched_tokens,

@@ -31,7 +31,7 @@ pass, the tree); the on-device head is about 20 ms of that. So: SpecEdge-style 4
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from vllm_hyco.errors import ConfigError
 
@@ -145,6 +145,21 @@ def sweep_configs(epsilons=EPS_SWEEP) -> list[BenchConfig]:
     """Exact, then each ε, on HyCo's trees and on SLM-only trees."""
     return ([CONFIGS["hyco-exact"]] + [epsilon_config("hyco", e) for e in epsilons]
             + [CONFIGS["specedge"]] + [epsilon_config("specedge", e) for e in epsilons])
+
+
+def with_static_budget(config: BenchConfig, budget: int) -> BenchConfig:
+    """``config`` verified at ``budget_policy`` static with ``node_budget`` ``budget`` when it is a HyCo
+    configuration without a static budget of its own (same name: the report compares like with like; the
+    results record the budget); any other configuration unchanged.
+
+    >>> with_static_budget(CONFIGS["hyco"], 32).node_budget, with_static_budget(CONFIGS["cloud-mtp"], 32).node_budget
+    (32, None)
+    """
+    if config.server != "hyco" or config.node_budget is not None:
+        return config
+    if budget < 1:
+        raise ConfigError(f"--node-budget must be a positive number of nodes, got {budget}")
+    return replace(config, node_budget=budget)
 
 
 def select(names: str | list[str] | None) -> list[BenchConfig]:

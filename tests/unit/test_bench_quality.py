@@ -17,7 +17,7 @@ def test_reference_metrics():
     assert Q.rouge_l("", "the cat") == 0.0
     scores = Q.score_answers({"q1": ["a b c", "a b d"], "q2": ["x"], "q3": []}, {"q1": "a b c", "q2": "y"})
     assert scores["q1"]["exact"] == 0.5 and scores["q1"]["rouge_l"] == pytest.approx((1 + 2 / 3) / 2)
-    assert scores["q2"] == {"rouge_l": 0.0, "exact": 0.0, "repetition_4": 0.0} and "q3" not in scores
+    assert scores["q2"] == {"rouge_l": 0.0, "exact": 0.0, "repetition_4": 0.0, "novel_2": 0.0} and "q3" not in scores
     loop = Q.score_answers({"q": ["and the lord and the lord and the lord", "a b c d e"]}, {"q": "x"})
     assert loop["q"]["repetition_4"] == 0.25
 
@@ -29,6 +29,9 @@ def test_diversity():
     # "and the lord and the lord and the lord": six 4-grams, the last three repeat the first three
     assert Q.repetition_rate(["and the lord and the lord and the lord"], 4) == 0.5
     assert Q.repetition_rate(["in the beginning god created"], 4) == 0.0
+    # novel-2: the share of a question's bigrams no other question's answer has
+    novel = Q.novel_ngrams({"a": ["in the beginning god", "in the end"], "b": ["in the garden"], "c": ["x"]})
+    assert novel["a"] == pytest.approx(3 / 5) and novel["b"] == 0.5 and novel["c"] == 0.0
 
 
 def test_paired_bootstrap():
@@ -126,6 +129,10 @@ def test_quality_results_and_report(tmp_path):
     assert lax["delta_exact"]["diff"] == -1.0 and lax["delta_exact"]["excludes_zero"]
     assert lax["repetition_4"] == 0.5 and lax["distinct_2"] < qual["cloud-mtp"]["distinct_2"]
     assert lax["delta_repetition_4"]["diff"] == 0.5 and lax["delta_repetition_4"]["excludes_zero"]
+    # one answer for every question: no bigram is the question's own; "verse number {i} of the book" owns
+    # "number {i}" and "{i} of", 2 of its 5
+    assert lax["novel_2"] == 0.0 and qual["cloud-mtp"]["novel_2"] == 0.4
+    assert lax["delta_novel_2"]["diff"] == -0.4 and lax["delta_novel_2"]["excludes_zero"]
     spread = lambda m, g: {"spread": {"mat": {"mean": m}, "g_ratio": {"mean": g}}}
     results = {"env": {"prompt_set": "family"}, "quality": qual,
                "summary": {"cloud-mtp": spread(2.0, 1.0), "hyco-exact": spread(2.5, 0.9),
@@ -133,7 +140,7 @@ def test_quality_results_and_report(tmp_path):
     rows = qreport.eps_rows(results)
     assert [(r["tree"], r["epsilon"]) for r in rows] == [("hyco", None), ("hyco", 0.001), ("specedge", None)]
     md = "\n".join(qreport.markdown(results))
-    assert "Δ ROUGE-L" in md and "ε trade-off" in md and "-100.0 [-100.0, -100.0] *" in md
+    assert "Δ ROUGE-L" in md and "Δ novel-2" in md and "ε trade-off" in md and "-100.0 [-100.0, -100.0] *" in md
     assert [p.name for p in qreport.plot(results, tmp_path)] == ["eps_tradeoff.png"]
 
 

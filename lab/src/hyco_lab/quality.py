@@ -87,15 +87,32 @@ def repetition_rate(texts: Sequence[str], n: int = 4) -> float | None:
 def score_answers(answers: Mapping[str, Sequence[str]], refs: Mapping[str, str]) -> dict[str, dict[str, float]]:
     """Per question (id -> its answers over runs, and its reference), averaged over its answers: ROUGE-L,
     exact match and the answer's own repetition-4 (``repetition_rate`` of the answer alone, 0 when it has
-    no 4-gram), so that diversity, too, gets a paired interval."""
+    no 4-gram), so that diversity, too, gets a paired interval; and ``novel_2`` (``novel_ngrams``)."""
+    novel = novel_ngrams(answers, 2)
     out = {}
     for qid, texts in answers.items():
         if qid not in refs or not texts:
             continue
         out[qid] = {"rouge_l": statistics.fmean(rouge_l(t, refs[qid]) for t in texts),
                     "exact": statistics.fmean(exact_match(t, refs[qid]) for t in texts),
-                    "repetition_4": statistics.fmean(repetition_rate([t], 4) or 0.0 for t in texts)}
+                    "repetition_4": statistics.fmean(repetition_rate([t], 4) or 0.0 for t in texts),
+                    "novel_2": novel.get(qid, 0.0)}
     return out
+
+
+def novel_ngrams(answers: Mapping[str, Sequence[str]], n: int = 2) -> dict[str, float]:
+    """Per question: the share of its answers' word n-grams (with multiplicity) that no other question's
+    answer of the same configuration contains. The per-question face of distinct-n over all answers: when
+    answers collapse toward one phrasing (a lossy rule committing the verifier's argmax), answers to
+    different questions share n-grams and this falls; being per question, it gets a paired interval.
+
+    >>> r = novel_ngrams({"a": ["x y z"], "b": ["x y w"]})
+    >>> r["a"], r["b"]
+    (0.5, 0.5)
+    """
+    grams = {q: [g for t in texts for g in _ngrams(_words(t), n)] for q, texts in answers.items()}
+    seen_in: Counter = Counter(g for gs in grams.values() for g in set(gs))
+    return {q: (sum(seen_in[g] == 1 for g in gs) / len(gs) if gs else 0.0) for q, gs in grams.items()}
 
 
 def paired_bootstrap(a: Sequence[float], b: Sequence[float], *, resamples: int = 2000, seed: int = 0,

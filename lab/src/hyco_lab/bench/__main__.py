@@ -250,6 +250,7 @@ class Bench:
         wanted = [x for x in self.args.tv_prompts.split(",") if x]
         pool = {p["id"]: p for name in ("uc_val", "bench") for p in bench_prompts(name, 400)}
         pool.update({p["id"]: p for p in bench_prompts("recall", 120)})
+        pool.update({p["id"]: p for p in bench_prompts("family", 100)})
         missing = [x for x in wanted if x not in pool]
         if missing:
             raise ConfigError(f"--tv-prompts: unknown prompt ids {missing}")

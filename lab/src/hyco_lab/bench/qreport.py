@@ -1,5 +1,6 @@
 """The benchmark's quality columns, the ε trade-off (paper Figure 3) and the fixed-tree replay in the report.
 
+``python -m hyco_lab.bench.report OUT`` recomputes a finished run's metrics and quality and rewrites its report.
 ``quality_results(records, references)`` scores every configuration's answers of the main runs
 (``hyco_lab.quality``: ROUGE-L F1, exact match, distinct-n, repetition) with paired bootstrap 95 %
 intervals against Cloud+MTP (per question: the mean over runs; questions resampled, 2,000 resamples,
@@ -48,9 +49,10 @@ def quality_results(records: list[dict], references: dict[str, str], baseline: s
             "rouge_l": round(statistics.fmean(v["rouge_l"] for v in sc.values()), 4) if sc else None,
             "exact": round(statistics.fmean(v["exact"] for v in sc.values()), 4) if sc else None,
             "distinct_1": Q.distinct_n(texts, 1), "distinct_2": Q.distinct_n(texts, 2),
-            "repetition_4": Q.repetition_rate(texts, 4)}
+            "repetition_4": Q.repetition_rate(texts, 4),
+            "novel_2": round(statistics.fmean(v["novel_2"] for v in sc.values()), 4) if sc else None}
         if cfg != baseline and baseline in scores:
-            for metric in ("rouge_l", "exact", "repetition_4"):
+            for metric in ("rouge_l", "exact", "repetition_4", "novel_2"):
                 entry[f"delta_{metric}"] = Q.compare(sc, scores[baseline], metric, resamples=resamples, seed=seed)
         out[cfg] = entry
     return out
@@ -71,7 +73,8 @@ def eps_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
                      "mat": s.get("mat", {}).get("mean"), "g_ratio": s.get("g_ratio", {}).get("mean"),
                      "rouge_l": q.get("rouge_l"), "exact": q.get("exact"),
                      "delta_rouge_l": q.get("delta_rouge_l"), "delta_exact": q.get("delta_exact"),
-                     "delta_repetition_4": q.get("delta_repetition_4"),
+                     "delta_repetition_4": q.get("delta_repetition_4"), "delta_novel_2": q.get("delta_novel_2"),
+                     "novel_2": q.get("novel_2"),
                      "distinct_2": q.get("distinct_2"), "repetition_4": q.get("repetition_4")})
     rows.sort(key=lambda r: (r["tree"], -(r["epsilon"] or 1.0)))
     return rows
@@ -99,27 +102,32 @@ def markdown(results: dict[str, Any]) -> list[str]:
             "paired bootstrap 95 % interval (questions resampled, 2,000 resamples, seed 0; * the interval "
             "excludes zero). Diversity over all answers: distinct-1/2 (unique / all word n-grams) and "
             "repetition-4, the share of 4-grams that repeat an earlier one in the same answer (pooled; its Δ "
-            "is on the per-answer rate, x100)."), "",
-           "| configuration | ROUGE-L | Δ ROUGE-L [95 % CI] | exact | Δ exact [95 % CI] | distinct-1 | distinct-2 | repetition-4 | Δ repetition-4 [95 % CI] | questions |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+            "is on the per-answer rate, x100). novel-2: per question, the share of its answers' word bigrams that no "
+            "other question's answer contains (answers collapsing toward one phrasing lower it), with its paired "
+            "Δ (x100)."), "",
+           "| configuration | ROUGE-L | Δ ROUGE-L [95 % CI] | exact | Δ exact [95 % CI] | distinct-1 | distinct-2 | novel-2 | Δ novel-2 [95 % CI] | repetition-4 | Δ repetition-4 [95 % CI] | questions |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, e in qual.items():
         cfg = config_of(name)
         label = cfg.label if cfg is not None else name
         out.append(f"| {label} | {_num(100 * e['rouge_l'] if e['rouge_l'] is not None else None, 1)} | "
                    f"{_ci(e.get('delta_rouge_l'))} | {_num(100 * e['exact'] if e['exact'] is not None else None, 1)} | "
                    f"{_ci(e.get('delta_exact'))} | {_num(e['distinct_1'])} | {_num(e['distinct_2'])} | "
+                   f"{_num(e.get('novel_2'))} | {_ci(e.get('delta_novel_2'))} | "
                    f"{_num(e['repetition_4'])} | {_ci(e.get('delta_repetition_4'))} | {e['questions']} |")
     rows = eps_rows(results)
     if len(rows) > 2:
         out += ["", "## ε trade-off (paper Figure 3): HyCo's trees and SLM-only trees (SpecEdge-ε)", "",
-                "| tree | ε | MAT | g ratio | ROUGE-L | Δ ROUGE-L [95 % CI] | exact | Δ exact [95 % CI] | distinct-2 | repetition-4 | Δ repetition-4 [95 % CI] |",
-                "|---|---|---|---|---|---|---|---|---|---|---|"]
+                "| tree | ε | MAT | g ratio | ROUGE-L | Δ ROUGE-L [95 % CI] | exact | Δ exact [95 % CI] | distinct-2 | novel-2 | Δ novel-2 [95 % CI] | repetition-4 | Δ repetition-4 [95 % CI] |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             out.append(f"| {r['tree']} | {r['epsilon'] if r['epsilon'] is not None else 'exact'} | "
                        f"{_num(r['mat'], 2)} | {_num(r['g_ratio'])} | "
                        f"{_num(100 * r['rouge_l'] if r['rouge_l'] is not None else None, 1)} | "
                        f"{_ci(r['delta_rouge_l'])} | {_num(100 * r['exact'] if r['exact'] is not None else None, 1)} | "
-                       f"{_ci(r['delta_exact'])} | {_num(r['distinct_2'])} | {_num(r['repetition_4'])} | "
+                       f"{_ci(r['delta_exact'])} | {_num(r['distinct_2'])} | {_num(r['novel_2'])} | "
+                       f"{_ci(r['delta_novel_2'])} | "
+                       f"{_num(r['repetition_4'])} | "
                        f"{_ci(r['delta_repetition_4'])} |")
     rep = results.get("replay")
     if rep:
@@ -179,3 +187,4 @@ def plot(results: dict[str, Any], out_dir: Path) -> list[Path]:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return [path]
+

@@ -239,7 +239,8 @@ def disjoint(a: dict, b: dict) -> bool | None:
 
 
 SPREAD_KEYS = ("g_ms", "g_ratio", "mat", "tok_s", "draft_ms_per_token", "bytes_up_round", "bytes_down_round",
-               "ttft_p50_ms", "ttft_p90_ms", "server_tok_s", "gpu_model_g_ms")
+               "ttft_p50_ms", "ttft_p90_ms", "server_tok_s", "gpu_model_g_ms", "gpu_g_independent_ms",
+               "gpu_g_overlap_ms")
 
 
 def with_ratios(per_run: list[dict[str, Any]], reference: str = "cloud-mtp") -> list[dict[str, Any]]:

@@ -7,8 +7,8 @@ inputs a hand-off would carry: rows of positions [0, P + 1) of the verifier's la
 layer and ``[e(bonus) * sqrt(H) ; h_P]``, captured with transformers' fp32 verifier on the same tokens (its
 greedy output equals vLLM's in fp32, docs/vllm-notes.md §7). Contexts run past the sliding window (128).
 The chains must be equal (the numerics of two fp32 engines differ in the last bits, so a near-tie could
-flip; the test reports the share if one does). Measured: 32/32 proposer calls equal, contexts up to 165
-tokens, about 40 s on this box (vLLM import and engine start dominate).
+flip; the test reports the share if one does). Measured on the shipped (issue-18) family: 39/39 proposer
+calls equal, contexts up to 163 tokens, about 40 s on this box (vLLM import and engine start dominate).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 ``python -m hyco_lab.fixtures.report``.
 
 vLLM's built-in MTP on the trained verifier + assistant must load, stay lossless, and accept drafts at a
-sane rate; the transformers re-enactment of the same chain decoding must count the same acceptances.
+sane rate on the family's held-out requests (``family.eval_prompts``, never trained on); the transformers re-enactment of the same chain decoding must count the same acceptances.
 At T = 1 / top-k 64 / top-p 0.95 (the paper's sampling) it must run and accept at the trained pair's rate,
 not the rate of vLLM 0.32's broken CPU ``expand_kernel`` fallback (temperature 0 for every sampled request:
 depth-1 acceptance about 0.01, top-k crashed), which the plugin patches (vllm_hyco/vllm_adapter/patches/cpu_expand_kernel.py).
@@ -14,7 +14,7 @@ import gc
 
 import pytest
 
-from hyco_lab.fixtures import corpus, report, trained
+from hyco_lab.fixtures import family, report, trained
 from hyco_lab.fixtures.tokenizer import STOP_TOKEN_IDS
 
 pytestmark = pytest.mark.skipif(not trained.available(), reason="no trained fixtures shipped")
@@ -33,7 +33,7 @@ def fixtures(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def rows():
-    return corpus.eval_prompts("uc_val")[:NUM_PROMPTS]
+    return family.eval_prompts()[:NUM_PROMPTS]
 
 
 def _engine(fixtures, spec: bool, draft_sample_method: str | None = None):
@@ -94,7 +94,9 @@ def test_trained_pair_loads_and_mtp_is_lossless(vllm_runs):
 def test_builtin_mtp_acceptance_is_in_a_sane_band(vllm_runs):
     acc = vllm_runs[True]["acc"]
     assert acc["rounds"] > 0
-    assert 0.3 <= acc["conditional"][0] <= 1.0, acc  # greedy loops make deep chains easy
+    # measured on these 6 prompts x 32 tokens: 0.970, 0.875, 1.0, 1.0 (33 rounds, MAT 4.52): greedy answers
+    # recite memorised text, which the head predicts
+    assert 0.3 <= acc["conditional"][0] <= 1.0, acc
     assert all(c > 0.1 for c in acc["conditional"][1:]), acc
     assert 1.5 <= acc["mat"] <= 1 + K
 
@@ -118,7 +120,7 @@ def sampled_run(request, fixtures):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    rows = corpus.eval_prompts("uc_val")[:SAMPLED_PROMPTS]
+    rows = family.eval_prompts()[:SAMPLED_PROMPTS]
     prompts = [TokensPrompt(prompt_token_ids=p) for p in report._prompt_ids(fixtures / "verifier", rows)]
     params = [SamplingParams(max_tokens=MAX_TOKENS, seed=i, **report.T1) for i in range(len(prompts))]
     llm = _engine(fixtures, True, request.param)
@@ -144,11 +146,11 @@ def test_sampled_mtp_runs_on_the_patched_expand_kernel(sampled_run):
 
 
 def test_sampled_mtp_accepts_at_the_trained_rate(sampled_run):
-    """Depth-1 conditional acceptance on 60 uc_val prompts x 64 tokens (docs/fixtures.md): greedy drafts
-    0.342, sampled drafts 0.642; on this test's 8 prompts x 32 tokens 0.465 (71 rounds) and 0.636 (66
-    rounds). The unpatched CPU fallback gave about 0.01 (temperature 0). The bounds sit 3-5 binomial
-    standard errors (about 0.06 over these rounds) below both measurements."""
+    """Depth-1 conditional acceptance on the family's 60 held-out prompts x 64 tokens (docs/fixtures.md,
+    ``data/report_family.json``): greedy drafts 0.647, sampled drafts 0.787; on this test's 8 prompts x 32
+    tokens 0.675 (77 rounds) and 0.810 (58 rounds). The unpatched CPU fallback gave about 0.01 (temperature
+    0). The bounds sit 4 binomial standard errors (about 0.05 over these rounds) below both measurements."""
     acc = sampled_run["acc"]
-    bound = {"greedy": 0.15, "probabilistic": 0.4}[sampled_run["method"]]
+    bound = {"greedy": 0.45, "probabilistic": 0.6}[sampled_run["method"]]
     assert acc["conditional"][0] > bound, acc
     assert acc["mat"] > 1.2, acc

@@ -161,6 +161,25 @@ def test_recall_prompts_are_held_out_requests():
         assert trained[ref] != kind_id[r["kind"]]  # but never this request
 
 
+def test_bench_defaults_are_the_family():
+    """The bench's default prompt set is the family's held-out requests (at least 100 with references,
+    every kind, prefix-stable ids) and --tv-prompts looks family ids up beside the other sets'."""
+    from hyco_lab.bench.__main__ import TV_PROMPTS, bench_prompts, parse_args, prompts_by_id
+    from hyco_lab.fixtures import kinds
+    from vllm_hyco.errors import ConfigError
+
+    args = parse_args([])
+    assert args.prompt_set == "family" and args.tv_prompts.split(",") == list(TV_PROMPTS)
+    rows = bench_prompts("family", 120)
+    assert len(rows) == 120 and all(r["reference"] for r in rows)
+    assert {r["kind"] for r in rows} == set(kinds.KINDS) and rows[:60] == bench_prompts("family", 60)
+    assert len({r["source"] for r in kinds.eval_prompts(400)}) > 100  # more draws, no new training
+    got = prompts_by_id(["conf-150", "uc_val-000", "recall-003"])
+    assert [g["id"] for g in got] == ["conf-150", "uc_val-000", "recall-003"]
+    with pytest.raises(ConfigError, match="conf-999"):
+        prompts_by_id(["conf-999"])
+
+
 def test_replay_reproduces_an_exact_round(fixtures_dir):
     """A logged exact round re-decided exactly gives the logged path; lowering ε never shortens it."""
     import torch

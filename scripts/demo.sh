@@ -7,7 +7,12 @@
 #   5. run one whole HyCo session with `hyco-phone` (the phone's MTP head + SLM drafting trees, the server
 #      verifying them over WS /v1/hyco/session): the answer streams, one statistics line per round
 #   6. stop the server (by PID)
-# HYCO_DEMO_PORT (default 8011) picks the port; the server log goes to $HYCO_CACHE/demo-server.log.
+# The fixture family is a tiny model trained on Genesis 1-25 (docs/fixtures.md): the chat asks it for a
+# verse, the phone session continues the opening words of Genesis 22:13 as a plain completion, both greedy
+# (temperature 0: its most fluent setting; at T = 1 its answers drift between verses). The settings are
+# printed before each answer.
+# HYCO_DEMO_PORT (default 8011) picks the port; HYCO_DEMO_PROMPT, HYCO_DEMO_MAX_TOKENS (64) and
+# HYCO_DEMO_TEMPERATURE (0) the phone session's request; the server log goes to $HYCO_CACHE/demo-server.log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup_env.sh
@@ -38,8 +43,14 @@ done
 echo "[demo] server up; streaming a chat completion"
 "$PY" scripts/demo_chat.py --base-url "http://127.0.0.1:$port/v1" --model hyco-tiny
 echo
+phone_prompt=${HYCO_DEMO_PROMPT:-And Abraham lifted up his eyes,}
+phone_max=${HYCO_DEMO_MAX_TOKENS:-64}
+phone_t=${HYCO_DEMO_TEMPERATURE:-0}
 echo "[demo] a HyCo phone session: hyco-phone drafts trees, the server verifies them (stats per round on stderr)"
+phone_mode=""
+if [ "$phone_t" = 0 ]; then phone_mode=" (greedy)"; fi
+echo "[demo] phone sampling: temperature $phone_t$phone_mode, exact verification, max_tokens $phone_max;" \
+  "completion prompt: $phone_prompt"
 "$HYCO_VENV/bin/hyco-phone" --server "http://127.0.0.1:$port" --model-dir "$fixtures" --model-name hyco-tiny \
-  --prompt "${HYCO_DEMO_PROMPT:-In the beginning God created}" --max-tokens "${HYCO_DEMO_MAX_TOKENS:-48}" \
-  --temperature 0
+  --prompt "$phone_prompt" --max-tokens "$phone_max" --temperature "$phone_t"
 echo "[demo] stopping the server"

@@ -77,24 +77,28 @@ def test_tv_check_bound_and_flag():
 
 
 def test_exact_within_noise_and_eps_flagged_on_fixture_verifier(fixtures_dir):
-    """The plugin's acceptance core (select_path) on the fixture verifier: trees of its greedy chain and
-    runner-ups, 300 seeds per arm on two held-out prompts whose first token is uncertain. Exact verification
-    commits tokens distributed as plain sampling (within the plain-vs-plain bound); ε = 0.001 accepts the
-    greedy chain and is flagged by the same measure."""
+    """The plugin's acceptance core (select_path) on the family's verifier: trees of its greedy chain and
+    runner-ups, 300 seeds per arm on the bench's two --tv prompts (held-out family requests whose first
+    token is uncertain). Exact verification commits tokens distributed as plain sampling (within the
+    plain-vs-plain bound); ε = 0.001 accepts the greedy chain and is flagged by the same measure."""
     import torch
     import transformers
     from hyco_lab.bench import tvsim
+    from hyco_lab.bench.__main__ import TV_PROMPTS, prompts_by_id
     from hyco_lab.bench.phones import prompt_ids
-    from hyco_lab.fixtures.kinds import eval_prompts
 
     torch.set_num_threads(1)
     model = transformers.Gemma4ForCausalLM.from_pretrained(str(fixtures_dir / "verifier"),
                                                           dtype=torch.float32).eval()
     probs = tvsim.MemoProbs(tvsim.hf_logits_fn(model))
     n, positions = 300, 2
-    for k in (3, 5):  # the family's conf-003 (locate) and conf-005 (repeat): first token max p 0.53, 0.47
-        ids = prompt_ids(fixtures_dir / "verifier", eval_prompts()[k]["messages"])
-        assert float(probs(ids).max()) < 0.6  # an uncertain first token: plain sampling has spread
+    # conf-027 (locate) and conf-029 (repeat): the top first token holds 0.454 / 0.457 of p̃ ("It" / "And");
+    # seeded: exact TV 0.070, 0.113 / 0.073, 0.100 against bounds 0.150; ε = 0.001 0.567, 0.563 / 0.540, 0.863
+    prompts = prompts_by_id(list(TV_PROMPTS))
+    assert [p["id"] for p in prompts] == ["conf-027", "conf-029"]
+    for prompt in prompts:
+        ids = prompt_ids(fixtures_dir / "verifier", prompt["messages"])
+        assert float(probs(ids).max()) < 0.5  # an uncertain first token: plain sampling has spread
         plain_a = tvsim.plain_samples(probs, ids, n, positions, 0)
         plain_b = tvsim.plain_samples(probs, ids, n, positions, 100_000)
         exact = tvsim.tree_samples(probs, ids, n, positions, 200_000, None, depth=2, siblings=2)
@@ -162,6 +166,25 @@ def test_recall_prompts_are_held_out_requests():
         else:
             ref = answer[len("It is written in "):-1]
         assert trained[ref] != kind_id[r["kind"]]  # but never this request
+
+
+def test_bench_defaults_are_the_family():
+    """The bench's default prompt set is the family's held-out requests (at least 100 with references,
+    every kind, prefix-stable ids) and --tv-prompts looks family ids up beside the other sets'."""
+    from hyco_lab.bench.__main__ import TV_PROMPTS, bench_prompts, parse_args, prompts_by_id
+    from hyco_lab.fixtures import kinds
+    from vllm_hyco.errors import ConfigError
+
+    args = parse_args([])
+    assert args.prompt_set == "family" and args.tv_prompts.split(",") == list(TV_PROMPTS)
+    rows = bench_prompts("family", 120)
+    assert len(rows) == 120 and all(r["reference"] for r in rows)
+    assert {r["kind"] for r in rows} == set(kinds.KINDS) and rows[:60] == bench_prompts("family", 60)
+    assert len({r["source"] for r in kinds.eval_prompts(400)}) > 100  # more draws, no new training
+    got = prompts_by_id(["conf-150", "uc_val-000", "recall-003"])
+    assert [g["id"] for g in got] == ["conf-150", "uc_val-000", "recall-003"]
+    with pytest.raises(ConfigError, match="conf-999"):
+        prompts_by_id(["conf-999"])
 
 
 def test_replay_reproduces_an_exact_round(fixtures_dir):

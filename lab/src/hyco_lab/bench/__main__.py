@@ -29,14 +29,21 @@ from hyco_lab.bench.server import BenchServer, budget_counters, counters_delta, 
 from vllm_hyco.errors import ConfigError, HycoError
 
 
+#: --tv's default prompts: two held-out family requests whose first answer token is uncertain under the
+#: family's verifier (its top token holds 0.454 and 0.457 of p̃ at T = 1, top-k 64, top-p 0.95: "It" vs
+#: "And", a locate and a repeat request; transformers, fp32; docs/benchmarks.md)
+TV_PROMPTS = ("conf-027", "conf-029")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m hyco_lab.bench", description=__doc__.split("\n")[0])
     p.add_argument("--configs", default="all", help=f"comma-separated, from: {', '.join(C.CONFIGS)} (all)")
     p.add_argument("--phones", type=int, default=1, help="concurrent phones (requests) in the main runs")
     p.add_argument("--prompts", type=int, default=6, help="prompts per run")
-    p.add_argument("--prompt-set", default="uc_val", choices=("uc_val", "bench", "recall", "family"),
-                   help="uc_val / bench: KJV validation chapters; recall: held-out requests about trained KJV "
-                        "text (corpus.recall_prompts); family: the issue-18 family's held-out requests")
+    p.add_argument("--prompt-set", default="family", choices=("family", "uc_val", "bench", "recall"),
+                   help="family (default): the shipped family's held-out requests with reference answers "
+                        "(family.eval_prompts, docs/fixtures.md); uc_val / bench: KJV validation chapters (out of "
+                        "the family's domain); recall: held-out requests about the old KJV family's training text")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--node-budget", type=int, default=0,
                    help="N > 0: every HyCo configuration without a static budget verifies at budget_policy static, "
@@ -72,8 +79,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="log this phone configuration's trees in run 0 and re-decide them at each ε offline "
                         "('' : no replay)")
     p.add_argument("--tv", default="", help="SEEDS,POSITIONS: distance from plain sampling, e.g. 200,4 ('': off)")
-    p.add_argument("--tv-prompts", default="uc_val-000,uc_val-005",
-                   help="prompt ids for --tv (from the uc_val/bench/recall sets; these two have an uncertain start)")
+    p.add_argument("--tv-prompts", default=",".join(TV_PROMPTS),
+                   help="prompt ids for --tv (from the family/uc_val/bench/recall sets; the default two have an "
+                        "uncertain first token under the family's verifier)")
     p.add_argument("--tv-configs", default="cloud-mtp,hyco-exact,hyco-eps-0.001,hyco",
                    help="configurations measured by --tv (each against plain vLLM)")
     p.add_argument("--machine", default=None, help="how to describe this machine in the report")
@@ -104,6 +112,18 @@ def bench_prompts(name: str, n: int) -> list[dict]:
     from hyco_lab.fixtures.corpus import eval_prompts
 
     return eval_prompts(name)[:n]
+
+
+def prompts_by_id(wanted: list[str]) -> list[dict]:
+    """Prompts by id from every set: family (``conf-NNN``, the first 400), uc_val / bench (``uc_val-NNN``,
+    ``bench-NNN``), recall (``recall-NNN``, the first 120)."""
+    pool = {p["id"]: p for name in ("uc_val", "bench") for p in bench_prompts(name, 400)}
+    pool.update({p["id"]: p for p in bench_prompts("recall", 120)})
+    pool.update({p["id"]: p for p in bench_prompts("family", 400)})
+    missing = [x for x in wanted if x not in pool]
+    if missing:
+        raise ConfigError(f"--tv-prompts: unknown prompt ids {missing}")
+    return [pool[x] for x in wanted]
 
 
 def machine() -> str:
@@ -247,14 +267,7 @@ class Bench:
         _log(f"  tv {cfg.name}: {sum(map(len, arm.values()))} answers")
 
     def tv_prompts(self) -> list[dict]:
-        wanted = [x for x in self.args.tv_prompts.split(",") if x]
-        pool = {p["id"]: p for name in ("uc_val", "bench") for p in bench_prompts(name, 400)}
-        pool.update({p["id"]: p for p in bench_prompts("recall", 120)})
-        pool.update({p["id"]: p for p in bench_prompts("family", 100)})
-        missing = [x for x in wanted if x not in pool]
-        if missing:
-            raise ConfigError(f"--tv-prompts: unknown prompt ids {missing}")
-        return [pool[x] for x in wanted]
+        return prompts_by_id([x for x in self.args.tv_prompts.split(",") if x])
 
     def tv(self) -> dict:
         """Plain vLLM twice (disjoint seeds), then TV per configuration and prompt against plain set A with

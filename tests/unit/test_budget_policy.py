@@ -92,6 +92,7 @@ def test_next_budget_follows_the_cut_and_grows_back_to_the_cap():
     full = pol.plan("s", CHAIN8[:4])
     assert full.nodes == full.sent == 3 and pol.next_budget(full) == 6
     assert pol.next_budget(Plan(30, 30, np.ones(31), np.ones(31))) == 32  # capped
+    assert pol.next_budget(cut, first_round=True) == 32  # round 0 is the SLM's tree alone: no evidence yet
 
 
 def test_inflated_phone_values_never_raise_a_sessions_rows():

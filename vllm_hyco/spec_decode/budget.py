@@ -334,11 +334,13 @@ class BudgetPolicy:
     def observe_step(self, rows: int, kctx: float, seconds: float) -> bool:
         return self.cost.observe(rows, kctx, seconds)
 
-    def next_budget(self, plan: Plan | None) -> int:
-        """Nodes granted for the session's next round: the cap (static, or no fit yet); else the nodes kept
-        when the server cut the tree, and twice them (up to the cap) when it kept every node sent, so a
-        session whose trees pay grows back to the cap."""
-        if not self.adaptive or plan is None or not self.cost.ready:
+    def next_budget(self, plan: Plan | None, *, first_round: bool = False) -> int:
+        """Nodes granted for the session's next round: the cap (static, or no fit yet, or after the
+        session's first round, whose tree is the SLM's alone (docs/decisions.md D2) and so says nothing
+        about the size of the hybrid trees that follow); else the nodes kept when the server cut the tree,
+        and twice them (up to the cap) when it kept every node sent, so a session whose trees pay grows
+        back to the cap."""
+        if not self.adaptive or plan is None or not self.cost.ready or first_round:
             return self.cap
         if plan.nodes < plan.sent:
             return max(1, min(plan.nodes, self.cap))

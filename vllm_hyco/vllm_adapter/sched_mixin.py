@@ -470,7 +470,7 @@ class HycoSchedulerMixin:
             n = min(int(verdict.get("num_rows", len(t.parents))), len(t.parents))  # rows actually verified
             pol.observe_round(s.sid, t.parents[:n], None if t.labels is None else t.labels[:n],
                               verdict.get("path_rows", ()), None if plan is None else plan.predicted[:n])
-        verdict["budget"] = pol.next_budget(plan)
+        verdict["budget"] = pol.next_budget(plan, first_round=t is not None and t.round == 0)
         verdict["budget_info"] = {"policy": pol.policy, "cap": pol.cap,
                                   "nodes_sent": None if plan is None else plan.sent,
                                   "nodes_verified": None if plan is None else plan.nodes,

@@ -27,7 +27,7 @@ from mobile_client.client import HycoClient, Timeouts
 from mobile_client.session import PhoneSession, SessionOptions
 from mobile_client.tree import DraftTree
 
-from hyco_lab.bench.server import cli, free_port, stop_process
+from hyco_lab.bench.server import cli, free_port, stop_process, wait_healthy
 
 API_KEY = "hyco-e2e-key"
 MODEL = "tiny"
@@ -94,19 +94,7 @@ def phone_server(fixtures_dir: Path) -> str:
         proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT)
     atexit.register(stop_process, proc)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
-        try:
-            if http_get(f"{base}/health", timeout=2)[0] == 200:
-                break
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            stop_process(proc)
-            raise RuntimeError(f"server not healthy after {STARTUP_TIMEOUT_S}s:\n{log_path.read_text()[-4000:]}")
-        time.sleep(1.0)
+    wait_healthy(proc, base, log_path, STARTUP_TIMEOUT_S)
     _SERVER.update(base=base, proc=proc, log=str(log_path))
     return base
 

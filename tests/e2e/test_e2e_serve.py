@@ -10,13 +10,12 @@ import asyncio
 import json
 import os
 import subprocess
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from hyco_lab.bench.server import cli, free_port, stop_process
+from hyco_lab.bench.server import cli, free_port, stop_process, wait_healthy
 
 STARTUP_TIMEOUT_S = 300
 MODEL = "tiny"
@@ -49,18 +48,7 @@ def server(fixtures_dir, tmp_path_factory):
                                 stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
-            try:
-                if _get(f"{base}/health", timeout=2)[0] == 200:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"server not healthy after {STARTUP_TIMEOUT_S}s:\n{log_path.read_text()[-4000:]}")
-            time.sleep(1.0)
+        wait_healthy(proc, base, log_path, STARTUP_TIMEOUT_S)
         yield base
     finally:
         stop_process(proc)

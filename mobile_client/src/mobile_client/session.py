@@ -26,7 +26,8 @@ equal it.
 Drafters: anything with ``propose(context, tree_budget) -> DraftTree`` (``drafters.base.Drafter``). Optional
 hooks the session calls when present: ``prefill(tokens)`` (SLM cache for round 0), ``accept(rows) -> int``
 (rows of the root and the path whose SLM KV it kept) and ``apply_handoff(payload) -> x_hat | None``.
-``HycoPhoneDrafter`` wraps HyCo's two drafters with those hooks.
+``HycoPhoneDrafter`` (``mobile_client.phone_drafter``, re-exported here) wraps HyCo's two drafters with
+those hooks.
 
 >>> from mobile_client.tree import DraftTree
 >>> class Echo:  # proposes one node: the root's token + 1
@@ -40,7 +41,6 @@ hooks the session calls when present: ``prefill(tokens)`` (SLM cache for round 0
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 import time
 from dataclasses import dataclass
@@ -49,13 +49,14 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from mobile_client.drafters.base import DraftContext, Drafter
+from mobile_client.phone_drafter import HycoPhoneDrafter, takes_keyword
+from mobile_client.results import RoundStats, SessionResult, fmt_round
 from mobile_client.tree import DraftTree, trim, value_order
 from vllm_hyco.errors import ConfigError, FrameError, HandoffSchemaError, SessionError
 from vllm_hyco.handoff.client_frames import (MIN_CLIENT_MESSAGE_BYTES, ClientCapabilities, HycoOptions,
                                              ResumeRequest, StartFrame, TreeFrame)
 from vllm_hyco.handoff.frames import encode_frame
 from vllm_hyco.handoff.limits import AIOHTTP_DEFAULT_MAX_MSG
-from vllm_hyco.handoff.quant import HandoffScales, dequantize
 from vllm_hyco.handoff.schema import HANDOFF_SCHEMA_VERSION, HandoffPayload, HandoffSpec
 from vllm_hyco.handoff.server_frames import SessionFrame
 from vllm_hyco.handoff.tree_contract import DEFAULT_NODE_BUDGET
@@ -91,49 +92,6 @@ class SessionOptions:
             raise ConfigError(f"SessionOptions: max_nodes must be 1..254 (got {self.max_nodes}), "
                               f"max_message_bytes >= {MIN_CLIENT_MESSAGE_BYTES} "
                               f"(got {self.max_message_bytes})")
-
-
-@dataclass
-class RoundStats:
-    """One round, as the phone saw it (CPU-measured times; bytes are whole frames)."""
-
-    round: int
-    nodes: int  # drafted nodes sent (root excluded)
-    accepted: int  # |P|: accepted nodes
-    committed: int  # tokens committed (path + bonus; fewer on the finishing round)
-    draft_ms: float  # drafting the tree (0-ish when a proactive tree was reused)
-    wait_ms: float  # tree sent -> verdict and its whole hand-off received
-    bytes_up: int
-    bytes_down: int
-    budget: int  # nodes granted for the next round
-    text: str = ""
-    resumes: int = 0  # reconnections while this round was in flight
-    proactive_hit: bool | None = None  # None: proactive drafting off
-    proactive_ms: float = 0.0  # spent preparing the proactive tree (overlapped with the wait)
-
-
-@dataclass
-class SessionResult:
-    text: str
-    token_ids: list[int]  # committed completion tokens
-    finish_reason: str | None
-    rounds: list[RoundStats]
-    resumes: int
-    final: Any = None  # the server's FinalFrame (None if the connection died after the last verdict)
-
-    @property
-    def mat(self) -> float:
-        """Mean committed tokens per round (path + bonus), as the paper's MAT."""
-        return sum(r.committed for r in self.rounds) / max(len(self.rounds), 1)
-
-    def summary(self) -> dict:
-        n = max(len(self.rounds), 1)
-        return {"rounds": len(self.rounds), "tokens": len(self.token_ids), "mat": round(self.mat, 3),
-                "draft_ms_mean": round(sum(r.draft_ms for r in self.rounds) / n, 3),
-                "wait_ms_mean": round(sum(r.wait_ms for r in self.rounds) / n, 3),
-                "bytes_up": sum(r.bytes_up for r in self.rounds),
-                "bytes_down": sum(r.bytes_down for r in self.rounds), "resumes": self.resumes,
-                "finish_reason": self.finish_reason}
 
 
 @dataclass
@@ -311,7 +269,7 @@ class PhoneSession:
         fn = self.options.proactive
         # the committed tokens before the tree's root that the drafter has not seen (non-empty only while a
         # reused proactive tree is in flight): a proactive function that takes ``catch_up`` drafts after them
-        owed = {"catch_up": self.catch_up} if self.catch_up and _takes(fn, "catch_up") else {}
+        owed = {"catch_up": self.catch_up} if self.catch_up and takes_keyword(fn, "catch_up") else {}
         p.prepared = fn(p.tree, **owed)
         p.proactive_ms = (time.perf_counter() - t0) * 1e3
 
@@ -368,7 +326,7 @@ class PhoneSession:
             rows, toks = ([], []) if p.proactive_hit else ([0, *v.path], [self.root, *path_tokens])
             # with their tokens when the drafter takes them: the tree sent was trimmed after the SLM's
             # forward, so its row indices need not be the forward's
-            kept = self.drafter.accept(rows, tokens=toks) if _takes(self.drafter.accept, "tokens") \
+            kept = self.drafter.accept(rows, tokens=toks) if takes_keyword(self.drafter.accept, "tokens") \
                 else self.drafter.accept(rows)
         # Algorithm 1 line 10: rows without SLM KV become catch-up rows, after any still owed (a reused tree)
         self.catch_up = self.catch_up + tuple([self.root, *path_tokens][kept:])
@@ -498,74 +456,11 @@ def node_values(tree: DraftTree) -> list[int]:
     return [min(255, max(0, round(255.0 * math.exp(min(0.0, float(x)))))) for x in tree.scores]
 
 
-def _takes(fn: Callable, name: str) -> bool:
-    """Whether ``fn`` takes the keyword argument ``name``."""
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return False
-    return any(q.name == name or q.kind is q.VAR_KEYWORD for q in params)
-
-
 def _chunk_text(chunk: dict) -> str:
     choice = chunk["choices"][0]
     if chunk.get("object") == "chat.completion.chunk":
         return choice.get("delta", {}).get("content") or ""
     return choice.get("text") or ""
-
-
-class HycoPhoneDrafter:
-    """HyCo's phone: a ``Drafter`` (``HybridDrafter`` over the MTP and SLM Drafters) plus the session hooks.
-
-    ``slm`` (``SlmDrafter``-like: ``prefill``, ``accept``) keeps the last committed tokens' KV; ``mtp``
-    (``MtpDrafter``-like: ``apply_handoff(t, a, rows)``) keeps the hand-off's K/V ring. ``scales`` are the
-    model's fixed hand-off scales (dequantization of the 8-bit rows and of e, h).
-    """
-
-    KINDS = {"sliding": "sliding_attention", "full": "full_attention"}
-
-    def __init__(self, drafter: Drafter, *, slm: Any = None, mtp: Any = None,
-                 scales: HandoffScales | None = None):
-        if mtp is not None and scales is None:
-            raise SessionError("an MTP drafter needs the model's hand-off scales", code="bad_config")
-        self.drafter, self.slm, self.mtp, self.scales = drafter, slm, mtp, scales
-
-    def propose(self, context: DraftContext, tree_budget: int) -> DraftTree:
-        return self.drafter.propose(context, tree_budget)
-
-    def prefill(self, tokens: Sequence[int]) -> None:
-        if self.slm is not None and len(tokens):
-            self.slm.prefill(list(tokens))
-
-    def accept(self, rows: Sequence[int], tokens: Sequence[int] | None = None) -> int:
-        """The SLM keeps the KV of the accepted rows it computed; ``tokens`` (root first) find them by their
-        token path (the tree sent was trimmed after the forward, so its row indices need not be the
-        forward's)."""
-        if self.slm is None:
-            return 0
-        if tokens is not None and _takes(self.slm.accept, "tokens"):
-            return self.slm.accept(list(rows), tokens=list(tokens))
-        return self.slm.accept(list(rows))
-
-    def apply_handoff(self, h: HandoffPayload) -> np.ndarray | None:
-        """Dequantize the hand-off, write its K/V rows into the MTP ring, return ``x_hat`` = [e ; h] [2H]."""
-        if self.mtp is None:
-            return None
-        rows = {}
-        for layer, k, v in zip(h.header.spec.layers, h.k, h.v):
-            k_scale, v_scale = self.scales.layer(layer.layer_id)
-            kf = dequantize(k, k_scale)  # [P, kv_heads, head_dim]
-            rows[self.KINDS[layer.kind]] = (kf, kf if v is None else dequantize(v, v_scale))
-        self.mtp.apply_handoff(h.header.root_position, h.header.span_start, rows)
-        return np.concatenate([dequantize(h.e_bonus, self.scales.e), dequantize(h.h, self.scales.h)])
-
-
-def fmt_round(s: RoundStats) -> str:
-    """One line per round for consoles and logs."""
-    hit = "" if s.proactive_hit is None else f" pd={'hit' if s.proactive_hit else 'miss'}"
-    return (f"round {s.round:3d}: nodes {s.nodes:2d} accepted {s.accepted:2d} +{s.committed} tok | draft "
-            f"{s.draft_ms:7.2f} ms wait {s.wait_ms:7.2f} ms | up {s.bytes_up:4d} B down {s.bytes_down:7d} B"
-            f"{hit}{' resumed' * (s.resumes > 0)}")
 
 
 __all__ = ["HycoPhoneDrafter", "PhoneSession", "RoundStats", "SessionOptions", "SessionResult", "fmt_round",

@@ -19,7 +19,7 @@ Example (two ranks, one piece of 3 rows, 2 heads of dim 4; the all_gather is sim
     >>> full = torch.arange(24, dtype=torch.int8).view(3, 2, 4)
     >>> shards = [HeadShard(rank=r, size=2) for r in (0, 1)]
     >>> local = [full[:, s.heads(2, 1)] for s in shards]  # what each rank holds
-    >>> flat = torch.stack([torch.cat([p.flatten() for p in [x]]) for x in local])
+    >>> flat = torch.stack([x.flatten() for x in local])
     >>> out = gather_heads([local[0]], shards[0], [2], all_gather=lambda buf: flat.view(torch.float32))
     >>> torch.equal(out[0], full)
     True

@@ -277,20 +277,21 @@ def handoff(runner, step: StepTrees, dec: StepDecision, hidden: torch.Tensor | N
         [shard.scale_slice(scales[kind][1], n) for (kind, _), n in zip(lays, local)], h, e, scales["h"],
         scales["e"])
     # the step's K/V pieces [rows, local heads, D]: both layers' rows of all trees, then the round-0 seeds
+    total = {kind: scales[kind][0].shape[0] for kind in layers}  # the model's KV heads of each layer
     names, kv, heads = [], [], []
     for (kind, _), k_rows, v_rows in zip(lays, q.k, q.v):
         names += [f"{kind}_k", f"{kind}_v"]
         kv += [k_rows, v_rows if v_rows is not None else k_rows]
-        heads += [scales[kind][0].shape[0]] * 2
+        heads += [total[kind]] * 2
     seed_of = {b: _seed(runner, tr, layers, scales, tr.context_len + len(dec.path_rows[b]) + 1, shard)
                for b, tr in enumerate(step.trees) if tr.round == 0}
-    seed_keys = [(b, f"{kind}_{x}") for b in seed_of for kind in layers for x in ("k", "v")]
-    kv += [seed_of[b][key] for b, key in seed_keys]
-    heads += [scales[key.rsplit("_", 1)[0]][0].shape[0] for _, key in seed_keys]
+    seed_keys = [(b, kind, f"{kind}_{x}") for b in seed_of for kind in layers for x in ("k", "v")]
+    kv += [seed_of[b][key] for b, _, key in seed_keys]
+    heads += [total[kind] for _, kind, _ in seed_keys]
     kv = tp_heads.gather_heads(kv, shard, heads)  # one all_gather for the whole step (none on one rank)
     if shard.rank != 0:
         return [{} for _ in step.trees]
-    for (b, key), rows_b in zip(seed_keys, kv[len(names):]):
+    for (b, _, key), rows_b in zip(seed_keys, kv[len(names):]):
         seed_of[b][key] = rows_b.cpu()
     parts, names = [q.e, q.h, *kv[: len(names)]], ["e_bonus", "h", *names]
     sizes = [p.numel() for p in parts]

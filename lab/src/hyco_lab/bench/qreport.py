@@ -188,4 +188,3 @@ def plot(results: dict[str, Any], out_dir: Path) -> list[Path]:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return [path]
-

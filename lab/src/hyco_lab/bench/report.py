@@ -359,4 +359,3 @@ if __name__ == "__main__":
 
     for p in rebuild(sys.argv[1]).values():
         print(p)
-

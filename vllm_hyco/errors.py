@@ -189,6 +189,8 @@ ERROR_CODES: dict[str, ErrorCode] = {
     "bad_tokens": _C(False, 400, "the tree's `tokens` is not n+1 uint32 little-endian ids in range"),
     "bad_parents": _C(False, 400, "`parents` must be n+1 bytes, 0xFF for the root, `0 <= parents[i] < i`"),
     "bad_labels": _C(False, 400, "`labels` must be n+1 bytes, 0 (ROOT) for row 0, 1..4 for the others"),
+    "bad_draft_q": _C(False, 400, "`draft_q` records: rows ascending, each row's token among its ids, positive "
+                                  "weights, one sampled child per node"),
     # raised by the phone's own decoder on server frames (docs: *phone*)
     "bad_verdict": _C(True, 502, "*phone*: a verdict whose fields contradict each other"),
     "bad_handoff": _C(True, 502, "*phone*: a malformed hand-off"),

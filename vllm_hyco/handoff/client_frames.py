@@ -10,6 +10,10 @@ The tree frame (docs/decisions.md D3): rows in insertion order, row 0 is the roo
     parents = bin[n+1]         uint8 row of each parent, 0xFF for the root; 0 <= parents[i] < i
     labels  = bin[n+1]         optional, uint8 NodeLabel per row, ROOT (0) for row 0
     values  = bin[n+1]         optional, uint8 per row: round(255 * the phone's acceptance estimate), 255 for row 0
+    draft_q = bin              optional: the distribution q each *sampled* node was drawn from, one record per
+                               such row, rows ascending: u8 row, u8 m, m x u32 ids, m x u16 weights (LE);
+                               q(id) = weight / sum(weights). The server's coupled sample at the node's parent
+                               makes sampled drafts lossless (docs/acceptance.md, "Sampled drafts")
     schema  = bin[8]           optional; required in the first tree after each ``session`` frame: its schema_hash
 
 >>> t = TreeFrame.from_lists(round=3, tokens=[7, 8, 9], parents=[-1, 0, 0], labels=[0, 1, 2])
@@ -219,13 +223,16 @@ class TreeFrame:
     labels: tuple[int, ...] | None = None  # [n + 1] NodeLabel values, labels[0] = ROOT
     values: tuple[int, ...] | None = None  # [n + 1] uint8 acceptance estimates, values[0] = 255 (issue 16)
     schema: bytes | None = None  # the session's schema_hash: confirms the `session` frame's schema
+    draft_q: DraftQ | None = None  # the draft distributions of the sampled nodes (rows ascending)
 
     @property
     def num_nodes(self) -> int:
         return len(self.tokens) - 1
 
     @classmethod
-    def from_lists(cls, round: int, tokens, parents, labels=None, values=None, schema=None) -> TreeFrame:
+    def from_lists(cls, round: int, tokens, parents, labels=None, values=None, schema=None,
+                   draft_q=None) -> TreeFrame:
+        """``draft_q``: ``{row: (ids, weights)}`` (or a ``DraftQ``) for the rows drawn from a distribution."""
         return cls(
             int(round),
             tuple(int(t) for t in tokens),
@@ -233,6 +240,7 @@ class TreeFrame:
             None if labels is None else tuple(int(x) for x in labels),
             None if values is None else tuple(int(x) for x in values),
             None if schema is None else bytes(schema),
+            None if draft_q is None else DraftQ.of(draft_q),
         )
 
     def tree_dict(self) -> dict:
@@ -252,6 +260,8 @@ class TreeFrame:
             out["labels"] = bytes(self.labels)
         if self.values is not None:
             out["values"] = bytes(self.values)
+        if self.draft_q is not None:
+            out["draft_q"] = self.draft_q.to_bytes()
         return out
 
     @classmethod
@@ -261,6 +271,7 @@ class TreeFrame:
         tokens_raw, parents_raw = f.bin("tokens"), f.bin("parents")
         labels_raw = f.bin("labels", optional=True)
         values_raw = f.bin("values", optional=True)
+        draft_q_raw = f.bin("draft_q", optional=True)
         f.done()
         if schema is not None and len(schema) != SCHEMA_HASH_BYTES:
             raise _E(
@@ -281,14 +292,104 @@ class TreeFrame:
             raise _E(
                 f"tree.tokens holds id {int(tokens.max())}, over {limits.max_token_id}", code="bad_tokens"
             )
-        return cls(
-            rnd,
-            tuple(int(t) for t in tokens),
-            _parents(parents_raw, n),
-            _labels(labels_raw, n),
-            _values(values_raw, n),
-            schema,
-        )
+        ids = tuple(int(t) for t in tokens)
+        parents = _parents(parents_raw, n)
+        draft_q = None
+        if draft_q_raw is not None:
+            draft_q = DraftQ.from_bytes(draft_q_raw, limits)
+            draft_q.check(ids, parents)
+        return cls(rnd, ids, parents, _labels(labels_raw, n), _values(values_raw, n), schema, draft_q)
+
+
+MAX_DRAFT_Q_ENTRIES = 64  # ids per sampled row (the request's top-k 64 bounds a useful q)
+
+
+@dataclass(frozen=True)
+class DraftQ:
+    """The distributions the phone drew its sampled nodes from: ``rows[i]`` was drawn from
+    q(ids[i][j]) = weights[i][j] / sum(weights[i]). Integer weights make q exact on both sides: the phone
+    samples from the same integers it sends, so the server's ratio test and residual use the very q.
+
+    >>> q = DraftQ.of({1: ([5, 9], [3, 1])})
+    >>> DraftQ.from_bytes(q.to_bytes(), WireLimits()) == q, q.prob(0, 5)
+    (True, 0.75)
+    """
+
+    rows: tuple[int, ...]
+    ids: tuple[tuple[int, ...], ...]
+    weights: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def of(cls, value) -> DraftQ:
+        if isinstance(value, DraftQ):
+            return value
+        items = sorted((int(r), v) for r, v in dict(value).items())
+        return cls(tuple(r for r, _ in items), tuple(tuple(int(x) for x in v[0]) for _, v in items),
+                   tuple(tuple(int(x) for x in v[1]) for _, v in items))
+
+    def as_dict(self) -> dict[int, tuple[tuple[int, ...], tuple[int, ...]]]:
+        return {r: (i, w) for r, i, w in zip(self.rows, self.ids, self.weights)}
+
+    def prob(self, k: int, token: int) -> float:
+        """q(token) of the k-th sampled row."""
+        w = dict(zip(self.ids[k], self.weights[k]))
+        return w.get(int(token), 0) / sum(self.weights[k])
+
+    def to_bytes(self) -> bytes:
+        out = bytearray()
+        for r, ids, ws in zip(self.rows, self.ids, self.weights):
+            out += bytes((r, len(ids)))
+            out += np.asarray(ids, dtype="<u4").tobytes() + np.asarray(ws, dtype="<u2").tobytes()
+        return bytes(out)
+
+    @classmethod
+    def from_bytes(cls, raw: bytes, limits: WireLimits) -> DraftQ:
+        rows, ids, weights, at = [], [], [], 0
+        while at < len(raw):
+            if at + 2 > len(raw):
+                raise _E(f"tree.draft_q ends inside a record header at byte {at}", code="bad_draft_q")
+            r, m = raw[at], raw[at + 1]
+            if not 1 <= m <= MAX_DRAFT_Q_ENTRIES:
+                raise _E(f"tree.draft_q row {r} has {m} entries; send 1..{MAX_DRAFT_Q_ENTRIES}", code="bad_draft_q")
+            end = at + 2 + 6 * m
+            if end > len(raw):
+                raise _E(f"tree.draft_q row {r} needs {6 * m} bytes of ids and weights, {len(raw) - at - 2} "
+                         f"remain", code="bad_draft_q")
+            i = np.frombuffer(raw[at + 2: at + 2 + 4 * m], dtype="<u4")
+            w = np.frombuffer(raw[at + 2 + 4 * m: end], dtype="<u2")
+            if int(i.max()) > limits.max_token_id:
+                raise _E(f"tree.draft_q row {r} holds id {int(i.max())}, over {limits.max_token_id}",
+                         code="bad_draft_q")
+            rows.append(r)
+            ids.append(tuple(int(x) for x in i))
+            weights.append(tuple(int(x) for x in w))
+            at = end
+        if not rows:
+            raise _E("tree.draft_q is empty; leave the field out when no node was sampled", code="bad_draft_q")
+        return cls(tuple(rows), tuple(ids), tuple(weights))
+
+    def check(self, tokens: tuple[int, ...], parents: tuple[int, ...]) -> None:
+        """Structural rules against the tree: rows ascending in 1..n, each row's token among its ids with a
+        positive weight, ids distinct, and at most one sampled child per node (the coupled sample at a
+        node serves one drawn child)."""
+        n = len(tokens) - 1
+        seen_parent: dict[int, int] = {}
+        for k, r in enumerate(self.rows):
+            if not 1 <= r <= n or (k and r <= self.rows[k - 1]):
+                raise _E(f"tree.draft_q rows must ascend within 1..{n}, got {list(self.rows)}", code="bad_draft_q")
+            ids, ws = self.ids[k], self.weights[k]
+            if len(set(ids)) != len(ids):
+                raise _E(f"tree.draft_q row {r} repeats an id", code="bad_draft_q")
+            if min(ws) < 1:
+                raise _E(f"tree.draft_q row {r} has a zero weight; leave zero-mass ids out", code="bad_draft_q")
+            if tokens[r] not in ids:
+                raise _E(f"tree.draft_q row {r}: its token {tokens[r]} is not among the ids it was drawn "
+                         f"from", code="bad_draft_q")
+            p = parents[r]
+            if p in seen_parent:
+                raise _E(f"tree.draft_q rows {seen_parent[p]} and {r} share parent {p}; a node can have one "
+                         f"sampled child", code="bad_draft_q")
+            seen_parent[p] = r
 
 
 def _parents(raw: bytes, n: int) -> tuple[int, ...]:

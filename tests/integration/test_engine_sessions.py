@@ -233,3 +233,55 @@ def test_max_tokens_inside_an_accepted_path_ends_like_plain_vllm(llm, hy):
     assert v0.committed + v1.committed == ref
     assert v1.finished and v1.finish_reason == "length"
     assert hy.close(s.sid) is False
+
+
+def _sampled_chain(root: int, rng: random.Random, depth: int = 4):
+    """A chain of random tokens, each 'drawn' from a q over 3 ids (the chain token among them), plus one
+    deterministic sibling of the first node; returns tokens, parents, draft_q."""
+    tokens, parents, q = [root], [-1], {}
+    for d in range(depth):
+        ids = rng.sample(range(3, VOCAB), 3)
+        tokens.append(ids[0])
+        parents.append(len(tokens) - 2)
+        q[len(tokens) - 1] = (ids, [rng.randrange(1, 100) for _ in ids])
+    tokens.append(next(t for t in range(3, VOCAB) if t != tokens[1]))
+    parents.append(0)
+    return tokens, parents, q
+
+
+def _run_sampled(hy, prompt, seed: int, send_q: bool = True, **fields) -> list[int]:
+    rng = random.Random(seed)
+    s = hy.open(prompt_token_ids=prompt, max_tokens=16, ignore_eos=True, seed=seed, **fields)
+    out, root, rnd = [], s.root, 0
+    while True:
+        toks, pars, q = _sampled_chain(root, rng)
+        v = hy.submit(s.sid, rnd, toks, pars, draft_q=q if send_q else None)
+        out += v.committed
+        root, rnd = v.bonus, rnd + 1
+        if v.finished:
+            return out
+
+
+def test_sampled_drafts_keep_greedy_identity_and_seeded_sessions_reproduce(llm, hy):
+    """draft_q changes nothing under greedy (p̃ is one-hot: the coupled sample is the argmax); a seeded
+    sampled session with q on its chain commits the same tokens twice (the extra uniforms come from the
+    session's generator); a malformed q is refused with ``bad_draft_q`` and the session goes on."""
+    from vllm_hyco.errors import TreeValidationError
+
+    prompt = _prompts(1, seed=21)[0]
+    ref = _reference(llm, [prompt], max_tokens=16)[0]
+    greedy = _run_sampled(hy, prompt, seed=3, temperature=0.0)
+    assert greedy == ref
+    a = _run_sampled(hy, prompt, seed=4, temperature=1.0, top_k=64, top_p=0.95)
+    b = _run_sampled(hy, prompt, seed=4, temperature=1.0, top_k=64, top_p=0.95)
+    assert a == b and len(a) == 16
+    # the q reached the decision: the coupled draws (residual by the extra uniform) change the stream
+    assert _run_sampled(hy, prompt, seed=4, send_q=False, temperature=1.0, top_k=64, top_p=0.95) != a
+    s = hy.open(prompt_token_ids=prompt, max_tokens=4, ignore_eos=True, temperature=1.0, seed=5)
+    toks, pars, q = _sampled_chain(s.root, random.Random(0))
+    q[1] = ([toks[1] + 1], [1])  # the chain token is not among the ids it was drawn from
+    with pytest.raises(TreeValidationError) as e:
+        hy.submit(s.sid, 0, toks, pars, draft_q=q)
+    assert e.value.code == "bad_draft_q"
+    toks, pars, q = _sampled_chain(s.root, random.Random(0))
+    assert hy.submit(s.sid, 0, toks, pars, draft_q=q).committed

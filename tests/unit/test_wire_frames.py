@@ -1,6 +1,7 @@
 """Frames of both directions: round trips, size bounds, every validation path (vllm_hyco.handoff.frames)."""
 
 import msgpack
+import numpy as np
 import pytest
 
 from vllm_hyco.errors import ConfigError, FrameError, HandoffSchemaError
@@ -166,6 +167,35 @@ def test_tree_wire_layout():
 )
 def test_tree_defects(changes, code):
     err(decode_client_frame, raw(tree32(), **changes), code)
+
+
+def _q(tree, rows):
+    """draft_q bytes for ``rows`` of ``tree``: each row's own token plus one other id."""
+    out = b""
+    for r in rows:
+        ids = [tree.tokens[r], tree.tokens[r] + 1]
+        out += bytes((r, 2)) + np.asarray(ids, "<u4").tobytes() + np.asarray([3, 1], "<u2").tobytes()
+    return out
+
+
+def test_draft_q_round_trips_and_its_defects_say_what_to_fix():
+    t = tree32()
+    chain = [2, next(r for r in range(3, 33) if t.parents[r] == 2)]  # a node and one child of it
+    frame = decode_client_frame(raw(t, draft_q=_q(t, chain)))
+    assert frame.draft_q.rows == tuple(chain) and frame.draft_q.prob(0, t.tokens[2]) == 0.75
+    assert decode_client_frame(encode_frame(frame)) == frame
+    siblings = [r for r in range(1, 33) if t.parents[r] == 0][:2]
+    bad = {
+        "share parent": _q(t, siblings),
+        "must ascend": _q(t, chain[::-1]),
+        "not among the ids": bytes((1, 1)) + np.asarray([t.tokens[1] + 1], "<u4").tobytes() + b"\x01\x00",
+        "weight below 1": bytes((1, 1)) + np.asarray([t.tokens[1]], "<u4").tobytes() + b"\x00\x00",
+        "needs 6 bytes": bytes((1, 1)) + b"\x00",
+        "empty": b"",
+    }
+    for words, blob in bad.items():
+        e = err(decode_client_frame, raw(t, draft_q=blob), "bad_draft_q")
+        assert words in str(e), (words, str(e))
 
 
 def test_tree_node_limit_follows_the_limits():

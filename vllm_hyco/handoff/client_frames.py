@@ -27,12 +27,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from vllm_hyco.errors import FrameError
+from vllm_hyco.errors import FrameError, TreeValidationError
 from vllm_hyco.handoff._fields import Fields, pack
 from vllm_hyco.handoff.limits import AIOHTTP_DEFAULT_MAX_MSG, WireLimits
 from vllm_hyco.handoff.schema import FINGERPRINT_BYTES, HANDOFF_SCHEMA_VERSION, SCHEMA_HASH_BYTES
 from vllm_hyco.handoff.session_id import session_id_problem
-from vllm_hyco.handoff.tree_contract import DEFAULT_NODE_BUDGET, NodeLabel
+from vllm_hyco.handoff.tree_contract import DEFAULT_NODE_BUDGET, MAX_DRAFT_Q_ENTRIES, NodeLabel, check_draft_q
 
 ROOT_PARENT = 0xFF
 ROOT_VALUE = 0xFF  # the root is always committed
@@ -301,9 +301,6 @@ class TreeFrame:
         return cls(rnd, ids, parents, _labels(labels_raw, n), _values(values_raw, n), schema, draft_q)
 
 
-MAX_DRAFT_Q_ENTRIES = 64  # ids per sampled row (the request's top-k 64 bounds a useful q)
-
-
 @dataclass(frozen=True)
 class DraftQ:
     """The distributions the phone drew its sampled nodes from: ``rows[i]`` was drawn from
@@ -369,28 +366,11 @@ class DraftQ:
         return cls(tuple(rows), tuple(ids), tuple(weights))
 
     def check(self, tokens: tuple[int, ...], parents: tuple[int, ...]) -> None:
-        """Structural rules against the tree: rows ascending in 1..n, each row's token among its ids with a
-        positive weight, ids distinct, and at most one sampled child per node (the coupled sample at a
-        node serves one drawn child)."""
-        n = len(tokens) - 1
-        seen_parent: dict[int, int] = {}
-        for k, r in enumerate(self.rows):
-            if not 1 <= r <= n or (k and r <= self.rows[k - 1]):
-                raise _E(f"tree.draft_q rows must ascend within 1..{n}, got {list(self.rows)}", code="bad_draft_q")
-            ids, ws = self.ids[k], self.weights[k]
-            if len(set(ids)) != len(ids):
-                raise _E(f"tree.draft_q row {r} repeats an id", code="bad_draft_q")
-            if min(ws) < 1:
-                raise _E(f"tree.draft_q row {r} has a zero weight; leave zero-mass ids out", code="bad_draft_q")
-            if tokens[r] not in ids:
-                raise _E(f"tree.draft_q row {r}: its token {tokens[r]} is not among the ids it was drawn "
-                         f"from", code="bad_draft_q")
-            p = parents[r]
-            if p in seen_parent:
-                raise _E(f"tree.draft_q rows {seen_parent[p]} and {r} share parent {p}; a node can have one "
-                         f"sampled child", code="bad_draft_q")
-            seen_parent[p] = r
-
+        """``tree_contract.check_draft_q`` against the tree, as a frame error."""
+        try:
+            check_draft_q(tokens, parents, self.rows, self.ids, self.weights)
+        except TreeValidationError as e:
+            raise _E(f"tree.{e}", code="bad_draft_q") from None
 
 def _parents(raw: bytes, n: int) -> tuple[int, ...]:
     if len(raw) != n + 1:

@@ -327,3 +327,48 @@ def validate_tree(
     _check_tokens(tok, par, vocab_size)
     if lab is not None:
         _check_labels(lab)
+
+
+MAX_DRAFT_Q_ENTRIES = 64  # ids per sampled row (the request's top-k 64 bounds a useful q)
+
+
+def check_draft_q(tokens: Sequence[int], parents: Sequence[int], rows: Sequence[int],
+                  ids: Sequence[Sequence[int]], weights: Sequence[Sequence[int]],
+                  vocab_size: int | None = None) -> None:
+    """Raise ``TreeValidationError`` (code ``bad_draft_q``) unless the sampled rows' distributions fit the
+    tree: rows ascend within 1..n, each row's q has 1..64 distinct ids (inside the vocabulary when given)
+    with weights >= 1, its own token is among them, and no node has two sampled children (the coupled
+    sample at a node serves one drawn child; ``vllm_hyco.spec_decode.coupling``).
+
+    >>> check_draft_q([7, 11, 12], [-1, 0, 0], [1], [[11, 3]], [[5, 1]])
+    >>> check_draft_q([7, 11, 12], [-1, 0, 0], [1, 2], [[11], [12]], [[1], [1]])
+    Traceback (most recent call last):
+    ...
+    vllm_hyco.errors.TreeValidationError: draft_q rows 1 and 2 share parent 0; a node can have one sampled child
+    """
+    n = len(tokens) - 1
+
+    def bad(msg: str):
+        return TreeValidationError(f"draft_q {msg}", code="bad_draft_q")
+
+    if not (len(rows) == len(ids) == len(weights)):
+        raise bad(f"has {len(rows)} rows, {len(ids)} id lists and {len(weights)} weight lists; one of each per row")
+    seen: dict[int, int] = {}
+    for k, r in enumerate(rows):
+        if not 1 <= r <= n or (k and r <= rows[k - 1]):
+            raise bad(f"rows must ascend within 1..{n}, got {list(rows)}")
+        i, w = list(ids[k]), list(weights[k])
+        if not 1 <= len(i) <= MAX_DRAFT_Q_ENTRIES or len(w) != len(i):
+            raise bad(f"row {r} has {len(i)} ids and {len(w)} weights; send 1..{MAX_DRAFT_Q_ENTRIES} of each")
+        if len(set(i)) != len(i):
+            raise bad(f"row {r} repeats an id")
+        if min(w) < 1:
+            raise bad(f"row {r} has a weight below 1; leave zero-mass ids out")
+        if vocab_size is not None and (min(i) < 0 or max(i) >= vocab_size):
+            raise bad(f"row {r} holds an id outside [0, {vocab_size})")
+        if tokens[r] not in i:
+            raise bad(f"row {r}: its token {tokens[r]} is not among the ids it was drawn from")
+        p = parents[r]
+        if p in seen:
+            raise bad(f"rows {seen[p]} and {r} share parent {p}; a node can have one sampled child")
+        seen[p] = r

@@ -27,6 +27,7 @@ import torch
 from vllm_hyco.errors import TreeValidationError
 from vllm_hyco.handoff.tree_contract import NodeLabel
 from vllm_hyco.spec_decode.acceptance import decide, normalize_epsilon
+from vllm_hyco.spec_decode.coupling import DraftQMap, SampledDrafts, couple_samples
 from vllm_hyco.spec_decode.sampling import (
     SAMPLING_EPS,
     SamplingSpec,
@@ -221,19 +222,28 @@ def verify_batch(
     sampling: Sequence[SamplingSpec] | SamplingSpec,
     epsilon: Sequence[float | None] | float | None,
     generators: Sequence[torch.Generator | None],
+    draft_q: Sequence[DraftQMap | None] | None = None,
 ) -> BatchVerdict:
     """p̃ from logits, one sample per real row from each request's generator, then the decision.
 
     Shape: logits [N, V] over the packed rows (padding rows included; their values are ignored).
-    Every request draws its uniforms, greedy ones included (``verify_batch_with_uniforms`` ignores them).
+    Every request draws its uniforms, greedy ones included (``verify_batch_with_uniforms`` ignores them):
+    one per real row, then one per sampled child (``draft_q[b]``: ``{local row: (ids, weights)}``).
     """
     packed = trees if isinstance(trees, PackedTrees) else PackedTrees.pack(list(trees))
     assert len(generators) == packed.num_requests, "one generator (or None) per request"
     uniforms = torch.zeros(packed.tokens.numel(), dtype=torch.float64)
     starts, counts = packed.row_offsets.tolist(), packed.num_real.tolist()
+    drafts = None if draft_q is None else SampledDrafts.pack(draft_q, starts, counts)
+    extra = drafts.per_tree if drafts is not None else (0,) * len(counts)
+    more = []
     for b, gen in enumerate(generators):  # the only per-request loop: drawing the uniforms
-        uniforms[starts[b] : starts[b] + counts[b]] = draw_uniforms(counts[b], gen).cpu()
-    return verify_batch_with_uniforms(packed, logits, sampling, epsilon, uniforms)
+        u = draw_uniforms(counts[b] + extra[b], gen).cpu()
+        uniforms[starts[b] : starts[b] + counts[b]] = u[: counts[b]]
+        more.append(u[counts[b]:])
+    u2 = torch.cat(more) if drafts is not None else None
+    return verify_batch_with_uniforms(packed, logits, sampling, epsilon, uniforms, drafts=drafts,
+                                      draft_uniforms=u2)
 
 
 def verify_batch_with_uniforms(
@@ -243,6 +253,8 @@ def verify_batch_with_uniforms(
     epsilon: Sequence[float | None] | float | None,
     uniforms: torch.Tensor,
     row_offsets: Sequence[int] | None = None,
+    drafts: SampledDrafts | None = None,
+    draft_uniforms: torch.Tensor | None = None,
 ) -> BatchVerdict:
     """The decision for every tree at once, on ``logits``' device, with the uniforms given.
 
@@ -251,7 +263,8 @@ def verify_batch_with_uniforms(
     (temperature < 1e-5) sample the argmax; p̃ (``sampling_support``) is built for the sampled requests'
     rows only, in one batch. Nothing of vocabulary size leaves the device; the host work is per request
     (which rows are sampled): ``row_offsets`` (host ints, ``packed.row_offsets``) spares reading them back
-    when ``trees`` is already on the device.
+    when ``trees`` is already on the device. ``drafts``: the sampled children (``coupling``), with
+    ``draft_uniforms`` [C] float64 (one more uniform per sampled child, in ``drafts.rows`` order).
     """
     packed = trees if isinstance(trees, PackedTrees) else PackedTrees.pack(list(trees))
     if isinstance(sampling, SamplingSpec):
@@ -280,16 +293,37 @@ def verify_batch_with_uniforms(
         drawn = sample_sparse(support, u if every else u[rows])
         if every:
             samples = drawn
-            p_edge = support.lookup(packed.parent, packed.tokens)
+            local = torch.arange(num_rows, device=dev)
         else:
             samples = samples.index_copy(0, rows, drawn)
             local = torch.full((num_rows,), -1, dtype=torch.int64, device=dev)
             local[rows] = torch.arange(len(sub), device=dev)
+        if drafts is not None:  # before p_edge: ε's p̃ lookup does not depend on the samples
+            samples = _couple(samples, support, local, packed, drafts.to(dev), u,
+                              draft_uniforms.to(device=dev, dtype=torch.float64))
+        if every:
+            p_edge = support.lookup(packed.parent, packed.tokens)
+        else:
             p_edge = p_edge.index_copy(0, rows, support.lookup(local[packed.parent[rows]], packed.tokens[rows]))
     eps_row, any_lossy = _eps_rows(packed, epsilon)
     dec = decide(packed.tokens, packed.parent, packed.depth, packed.req, packed.valid, samples.to(torch.int64),
                  p_edge if any_lossy else None, eps_row, packed.num_requests)
     return _verdict(packed, dec, samples.to(torch.int64))
+
+
+def _couple(samples, support: SparseProbs, local, packed: PackedTrees, drafts: SampledDrafts, u, u2):
+    """The coupled draw at the parents of sampled children in sampled requests (greedy rows keep argmax)."""
+    parents = packed.parent[drafts.rows]
+    loc = local[parents]
+    keep = loc >= 0
+    if not bool(keep.all()):
+        drafts = SampledDrafts(rows=drafts.rows[keep], ids=drafts.ids[keep], weights=drafts.weights[keep],
+                               per_tree=())
+        parents, loc, u2 = parents[keep], loc[keep], u2[keep]
+        if not drafts.count:
+            return samples
+    return couple_samples(samples, support.probs, support.ids, loc, parents, packed.tokens[drafts.rows],
+                          drafts, u[parents], u2)
 
 
 def _verdict(packed: PackedTrees, dec, samples: torch.Tensor) -> BatchVerdict:

@@ -160,17 +160,19 @@ class HycoEngine:
         raise SessionError(f"session {sid!r} made no progress in {self.max_steps} steps", code="stalled")
 
     def submit(self, sid: str, round_: int, tokens: list[int], parents: list[int],
-               eps: float | None = None) -> Verdict:
+               eps: float | None = None, draft_q: dict | None = None) -> Verdict:
         """Verify one tree (row 0 = the root = the last committed token) and return its verdict.
 
         Raises SessionError ``server_busy`` when every batch slot (``max_num_seqs``) is verifying a tree:
         nothing changed, resend the same tree later. A session the engine ended (``session_evicted``,
-        ``session_timeout``, ...) raises that code, also on later calls.
+        ``session_timeout``, ...) raises that code, also on later calls. ``draft_q``: ``{row: (ids, weights)}``
+        for rows drawn from a distribution (sampled drafts, ``vllm_hyco.spec_decode.coupling``).
         """
-        return self.submit_many([(sid, round_, tokens, parents, eps)])[0]
+        return self.submit_many([(sid, round_, tokens, parents, eps, draft_q)])[0]
 
     def submit_many(self, trees: list[tuple], *, return_errors: bool = False) -> list[Any]:
-        """Submit trees of several sessions (``(sid, round, tokens, parents[, eps])``); they share steps.
+        """Submit trees of several sessions (``(sid, round, tokens, parents[, eps[, draft_q]])``); they share
+        steps.
 
         By default a typed error on one tree is raised before any engine step runs; trees submitted before
         it in the list stay submitted and their verdicts are dropped by the next ``submit`` of that session.
@@ -184,8 +186,10 @@ class HycoEngine:
         for i, (sid, round_, tokens, parents, *rest) in enumerate(trees):
             try:
                 self._check_open(sid)
+                q = rest[1] if len(rest) > 1 else None
                 self._call("hyco_submit_tree", sid, round_, list(tokens), list(parents),
-                           rest[0] if rest else None)
+                           rest[0] if rest else None, None, None,
+                           None if q is None else [[int(r), list(i), list(w)] for r, (i, w) in sorted(q.items())])
             except HycoError as e:
                 if isinstance(e, SessionError) and e.code in ENDED_CODES and sid in self._sessions:
                     self._drop(sid, e.code)  # the engine finished it (timeout, eviction...): drop it here too

@@ -268,11 +268,12 @@ class EngineBridge:
         return info
 
     async def round(self, s: EngineSession, round_: int, tokens: list[int], parents: list[int],
-                    labels: list[int] | None = None, values: list[float] | None = None) -> RoundResult:
+                    labels: list[int] | None = None, values: list[float] | None = None,
+                    draft_q: list | None = None) -> RoundResult:
         """Verify one tree; raises the engine's typed refusal (``server_busy``, ``bad_root``, an ended
         session's code...) or EngineError. ``labels`` and ``values`` (per row, optional) feed the engine's
-        node budget (docs/engine.md)."""
-        await self.call("hyco_submit_tree", s.sid, round_, tokens, parents, None, labels, values)
+        node budget (docs/engine.md). ``draft_q``: ``[[row, ids, weights], ...]`` of the sampled rows."""
+        await self.call("hyco_submit_tree", s.sid, round_, tokens, parents, None, labels, values, draft_q)
         ids, text, reason = await self._round_output(s)
         raw, last = None, None
         for _ in range(200):

@@ -109,10 +109,10 @@ def _wire_wake(core, sched) -> None:
 @_typed
 def hyco_submit_tree(self, sid: str, round_: int, tokens: list[int], parents: list[int],
                      eps: float | None = None, labels: list[int] | None = None,
-                     values: list[float] | None = None) -> dict[str, Any]:
+                     values: list[float] | None = None, draft_q: list | None = None) -> dict[str, Any]:
     _wire_wake(self, _scheduler(self))
     return _scheduler(self).hyco_submit_tree(sid, int(round_), list(tokens), list(parents), eps,
-                                             labels=labels, values=values)
+                                             labels=labels, values=values, draft_q=draft_q)
 
 
 @_typed

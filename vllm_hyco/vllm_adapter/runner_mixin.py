@@ -23,7 +23,7 @@ vLLM's behaviour:
 * ``sample_tokens``: keeps the post-final-norm hidden states of the step for the hand-off and attaches
   the per-request verdicts to ``ModelRunnerOutput.hyco_verdicts`` (read by the scheduler mixin).
 
-The scheduler passes trees as ``scheduler_output.hyco_trees = {req_id: (round, tokens, parents, eps)}``.
+The scheduler passes trees as ``scheduler_output.hyco_trees = {req_id: (round, tokens, parents, eps, draft_q)}``.
 
 Devices: the same code runs on the CPU runner (attention: ``cpu_attention``, CPU_ATTN override) and on the
 GPU runner (attention: ``gpu_attention``, the Triton backend registered over CUSTOM; a tree on a GPU
@@ -85,7 +85,7 @@ class HycoRunnerMixin:
         if specs and self.device.type != "cpu":
             self._hyco_check_gpu_backend()
         trees = []
-        for req_id, (round_, tokens, parents, eps) in specs.items():
+        for req_id, (round_, tokens, parents, eps, draft_q) in specs.items():
             b = self.input_batch.req_id_to_index.get(req_id)
             if b is None:
                 continue
@@ -93,7 +93,7 @@ class HycoRunnerMixin:
             tr = TreeRows.build(req_id=req_id, batch_idx=b, q_start=int(self.query_start_loc.np[b]),
                                 num_rows=int(num_scheduled_tokens[b]),
                                 context_len=int(self.input_batch.num_computed_tokens_cpu[b]),
-                                round=round_, tokens=tokens, parents=parents, eps=eps)
+                                round=round_, tokens=tokens, parents=parents, eps=eps, draft_q=draft_q)
             assert tr.num_rows <= len(tokens), "a tree request got more rows than its tree has"
             rows = slice(tr.q_start, tr.q_start + tr.num_rows)
             self.positions[rows] = tr.positions.to(device=self.positions.device, dtype=self.positions.dtype)

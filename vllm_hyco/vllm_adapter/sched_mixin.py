@@ -52,7 +52,7 @@ import time
 from typing import Any
 
 from vllm_hyco.errors import SessionError, TreeValidationError
-from vllm_hyco.handoff.tree_contract import DEFAULT_NODE_BUDGET, validate_tree
+from vllm_hyco.handoff.tree_contract import DEFAULT_NODE_BUDGET, check_draft_q, validate_tree
 from vllm_hyco.spec_decode.budget import BudgetPolicy
 from vllm_hyco.vllm_adapter.session import RoundTree, Session, SessionRegistry, SessionState
 
@@ -166,20 +166,21 @@ class HycoSchedulerMixin:
     # -- rounds -----------------------------------------------------------------------------------
     def hyco_submit_tree(self, sid: str, round_: int, tokens: list[int], parents: list[int],
                          eps: float | None = None, labels: list[int] | None = None,
-                         values: list[float] | None = None) -> dict[str, Any]:
+                         values: list[float] | None = None, draft_q: list | None = None) -> dict[str, Any]:
         """Verify a tree in the next step. ``labels``: per-row NodeLabel values (the budget's estimate is kept
         by (depth, label)); ``values``: the phone's per-row values, untrusted (they can only lower a row's
-        value below the server's own estimate, never raise it)."""
+        value below the server's own estimate, never raise it); ``draft_q``: ``[[row, ids, weights], ...]``,
+        the distributions the phone drew its sampled rows from (``spec_decode.coupling``)."""
         t0 = self._hyco_clock()
         try:
-            out = self._hyco_submit(sid, round_, tokens, parents, eps, labels, values)
+            out = self._hyco_submit(sid, round_, tokens, parents, eps, labels, values, draft_q)
             if hasattr(self, "hyco_gather"):
                 self.hyco_gather.submitted(sid, t0[0])
             return out
         finally:
             self._hyco_note_utility(t0)
 
-    def _hyco_submit(self, sid, round_, tokens, parents, eps, labels, values) -> dict[str, Any]:
+    def _hyco_submit(self, sid, round_, tokens, parents, eps, labels, values, draft_q=None) -> dict[str, Any]:
         reg = self.hyco_sessions
         s = reg.check_submit(sid, int(round_))
         request = self.requests.get(s.req_id)
@@ -190,6 +191,11 @@ class HycoSchedulerMixin:
         labels = None if labels is None else [int(x) for x in labels]
         validate_tree(tokens, parents, vocab_size=self.vllm_config.model_config.get_vocab_size(),
                       budget=self._hyco_budget(), labels=labels)
+        if draft_q is not None:
+            draft_q = {int(r): ([int(x) for x in i], [int(x) for x in w]) for r, i, w in draft_q}
+            rows = sorted(draft_q)
+            check_draft_q(tokens, parents, rows, [draft_q[r][0] for r in rows], [draft_q[r][1] for r in rows],
+                          vocab_size=self.vllm_config.model_config.get_vocab_size())
         if values is not None and len(values) != len(tokens):
             raise TreeValidationError(f"values has {len(values)} entries but the tree has {len(tokens)} rows; "
                                       f"send one value per row (root included)", code="length_mismatch")
@@ -206,7 +212,8 @@ class HycoSchedulerMixin:
             raise SessionError(f"all {self.max_num_running_reqs} batch slots (max_num_seqs) are busy; "
                                f"resend the same tree", code="server_busy")
         reg.start_round(s, RoundTree(round=int(round_), tokens=tokens, parents=parents, eps=s.eps, labels=labels,
-                                     values=None if values is None else [float(x) for x in values]))
+                                     values=None if values is None else [float(x) for x in values],
+                                     draft_q=draft_q or None))
         request.spec_token_ids = tokens[1:]
         if request not in self.running:
             self.running.append(request)
@@ -256,7 +263,7 @@ class HycoSchedulerMixin:
                     continue
                 request = self.requests[req_id]
                 if request.num_computed_tokens - n == request.num_tokens - 1:  # the root is in this chunk
-                    trees[req_id] = (s.tree.round, s.tree.tokens, s.tree.parents, s.tree.eps)
+                    trees[req_id] = (s.tree.round, s.tree.tokens, s.tree.parents, s.tree.eps, s.tree.draft_q)
         out.hyco_trees = trees
         return out
 
@@ -460,6 +467,8 @@ class HycoSchedulerMixin:
                 k = t.plan.nodes + 1
                 t.tokens, t.parents = t.tokens[:k], t.parents[:k]
                 t.labels = None if t.labels is None else t.labels[:k]
+                if t.draft_q:
+                    t.draft_q = {r: q for r, q in t.draft_q.items() if r < k} or None
                 request.spec_token_ids = t.tokens[1:]
 
     def _hyco_budget_verdict(self, s: Session, verdict: dict[str, Any]) -> None:

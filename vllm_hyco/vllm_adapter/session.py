@@ -59,6 +59,7 @@ class RoundTree:
     eps: float | None  # None: exact acceptance
     labels: list[int] | None = None  # [num_rows] NodeLabel per row (statistics and the budget's estimate)
     values: list[float] | None = None  # [num_rows] phone-sent values (untrusted: bounded by the server's)
+    draft_q: dict[int, tuple[list[int], list[int]]] | None = None  # sampled rows' q: {row: (ids, weights)}
     plan: Any = None  # the node budget's cut (``vllm_hyco.spec_decode.budget.Plan``) once planned
 
 

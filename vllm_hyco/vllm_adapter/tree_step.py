@@ -9,8 +9,9 @@ mixin's ``_sample`` calls, once per step with trees:
 2. :func:`decide`: the core's ``verify_batch_with_uniforms`` on the trees' logits rows, on the device: the
    candidate cut, p̃ on it and the samples for every sampled row in one batch, greedy rows by argmax,
    the acceptance rule for every tree. Uniforms: one float64 per row of a sampled tree, drawn on the host
-   from the session's own ``torch.Generator`` (seeded from ``extra_args["hyco"]["seed"]``), in row order
-   (docs/acceptance.md); they are the only host-to-device data of the decision besides the indices.
+   from the session's own ``torch.Generator`` (seeded from ``extra_args["hyco"]["seed"]``), in row order,
+   then one per sampled child (``spec_decode.coupling``; docs/acceptance.md); they are the only
+   host-to-device data of the decision besides the indices.
    What comes back to the host is one int64 tensor of ``O(rows)`` values (paths, bonuses, hits, samples).
 3. :func:`compact`: every cache-owning layer's accepted rows moved from the slots of ``t + r_i`` to those
    of ``t + i`` by ``kernels.compact_kv`` (one Triton launch for all layers on a GPU; the torch twin on
@@ -34,6 +35,7 @@ import numpy as np
 import torch
 
 from vllm_hyco.kernels import compact_kv, gather_quantize_kv, handoff_gather_quantize, quantize_int8
+from vllm_hyco.spec_decode.coupling import SampledDrafts
 from vllm_hyco.spec_decode.sampling import SAMPLING_EPS, SamplingSpec, draw_uniforms
 from vllm_hyco.spec_decode.verify import BatchVerdict, PackedTrees, verify_batch_with_uniforms
 from vllm_hyco.vllm_adapter.kv_view import BlockMajorKVView, cpu_kv_view, slots_for_positions
@@ -59,6 +61,7 @@ class StepTrees:
     offsets: list[int]  # [B + 1] host row offsets
     # the trees' logits rows as one slice when they are back to back (no copy of [N, V] then)
     logit_slice: slice | None = None
+    drafts: SampledDrafts | None = None  # the sampled children (on the device), None when no tree has one
 
     @classmethod
     def build(cls, trees: list[TreeRows], logit_starts: list[int], device: torch.device | str) -> StepTrees:
@@ -83,9 +86,13 @@ class StepTrees:
                              valid=torch.ones_like(dev[0], dtype=torch.bool), labels=dev[4],
                              row_offsets=small[: num + 1], num_real=small[num + 1: 2 * num + 1])
         together = all(lo == logit_starts[0] + off for lo, off in zip(logit_starts, offsets))
+        drafts = None
+        if any(tr.draft_q for tr in trees):
+            drafts = SampledDrafts.pack([tr.draft_q for tr in trees], offsets, [tr.num_rows for tr in trees])
         return cls(trees=list(trees), packed=packed, logit_rows=dev[5], q_start=small[2 * num + 1:],
                    max_depth=max(max(depth, default=0), 0), offsets=offsets,
-                   logit_slice=slice(logit_starts[0], logit_starts[0] + offsets[-1]) if together and num else None)
+                   logit_slice=slice(logit_starts[0], logit_starts[0] + offsets[-1]) if together and num else None,
+                   drafts=None if drafts is None else drafts.to(device))
 
 
 @dataclass
@@ -139,11 +146,18 @@ def decide(runner, step: StepTrees, logits: torch.Tensor, generator) -> StepDeci
         idx = torch.tensor([mrows, mcols], dtype=torch.int64).to(rows_logits.device)
         rows_logits[idx[0], idx[1]] = float("-inf")
     uniforms = torch.zeros(step.offsets[-1], dtype=torch.float64)
+    extra = step.drafts.per_tree if step.drafts is not None else (0,) * len(step.trees)
+    u2 = torch.zeros(sum(extra), dtype=torch.float64)
+    at = 0
     for b, (tr, s, params) in enumerate(zip(step.trees, specs, params_list)):
         if s.temperature >= SAMPLING_EPS:  # greedy trees consume no randomness
             gen = generator(tr.req_id, params)
-            uniforms[step.offsets[b]: step.offsets[b + 1]] = draw_uniforms(tr.num_rows, gen)
-    verdict = verify_batch_with_uniforms(step.packed, rows_logits, specs, eps, uniforms, step.offsets)
+            u = draw_uniforms(tr.num_rows + extra[b], gen)  # a row's, then one per sampled child
+            uniforms[step.offsets[b]: step.offsets[b + 1]] = u[: tr.num_rows]
+            u2[at: at + extra[b]] = u[tr.num_rows:]
+        at += extra[b]
+    verdict = verify_batch_with_uniforms(step.packed, rows_logits, specs, eps, uniforms, step.offsets,
+                                         drafts=step.drafts, draft_uniforms=u2 if step.drafts is not None else None)
     num = len(step.trees)
     flat = torch.cat([verdict.path_rows.flatten(), verdict.bonus, verdict.num_hits, verdict.samples])
     host = flat.cpu().tolist()  # the decision's one device-to-host copy: O(rows) int64 values

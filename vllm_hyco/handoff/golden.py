@@ -121,6 +121,10 @@ def golden_files() -> dict[str, tuple[str, bytes]]:
         "tree_first": _tree_first(spec),
         "tree_32": _tree32(),
         "tree_root_only": TreeFrame.from_lists(0, [2], [-1]),
+        # sampled drafts: the chain rows 1..4 were drawn from the q they carry (docs/acceptance.md)
+        "tree_sampled": TreeFrame.from_lists(5, [77, 90, 91, 92, 93, 95], [-1, 0, 1, 2, 3, 0], [0, 1, 1, 1, 1, 2],
+                                             draft_q={1: ([90, 95, 96], [40000, 20000, 5535]), 2: ([91], [1]),
+                                                      3: ([92, 7], [3, 1]), 4: ([93, 94], [65535, 1])}),
     }
     server = {
         "session": SessionFrame(SESSION_ID, -1, 32, spec),

@@ -20,7 +20,8 @@ default BUNDLE/build: ``mtp_ctx.onnx``, ``slm_ctx.onnx``, ``mtp_embed_lut.npz``,
 HTP backend (the x86 HTP emulator here, the NPU on a phone); a step without a compiled model runs in torch,
 and the console says so. ``--prompt-ids`` sends a completions request with token ids (no tokenizer).
 ``--slm-passes 2`` drafts HyCo-2P trees (a second SLM pass; torch SLM step only: the compiled SLM graph is
-a static 32-row one-pass step, and hyco-phone refuses the combination).
+a static 32-row one-pass step, and hyco-phone refuses the combination). ``--draft-sampling probabilistic``
+with ``--temperature`` > 0 draws the MTP chain from the head's distribution (docs/phone-loop.md).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from pathlib import Path
 
 from mobile_client.bundle import MTP_WINDOW, load_bundle
 from mobile_client.client import HycoClient, Timeouts
-from mobile_client.session import PhoneSession, SessionOptions, fmt_round
+from mobile_client.session import DRAFT_SAMPLING, PhoneSession, SessionOptions, fmt_round
 from vllm_hyco.errors import ConfigError, HycoError
 from vllm_hyco.handoff.tree_contract import DEFAULT_NODE_BUDGET
 
@@ -45,6 +46,8 @@ def build_request(args, tokenizer_dir: Path | None) -> tuple[str, dict, list[int
         body["model"] = args.model_name
     if args.temperature is not None:
         body["temperature"] = args.temperature
+    if args.seed is not None:
+        body["seed"] = args.seed
     if args.prompt_ids:
         ids = [int(t) for t in args.prompt_ids.split(",")]
         return "completions", {**body, "prompt": ids}, ids
@@ -81,6 +84,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model-name", help="the OpenAI `model` field (default: the server's only model)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, help="omit for the server's default; 0 = greedy")
+    ap.add_argument("--seed", type=int, help="the request's seed (also seeds sampled drafts)")
+    ap.add_argument("--draft-sampling", choices=DRAFT_SAMPLING, default="greedy",
+                    help="probabilistic: with --temperature > 0, draw the MTP chain from the head's "
+                         "distribution and send it with the tree (lossless); greedy: its argmax")
     ap.add_argument("--mode", choices=("exact", "epsilon"), default="exact")
     ap.add_argument("--epsilon", type=float, help="with --mode epsilon: a stricter ε than the operator's")
     ap.add_argument("--max-nodes", type=int, default=DEFAULT_NODE_BUDGET)
@@ -115,7 +122,7 @@ async def _main(args) -> int:
                     if (d / "tokenizer.json").exists()), None)
     endpoint, request, ids = build_request(args, tok_dir)
     opts = SessionOptions(mode=args.mode, epsilon=args.epsilon, max_nodes=args.max_nodes,
-                          keep_set_hash=bundle.keep_set_hash)
+                          keep_set_hash=bundle.keep_set_hash, draft_sampling=args.draft_sampling)
 
     def on_text(text: str) -> None:
         sys.stdout.write(text)

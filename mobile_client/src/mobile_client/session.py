@@ -49,6 +49,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from mobile_client.drafters.base import DraftContext, Drafter
+from mobile_client.drafters.sampling import GREEDY_BELOW, DraftSampling, session_rng
 from mobile_client.phone_drafter import HycoPhoneDrafter, takes_keyword
 from mobile_client.results import RoundStats, SessionResult, fmt_round
 from mobile_client.tree import DraftTree, trim, value_order
@@ -61,6 +62,7 @@ from vllm_hyco.handoff.schema import HANDOFF_SCHEMA_VERSION, HandoffPayload, Han
 from vllm_hyco.handoff.server_frames import SessionFrame
 from vllm_hyco.handoff.tree_contract import DEFAULT_NODE_BUDGET
 
+DRAFT_SAMPLING = ("greedy", "probabilistic")  # SessionOptions.draft_sampling
 # tree [, catch_up=tokens] -> mobile_client.baselines.ProactiveDraft; ``catch_up`` (when the function takes
 # it): committed tokens before the tree's root that the drafter has not seen yet
 ProactiveFn = Callable[..., Any]
@@ -81,8 +83,15 @@ class SessionOptions:
     # proactive drafting (mobile_client.baselines.proactive_draft): called with the tree in flight; its
     # prepared tree is used when the verdict matches the bet. Needs a drafter whose SLM calls are pure.
     proactive: ProactiveFn | None = None
+    # "probabilistic": with a sampled request (temperature > 0) the MTP chain is drawn from the head's
+    # distribution, sent as the tree's draft_q (lossless, accepted more often). "greedy": the argmax
+    draft_sampling: str = "greedy"
 
     def __post_init__(self):
+        if self.draft_sampling not in DRAFT_SAMPLING:
+            allowed = ", ".join(map(repr, DRAFT_SAMPLING))
+            raise ConfigError(f"SessionOptions.draft_sampling must be one of {allowed}, got "
+                              f"{self.draft_sampling!r}")
         if self.mode not in ("exact", "epsilon"):
             raise ConfigError(f"SessionOptions.mode must be 'exact' or 'epsilon', got {self.mode!r}")
         if self.epsilon is not None and (self.mode != "epsilon" or not 0.0 < self.epsilon < 1.0):
@@ -220,7 +229,8 @@ class PhoneSession:
         t0 = time.perf_counter()
         tree, hit = self._reuse_proactive()
         if tree is None:
-            ctx = DraftContext(root=self.root, catch_up=self.catch_up, x_hat=self.x_hat)
+            ctx = DraftContext(root=self.root, catch_up=self.catch_up, x_hat=self.x_hat,
+                               sampling=self.draft_sampling())
             tree = self.drafter.propose(ctx, self.budget)
         draft_ms = (time.perf_counter() - t0) * 1e3
         self._check_tree(tree)
@@ -230,9 +240,25 @@ class PhoneSession:
         # a reused proactive tree ran no forward of this drafter (it was drafted on a copy of its state,
         # before the verdict): the catch-up rows stay owed, and the next forward commits them
         values = node_values(tree) if self.options.values else None
-        frame = TreeFrame.from_lists(self.round, **tree.wire_dict(labels=self.options.labels), values=values)
+        frame = TreeFrame.from_lists(self.round, **tree.wire_dict(labels=self.options.labels), values=values,
+                                     draft_q=tree.draft_q_dict())
         self._pending = _Pending(self.round, tree, frame, draft_ms, hit)
         return self._outgoing(self._pending)
+
+    def draft_sampling(self) -> DraftSampling | None:
+        """This round's sampled-draft settings: with ``draft_sampling="probabilistic"`` and a request
+        temperature > 0, the request's temperature / top_k / top_p and a generator seeded from the request's
+        ``seed`` (fresh entropy without one), the failovers and the round; else None (greedy drafts)."""
+        r = self.request
+        temperature = r.get("temperature")
+        if self.options.draft_sampling != "probabilistic" or not isinstance(temperature, (int, float)) \
+                or temperature < GREEDY_BELOW:
+            return None
+        top_k = r.get("top_k")
+        top_p = r.get("top_p")
+        return DraftSampling(float(temperature), int(top_k) if top_k is not None else 0,
+                             float(top_p) if top_p is not None else 1.0,
+                             session_rng(r.get("seed"), self.failovers, self.round))
 
     def _outgoing(self, p: _Pending) -> TreeFrame:
         """The tree in flight as it goes out now: with the schema hash while the schema is unconfirmed."""
@@ -410,7 +436,8 @@ class PhoneSession:
                 "tokens": list(self.tokens), "text": "".join(self.text_parts), "budget": self.budget,
                 "finish_reason": self.finish_reason, "reopened_at": self._reopened_at,
                 "pending": None if p is None else {"round": p.round, "tokens": list(p.tree.tokens),
-                                                   "parents": list(p.tree.parents)}}
+                                                   "parents": list(p.tree.parents),
+                                                   "draft_q": _q_json(p.frame)}}
 
     @classmethod
     def restore(cls, drafter: Drafter, snap: dict, **kw) -> PhoneSession:
@@ -435,7 +462,8 @@ class PhoneSession:
         if snap["pending"] is not None:  # resent as it was; the SLM never computed its rows (catch-up)
             pend = snap["pending"]
             tree = DraftTree.make_dummy(pend["tokens"], pend["parents"], budget=s.budget)
-            frame = TreeFrame.from_lists(pend["round"], **tree.wire_dict(labels=s.options.labels))
+            q = {int(r): (ids, w) for r, ids, w in pend.get("draft_q") or ()} or None
+            frame = TreeFrame.from_lists(pend["round"], **tree.wire_dict(labels=s.options.labels), draft_q=q)
             s._pending = _Pending(pend["round"], tree, frame, 0.0, nbytes=len(encode_frame(frame)))
         return s
 
@@ -448,6 +476,11 @@ class PhoneSession:
 def _max_tokens(request: dict) -> int | None:
     value = request.get("max_completion_tokens", request.get("max_tokens"))
     return None if value is None else int(value)
+
+
+def _q_json(frame: TreeFrame) -> list | None:
+    q = frame.draft_q
+    return None if q is None else [[r, list(i), list(w)] for r, i, w in zip(q.rows, q.ids, q.weights)]
 
 
 def node_values(tree: DraftTree) -> list[int]:
@@ -463,5 +496,5 @@ def _chunk_text(chunk: dict) -> str:
     return choice.get("text") or ""
 
 
-__all__ = ["HycoPhoneDrafter", "PhoneSession", "RoundStats", "SessionOptions", "SessionResult", "fmt_round",
-           "node_values"]
+__all__ = ["DRAFT_SAMPLING", "HycoPhoneDrafter", "PhoneSession", "RoundStats", "SessionOptions",
+           "SessionResult", "fmt_round", "node_values"]

@@ -23,6 +23,10 @@ below its parent, so the B best nodes are closed under ancestors.
 ``build_tree`` is the pure function of issue 7; ``build_draft_tree`` returns the richer ``DraftTree``;
 ``plant_tree`` + ``frontier_plan`` + ``grow_tree`` are the two-phase form a real SLM drafter drives (the
 plan says which rows its one forward computes, catch-up rows included). No vLLM here; torch is optional.
+
+Sampled drafts (``mobile_client.drafters.sampling``): ``plant_tree(..., chain_q=...)`` keeps the (ids, weights)
+each chain token was drawn from on its row (``DraftTree.draft_q``); growing, ``trim`` and ``value_order``
+carry it with the row, and ``DraftTree.draft_q_dict()`` is the tree frame's ``draft_q``.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from vllm_hyco.handoff.tree_contract import DEFAULT_NODE_BUDGET, NodeLabel, Padd
 LAMBDA = 0.66  # per-edge acceptance factor (paper §3.1)
 TOPK = 32  # SLM candidates per frontier row
 _LOGQ_SLACK = 1e-3  # a log-probability above this is not one (logits passed by mistake)
+DraftQRow = tuple[tuple[int, ...], tuple[int, ...]]  # (full-vocabulary ids, uint16 weights): q = w / sum(w)
 
 
 
@@ -58,6 +63,8 @@ class DraftTree:
     scores: tuple[float, ...]  # [n + 1], float64 log-scores, scores[0] == 0
     sources: tuple[int, ...]  # [n + 1], NodeLabel values (the wire's per-node labels)
     budget: int = DEFAULT_NODE_BUDGET  # the node budget this tree was built for (pads to budget + 1 rows)
+    # [n + 1] per row: the (ids, weights) a sampled chain node was drawn from, else None; None: no such row
+    draft_q: tuple[DraftQRow | None, ...] | None = None
 
     @classmethod
     def make_dummy(cls, tokens: Sequence[int], parents: Sequence[int],
@@ -106,6 +113,18 @@ class DraftTree:
         if labels:
             out["labels"] = [int(s) for s in self.sources]
         return out
+
+    def draft_q_dict(self) -> dict[int, DraftQRow] | None:
+        """``{row: (ids, weights)}`` of the sampled rows (``TreeFrame.from_lists(draft_q=...)``), or None."""
+        out = {r: q for r, q in enumerate(self.draft_q or ()) if q is not None}
+        return out or None
+
+    def _rows(self, rows: Sequence[int], parents: tuple[int, ...]) -> DraftTree:
+        """The tree of ``rows`` (ancestors first), each row's fields carried, with the given ``parents``."""
+        q = None if self.draft_q is None else tuple(self.draft_q[r] for r in rows)
+        return DraftTree(tuple(self.tokens[r] for r in rows), parents, tuple(self.scores[r] for r in rows),
+                         tuple(self.sources[r] for r in rows), self.budget,
+                         q if q is not None and any(x is not None for x in q) else None)
 
     def padded(self, rows: int | None = None) -> PaddedTree:
         """The static form (the tree contract's ``pad_tree``): ``rows`` (default budget + 1) rows, the last
@@ -173,12 +192,15 @@ class _Nodes:
         self.parents = list(tree.parents)
         self.scores = list(tree.scores)
         self.sources = list(tree.sources)
+        self.q: list[DraftQRow | None] = list(tree.draft_q or [None] * len(self.tokens))
         self.kids: list[set[int]] = [set() for _ in self.tokens]
         for i in range(1, len(self.tokens)):
             self.kids[self.parents[i]].add(self.tokens[i])
 
-    def add(self, parent: int, token: int, score: float, source: NodeLabel) -> int:
+    def add(self, parent: int, token: int, score: float, source: NodeLabel,
+            q: DraftQRow | None = None) -> int:
         self.tokens.append(token)
+        self.q.append(q)
         self.parents.append(parent)
         self.scores.append(score)
         self.sources.append(int(source))
@@ -187,8 +209,9 @@ class _Nodes:
         return len(self.tokens) - 1
 
     def freeze(self, budget: int) -> DraftTree:
+        q = tuple(self.q) if any(x is not None for x in self.q) else None
         return DraftTree(tuple(self.tokens), tuple(self.parents), tuple(self.scores), tuple(self.sources),
-                         budget)
+                         budget, q)
 
 
 def _log_lambda(lam: float) -> float:
@@ -204,15 +227,20 @@ def _check_token(t: Any, what: str) -> int:
 
 
 def plant_tree(root: int, chain: Sequence[int], runner_ups: Sequence[int], *, lam: float = LAMBDA,
-               budget: int = DEFAULT_NODE_BUDGET) -> DraftTree:
-    """Algorithm 3 lines 2-6: the root, the MTP chain and its runner-up siblings, with their scores."""
+               budget: int = DEFAULT_NODE_BUDGET, chain_q: Sequence[DraftQRow] | None = None) -> DraftTree:
+    """Algorithm 3 lines 2-6: the root, the MTP chain and its runner-up siblings, with their scores.
+    ``chain_q`` (sampled drafts): the (ids, weights) each chain token was drawn from, kept on its row."""
     a = _log_lambda(lam)
     if len(runner_ups) > len(chain):
         raise TreeBuildError(f"{len(runner_ups)} runner-ups for a chain of {len(chain)}: need D <= K")
+    if chain_q is not None and len(chain_q) != len(chain):
+        raise TreeBuildError(f"{len(chain_q)} draft distributions for a chain of {len(chain)}")
     nodes = _Nodes(DraftTree((_check_token(root, "root"),), (-1,), (0.0,), (int(NodeLabel.ROOT),), budget))
     u = [0]
-    for y in chain:
-        u.append(nodes.add(u[-1], _check_token(y, "chain token"), nodes.scores[u[-1]] + a, NodeLabel.CHAIN))
+    for k, y in enumerate(chain):
+        q = None if chain_q is None else (tuple(map(int, chain_q[k][0])), tuple(map(int, chain_q[k][1])))
+        u.append(nodes.add(u[-1], _check_token(y, "chain token"), nodes.scores[u[-1]] + a, NodeLabel.CHAIN,
+                           q))
     for k, y2 in enumerate(runner_ups, start=1):
         if _check_token(y2, "runner-up") != int(chain[k - 1]):
             nodes.add(u[k - 1], int(y2), nodes.scores[u[k - 1]] + 2 * a, NodeLabel.RUNNER_UP)
@@ -342,13 +370,7 @@ def trim(tree: DraftTree, budget: int) -> DraftTree:
             r = tree.parents[r]
     kept = sorted(keep)
     new_row = {r: i for i, r in enumerate(kept)}
-    return DraftTree(
-        tuple(tree.tokens[r] for r in kept),
-        tuple(-1 if r == 0 else new_row[tree.parents[r]] for r in kept),
-        tuple(tree.scores[r] for r in kept),
-        tuple(tree.sources[r] for r in kept),
-        tree.budget,
-    )
+    return tree._rows(kept, tuple(-1 if r == 0 else new_row[tree.parents[r]] for r in kept))
 
 
 def value_order(tree: DraftTree) -> DraftTree:
@@ -368,8 +390,7 @@ def value_order(tree: DraftTree) -> DraftTree:
     parents = tuple(-1 if r == 0 else new_row[tree.parents[r]] for r in order)
     if any(p >= i for i, p in enumerate(parents) if i):  # scores not decreasing along a path: keep as is
         return tree
-    return DraftTree(tuple(tree.tokens[r] for r in order), parents, tuple(tree.scores[r] for r in order),
-                     tuple(tree.sources[r] for r in order), tree.budget)
+    return tree._rows(order, parents)
 
 
 def _logprob_rows(out: Any) -> tuple[Any, Any]:

@@ -10,6 +10,7 @@
 | ``hyco`` | hyco, ε = 0.005 | MTP chain K = 4 + runner-ups + 1 SLM pass | ε = 0.005 |
 | ``hyco-2p`` | hyco, ε = 0.005 | same, 2 SLM passes | ε = 0.005 |
 | ``hyco-exact`` | hyco | same as hyco | exact |
+| ``hyco-exact-prob`` | hyco | same, the MTP chain sampled (``draft_sampling`` probabilistic, sent as draft_q) | exact |
 | ``hyco-exact-s4`` .. ``-s32`` | hyco, ``budget_policy`` static, ``node_budget`` 4, 8, 16, 32 | same as hyco, that many nodes | exact |
 
 Every ``hyco`` server without a static budget runs the default ``budget_policy`` ``adaptive`` (cap 32):
@@ -58,6 +59,7 @@ class BenchConfig:
     epsilon: float | None = None  # the server's ε (None: exact); the phones ask for the server's mode
     drafter: str | None = None  # "hybrid", "hybrid-2p", "specedge", "specedge-pd"
     draft_sample_method: str | None = None  # cloud configurations: vLLM's option (None: its default, greedy)
+    draft_sampling: str = "greedy"  # phone configurations: SessionOptions.draft_sampling (the MTP chain)
     device_ms: float = 0.0  # modelled device ms per round after the first
     node_budget: int | None = None  # hyco servers: a static budget (budget_policy static); None: adaptive
     first_round_ms: float = SLM_PASS_MS  # round 0 is the SLM's alone (D2)
@@ -100,6 +102,8 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
     BenchConfig("hyco-2p", "phone", "HyCo-2P", server="hyco", epsilon=EPSILON, drafter="hybrid-2p",
                 device_ms=round(HYCO_ROUND_MS + SLM_PASS_MS, 3)),
     BenchConfig("hyco-exact", "phone", "HyCo exact", server="hyco", drafter="hybrid", device_ms=HYCO_ROUND_MS),
+    BenchConfig("hyco-exact-prob", "phone", "HyCo exact, sampled drafts", server="hyco", drafter="hybrid",
+                device_ms=HYCO_ROUND_MS, draft_sampling="probabilistic"),
     *(BenchConfig(f"hyco-exact-s{b}", "phone", f"HyCo exact, static {b}", server="hyco", drafter="hybrid",
                   device_ms=HYCO_ROUND_MS, node_budget=b) for b in STATIC_BUDGETS),
     BenchConfig("slm-only", "modelled", "SLM alone (modelled)"),

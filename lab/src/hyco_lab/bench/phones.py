@@ -49,6 +49,8 @@ def load_phone(bundle: Path, config: BenchConfig, *, window: int = WINDOW):
     slm = SlmDrafter(sspec, ssd, keep, window=window, rows=ROWS)
     rows = MultiPassSlm(slm)
     options: dict[str, Any] = {"mode": config.mode}
+    if config.draft_sampling != "greedy":  # sampled MTP drafts (with a sampled request)
+        options["draft_sampling"] = config.draft_sampling
     if config.node_budget is not None:  # a static server budget: the phone's trees are never bigger
         options["max_nodes"] = config.node_budget
     spec, mtp, scales = None, None, None
@@ -174,5 +176,14 @@ def cpu_overrun_ms(rounds: list[RoundRecord], proactive_device_ms: float = 4 * S
 
 
 def describe(config: BenchConfig) -> str:
-    return json.dumps({"name": config.name, "drafter": config.drafter, "mode": config.mode,
-                       "device_ms": config.device_ms})
+    """The configuration's phone as JSON (``draft_sampling`` only when the MTP chain is sampled).
+
+    >>> from hyco_lab.bench.configs import CONFIGS
+    >>> json.loads(describe(CONFIGS["hyco-exact-prob"]))["draft_sampling"]
+    'probabilistic'
+    """
+    out = {"name": config.name, "drafter": config.drafter, "mode": config.mode}
+    if config.draft_sampling != "greedy":
+        out["draft_sampling"] = config.draft_sampling
+    out["device_ms"] = config.device_ms
+    return json.dumps(out)

@@ -3,7 +3,9 @@
 Three roles (structural ``Protocol``s: implement the methods, no base class needed):
 
 * ``ChainDrafter`` (the MTP Drafter, Algorithm 2): ``draft(x_hat) -> ChainResult`` with the K-token chain
-  and the D runner-ups, full-vocabulary ids. ``mobile_client.drafters.mtp.MtpDrafter`` fits it.
+  and the D runner-ups, full-vocabulary ids. ``mobile_client.drafters.mtp.MtpDrafter`` fits it. With sampled
+  drafts (``DraftContext.sampling``) it is called ``draft(x_hat, sampling=...)`` and its result's ``chain_q``
+  holds the (ids, weights) each chain token was drawn from.
 * ``RowDrafter`` (the SLM Drafter): ``forward_rows(plan) -> RowLogprobs`` runs ONE forward over a
   ``FrontierPlan`` (catch-up rows first, then tree rows in frontier order, each attending to the committed
   window plus ``plan.attend_mask()``) and returns log q for every forward row, over the keep set.
@@ -39,6 +41,7 @@ class ChainDraft:
 
     chain: tuple[int, ...]  # [K]
     runner_ups: tuple[int, ...]  # [D], D <= K
+    chain_q: tuple | None = None  # [K] (ids, weights) each chain token was drawn from; None: greedy
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,7 @@ class DraftContext:
     root: int  # x_{t+1}: the last committed token (the previous verdict's bonus token)
     catch_up: tuple[int, ...] = ()  # committed tokens before the root without SLM KV, oldest first
     x_hat: np.ndarray | None = None  # [2H] the MTP head's first input from the hand-off; None = SLM only
+    sampling: Any = None  # mobile_client.drafters.sampling.DraftSampling: sampled MTP drafts; None = greedy
 
 
 class ChainResult(Protocol):
@@ -65,7 +69,7 @@ class ChainResult(Protocol):
 
 @runtime_checkable
 class ChainDrafter(Protocol):
-    def draft(self, x_hat: np.ndarray) -> ChainResult: ...
+    def draft(self, x_hat: np.ndarray, sampling: Any = None) -> ChainResult: ...
 
 
 @runtime_checkable
@@ -93,11 +97,18 @@ class HybridDrafter:
     def propose(self, context: DraftContext, tree_budget: int) -> DraftTree:
         chain: Sequence[int] = ()
         runner_ups: Sequence[int] = ()
+        chain_q = None
         if self.chain_drafter is not None and context.x_hat is not None:
-            d = self.chain_drafter.draft(context.x_hat)
+            if context.sampling is None:
+                d = self.chain_drafter.draft(context.x_hat)
+            else:
+                d = self.chain_drafter.draft(context.x_hat, sampling=context.sampling)
             chain, runner_ups = tuple(d.chain), tuple(d.runner_ups)
-        self.last_chain = ChainDraft(tuple(chain), tuple(runner_ups))
-        planted = plant_tree(context.root, chain, runner_ups, lam=self.lam, budget=tree_budget)
+            chain_q = getattr(d, "chain_q", None)
+        self.last_chain = ChainDraft(tuple(chain), tuple(runner_ups),
+                                     None if chain_q is None else tuple(chain_q))
+        planted = plant_tree(context.root, chain, runner_ups, lam=self.lam, budget=tree_budget,
+                             chain_q=chain_q)
         plan = frontier_plan(planted, catch_up=context.catch_up)
         out = self.row_drafter.forward_rows(plan)
         second = self.row_drafter.forward_rows if self.two_pass else None

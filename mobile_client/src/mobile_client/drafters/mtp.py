@@ -3,8 +3,9 @@
 ``MtpHead`` is the graph: one query over a W-column K/V ring per hand-off layer (the verifier's last
 sliding-window and last full-attention layer), RMSNorm decomposed, the query's rotary tables fed by the
 CPU, logits only over the keep set. ``MtpDrafter`` is the CPU side around it: the rings filled from the
-hand-off's 8-bit rows, the per-layer window masks, K = 4 greedy steps with the runner-up at steps <= D = 2,
-and the 8-bit embedding table for its own drafted tokens.
+hand-off's 8-bit rows, the per-layer window masks, K = 4 greedy steps with the runner-up at steps <= D = 2
+(or K sampled steps, ``mobile_client.drafters.sampling``), and the 8-bit embedding table for its own drafted
+tokens.
 
 Inputs follow docs/decisions.md D1 (what vLLM's Gemma-4 MTP proposer feeds the assistant):
 ``z = [e(x) * sqrt(H) ; h]`` with h the verifier's hidden state *after* its final norm, keys already
@@ -38,6 +39,7 @@ from mobile_client.drafters.layers import (
     rotate,
     softcap,
 )
+from mobile_client.drafters.sampling import DraftSampling, draft_distribution, draw
 from mobile_client.drafters.spec import FULL, SLIDING, MtpSpec
 from mobile_client.quant.fakequant import ActQuant
 
@@ -187,6 +189,8 @@ class MtpDraft:
     chain: list[int]  # K token ids (full-vocabulary ids)
     runner_ups: list[int]  # D token ids, the second-ranked token of steps 1..D
     chain_keep_idx: list[int]  # the chain's indices into the keep set
+    # sampled drafts: per step, the (full-vocabulary ids, uint16 weights) it was drawn from; None: greedy
+    chain_q: list[tuple[tuple[int, ...], tuple[int, ...]]] | None = None
 
 
 StepFn = Callable[[dict[str, np.ndarray]], tuple[np.ndarray, np.ndarray]]
@@ -276,15 +280,26 @@ class MtpDrafter:
             out[f"cos_{name}"], out[f"sin_{name}"] = cos.numpy(), sin.numpy()
         return out
 
-    def draft(self, x_hat: np.ndarray) -> MtpDraft:
-        """K greedy steps over the ring (lines 7-13): chain, runner-ups at steps <= D, first among equals."""
+    def draft(self, x_hat: np.ndarray, sampling: DraftSampling | None = None) -> MtpDraft:
+        """K steps over the ring (lines 7-13): chain, runner-ups at steps <= D, first among equals.
+
+        Greedy (``sampling`` None or its temperature ~ 0): each chain token is the argmax. Sampled: each is
+        drawn from the step's quantized distribution (``sampling.draft_distribution``), returned in
+        ``chain_q``; the runner-up is then the best token other than the drawn one. The next step's input is
+        the chain token's embedding either way (the sampling is host-side, after ``self.step``)."""
         assert self.t0 > 0, "apply a hand-off first"
+        sampled = sampling is not None and not sampling.greedy
         feeds = self.feeds(np.asarray(x_hat, np.float32))
-        chain, runners, idx = [], [], []
+        chain, runners, idx, qs = [], [], [], []
         for step in range(1, self.k + 1):
             logits, h = self.step(feeds)
             o = logits.reshape(-1)
-            i = int(np.argmax(o))  # numpy argmax returns the first maximal index
+            if sampled:
+                cols, w = draft_distribution(o, sampling)
+                i = int(cols[draw(w, sampling.rng)])
+                qs.append((tuple(int(t) for t in self.keep_ids[cols]), tuple(int(x) for x in w)))
+            else:
+                i = int(np.argmax(o))  # numpy argmax returns the first maximal index
             chain.append(int(self.keep_ids[i]))
             idx.append(i)
             if step <= self.d:
@@ -292,4 +307,4 @@ class MtpDrafter:
                 o2[i] = -np.inf
                 runners.append(int(self.keep_ids[int(np.argmax(o2))]))
             feeds["z"] = np.concatenate([self.lut[i], h.reshape(-1)])[None].astype(np.float32)
-        return MtpDraft(chain, runners, idx)
+        return MtpDraft(chain, runners, idx, qs if sampled else None)

@@ -20,7 +20,8 @@ from mobile_client.drafters.mtp import EmbedLut, MtpDrafter, MtpHead, torch_step
 from mobile_client.drafters.sampling import (MAX_Q_ENTRIES, DraftSampling, draft_distribution, draw,
                                              session_rng)
 from mobile_client.drafters.slm import SlmDrafter
-from mobile_client.drafters.spec import random_mtp_state_dict, random_slm_state_dict, toy_mtp_spec, toy_slm_spec
+from mobile_client.drafters.spec import (random_mtp_state_dict, random_slm_state_dict, toy_mtp_spec,
+                                         toy_slm_spec)
 from mobile_client.session import PhoneSession, SessionOptions
 from mobile_client.tree import DraftTree, plant_tree, trim, value_order
 from vllm_hyco.errors import ConfigError
@@ -36,7 +37,8 @@ KEEP = sorted(set(range(0, MSPEC.vocab, 2)) | {1, 3})
 def _kv(t: int, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
     return {k: (rng.standard_normal((t, a.kv_heads, a.head_dim)).astype(np.float32),
-                rng.standard_normal((t, a.kv_heads, a.head_dim)).astype(np.float32)) for k, a in MSPEC.attn.items()}
+                rng.standard_normal((t, a.kv_heads, a.head_dim)).astype(np.float32))
+            for k, a in MSPEC.attn.items()}
 
 
 def _mtp(step=None) -> tuple[MtpDrafter, np.ndarray]:
@@ -60,7 +62,7 @@ def _sampling(seed, temperature=1.0, top_k=0, top_p=1.0) -> DraftSampling:
     return DraftSampling(temperature, top_k, top_p, np.random.default_rng(seed))
 
 
-# --- the quantized distribution -------------------------------------------------------------------------------
+# --- the quantized distribution ---
 def test_distribution_is_cut_quantized_and_best_first():
     o = np.random.default_rng(0).standard_normal(300) * 3
     cols, w = draft_distribution(o, _sampling(0))
@@ -146,7 +148,7 @@ def test_greedy_path_is_unchanged():
         feeds["z"] = np.concatenate([mtp.lut[i], h.reshape(-1)])[None].astype(np.float32)
 
 
-# --- the tree carries q -------------------------------------------------------------------------------------
+# --- the tree carries q ---
 Q = [((10, 11), (3, 1)), ((20, 21, 22), (5, 4, 1)), ((30,), (9,)), ((40, 41), (1, 1))]
 
 
@@ -204,7 +206,7 @@ def test_hybrid_tree_sends_a_valid_draft_q(budget):
     assert greedy.draft_q is None and hybrid.last_chain.chain_q is None
 
 
-# --- the session option -------------------------------------------------------------------------------------
+# --- the session option ---
 class _Planted:
     """A drafter that plants a sampled chain when the context asks for sampling (no SLM)."""
 
@@ -266,7 +268,7 @@ def test_snapshot_keeps_the_pending_draft_q():
     assert reopened.draft_q == frame.draft_q
 
 
-# --- the bench configuration --------------------------------------------------------------------------------
+# --- the bench configuration ---
 def test_bench_config_hyco_exact_prob():
     from hyco_lab.bench import configs, phones
 
@@ -287,9 +289,9 @@ def test_hyco_loop_with_sampled_drafts_against_the_fake_server():
     from test_client_loop_hyco import hyco_phone
 
     phone, _, _ = hyco_phone()
-    s = PhoneSession(phone, prompt_tokens=PROMPT, request={"prompt": PROMPT, "max_tokens": 12, "temperature": 1.0,
-                                                           "seed": 3},
-                     endpoint="completions", options=SessionOptions(draft_sampling="probabilistic"))
+    request = {"prompt": PROMPT, "max_tokens": 12, "temperature": 1.0, "seed": 3}
+    s = PhoneSession(phone, prompt_tokens=PROMPT, request=request, endpoint="completions",
+                     options=SessionOptions(draft_sampling="probabilistic"))
     sent = []
     next_tree = s.next_tree
     s.next_tree = lambda: sent.append(next_tree()) or sent[-1]

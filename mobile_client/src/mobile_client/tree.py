@@ -24,9 +24,9 @@ below its parent, so the B best nodes are closed under ancestors.
 ``plant_tree`` + ``frontier_plan`` + ``grow_tree`` are the two-phase form a real SLM drafter drives (the
 plan says which rows its one forward computes, catch-up rows included). No vLLM here; torch is optional.
 
-Sampled drafts (``mobile_client.drafters.sampling``): ``plant_tree(..., chain_q=...)`` keeps the (ids, weights)
-each chain token was drawn from on its row (``DraftTree.draft_q``); growing, ``trim`` and ``value_order``
-carry it with the row, and ``DraftTree.draft_q_dict()`` is the tree frame's ``draft_q``.
+Sampled drafts (``mobile_client.drafters.sampling``): ``plant_tree(..., chain_q=...)`` keeps the
+(ids, weights) each chain token was drawn from on its row (``DraftTree.draft_q``); growing, ``trim`` and
+``value_order`` carry it with the row, and ``DraftTree.draft_q_dict()`` is the tree frame's ``draft_q``.
 """
 
 from __future__ import annotations

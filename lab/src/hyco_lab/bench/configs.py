@@ -10,7 +10,7 @@
 | ``hyco`` | hyco, ε = 0.005 | MTP chain K = 4 + runner-ups + 1 SLM pass | ε = 0.005 |
 | ``hyco-2p`` | hyco, ε = 0.005 | same, 2 SLM passes | ε = 0.005 |
 | ``hyco-exact`` | hyco | same as hyco | exact |
-| ``hyco-exact-prob`` | hyco | same, the MTP chain sampled (``draft_sampling`` probabilistic, sent as draft_q) | exact |
+| ``hyco-exact-prob`` | hyco | same, the MTP chain sampled (``draft_sampling`` probabilistic) | exact |
 | ``hyco-exact-s4`` .. ``-s32`` | hyco, ``budget_policy`` static, ``node_budget`` 4, 8, 16, 32 | same as hyco, that many nodes | exact |
 
 Every ``hyco`` server without a static budget runs the default ``budget_policy`` ``adaptive`` (cap 32):

@@ -71,6 +71,10 @@ def test_distribution_is_cut_quantized_and_best_first():
     assert np.all(np.diff(w.astype(int)) <= 0)
     cols8, _ = draft_distribution(o, _sampling(0, top_k=8))
     assert cols8.tolist() == cols[:8].tolist()
+    ties = np.random.default_rng(1).integers(0, 5, size=300).astype(np.float32)  # ties go to the lower index
+    for k in (1, 8, 64):
+        assert draft_distribution(ties, _sampling(0, top_k=k))[0].tolist() == \
+            np.argsort(-ties, kind="stable")[:k].tolist()
     # top-p: the smallest best-first prefix holding top_p of the (top-k cut) mass
     p = np.exp(np.sort(o)[::-1][:MAX_Q_ENTRIES] - o.max())
     p /= p.sum()

@@ -55,10 +55,12 @@ class DraftSampling:
 
 def draft_distribution(logits: np.ndarray, s: DraftSampling) -> tuple[np.ndarray, np.ndarray]:
     """(keep indices, uint16 weights >= 1), best first, for one step's ``logits`` [Vk]."""
-    o = np.asarray(logits, np.float64).reshape(-1)
+    o = np.asarray(logits).reshape(-1)
     k = min(s.top_k if s.top_k > 0 else MAX_Q_ENTRIES, MAX_Q_ENTRIES, o.size)
-    order = np.argsort(-o, kind="stable")[:k]  # best first, ties to the lower index
-    z = o[order] / s.temperature
+    thr = np.partition(o, o.size - k)[o.size - k]  # the k-th best logit (no full sort of the keep set)
+    cand = np.nonzero(o >= thr)[0]
+    order = cand[np.lexsort((cand, -o[cand]))][:k]  # best first, ties to the lower index
+    z = o[order].astype(np.float64) / s.temperature
     p = np.exp(z - z[0])
     p /= p.sum()
     if s.top_p < 1.0:

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from vllm_hyco.errors import ConfigError
+from vllm_hyco.handoff.tree_contract import MAX_DRAFT_Q_ENTRIES as MAX_Q_ENTRIES  # the wire's ids per row
 
-MAX_Q_ENTRIES = 64  # the wire's limit per sampled row (client_frames.MAX_DRAFT_Q_ENTRIES)
 WEIGHT_MAX = 65535  # uint16
 GREEDY_BELOW = 1e-5  # a temperature below this drafts greedily (vLLM's own greedy threshold)
 

@@ -45,7 +45,7 @@ class FakeBridge:
             out[f"{layer.kind}_k"] = out[f"{layer.kind}_v"] = np.zeros(shape, np.int8)  # the engine sends int8
         return out
 
-    async def round(self, es, round_, tokens, parents, labels=None, values=None):
+    async def round(self, es, round_, tokens, parents, labels=None, values=None, draft_q=None):
         position = len(PROMPT) - 1 + round_  # the root's position (no node is ever accepted)
         h = {"e_bonus": np.ones(self.spec.hidden_size, np.int8), "h": None, "position": position,
              "start": position, **self._rows(1)}

@@ -117,9 +117,10 @@ DROPPED = {
                    "cloud-mtp's head steps plus a 33-row verify, reported by neither.",
 }
 #: issue 16's sweep: Cloud+MTP (greedy, sampled drafts), HyCo exact static 4..32 and adaptive, HyCo ε adaptive
-SWEEP = ("cloud-mtp", "cloud-mtp-prob", *(f"hyco-exact-s{b}" for b in STATIC_BUDGETS), "hyco-exact", "hyco")
+SWEEP = ("cloud-mtp", "cloud-mtp-prob", *(f"hyco-exact-s{b}" for b in STATIC_BUDGETS), "hyco-exact",
+         "hyco-exact-prob", "hyco")
 DEFAULT = ("cloud-mtp", "cloud-mtp-prob", "specedge", "specedge-pd", "specedge-eps", "hyco", "hyco-2p", "hyco-exact",
-           "slm-only")
+           "hyco-exact-prob", "slm-only")
 
 
 #: the paper's ε sweep (Figure 3); ε = 0.005 is ``hyco`` / ``specedge-eps``, exact ``hyco-exact`` / ``specedge``

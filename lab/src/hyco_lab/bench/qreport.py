@@ -60,13 +60,14 @@ def quality_results(records: list[dict], references: dict[str, str], baseline: s
 
 def eps_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per configuration with HyCo's tree (``hybrid``) or the SLM-only tree (``specedge``) that ran,
-    exact or at some ε: MAT, g ratio and quality."""
+    exact or at some ε: MAT, g ratio and quality. Greedy drafts only (the paper's trees): a configuration with
+    sampled drafts has another proposal and is in the main tables, not on this curve."""
     rows = []
     summary, qual = results.get("summary", {}), results.get("quality", {})
     for name, entry in summary.items():
         cfg = config_of(name)
         tree = {"hybrid": "hyco", "specedge": "specedge"}.get(cfg.drafter if cfg else None)
-        if tree is None:
+        if tree is None or getattr(cfg, "draft_sampling", "greedy") != "greedy":
             continue
         s, q = entry.get("spread", {}), qual.get(name, {})
         rows.append({"tree": tree, "config": name, "epsilon": cfg.epsilon,

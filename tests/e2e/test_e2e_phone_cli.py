@@ -101,6 +101,19 @@ def test_hyco_phone_one_and_two_pass_equal_plain_greedy(server, plain, fixtures_
         assert mats["2p"][key] >= mats["1p"][key], (key, mats)  # HyCo-2P never below HyCo here
 
 
+def test_hyco_phone_sampled_drafts_at_temperature_one(server, fixtures_dir, tmp_path):
+    """``--draft-sampling probabilistic`` at T = 1: the phone draws its chain and sends q, the real server
+    couples its samples to it (docs/acceptance.md); the session completes with accepted drafts, and the same
+    seed gives the same text twice (the phone's draws and the server's uniforms are both seeded)."""
+    extra = ("--temperature", "1", "--seed", "7", "--draft-sampling", "probabilistic")
+    runs = {name: _cmd(server, fixtures_dir, SOURCES["prompt0"], tmp_path / f"{name}.json", *extra)
+            for name in ("s1", "s2")}
+    done = hyco_phones(runs, tmp_path)
+    (t1, out1, err1), (t2, _, _) = done["s1"], done["s2"]
+    assert t1 == t2 and t1
+    check_stats(out1, err1)
+
+
 @pytest.mark.slow
 def test_hyco_phone_compiled_backend_equals_plain_greedy(server, plain, fixtures_dir, tmp_path):
     build = os.environ.get("HYCO_PHONE_BUILD")

@@ -19,12 +19,7 @@ from vllm_hyco.vllm_adapter.tree_plan import TreeRows
 V = 300
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _tree(rng: random.Random, n: int) -> tuple[list[int], list[int]]:

@@ -15,19 +15,14 @@ import random
 import numpy as np
 import pytest
 import torch
+from chisq import chi_square
 
 from vllm_hyco.spec_decode.sampling import SamplingSpec
 from vllm_hyco.spec_decode.tree import TokenTree
 from vllm_hyco.spec_decode.verify import PackedTrees, verify_batch
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small tensors: one intra-op thread avoids OpenMP barriers on a shared, loaded CPU."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 V, M = 5, 97
@@ -151,19 +146,6 @@ def decode_first3(epsilon, seed: int) -> np.ndarray:
     idx = [c[2] * V * V + c[3] * V + c[4] for c in ctxs]
     return np.bincount(idx, minlength=V**3).astype(float)
 
-
-def chi_square(observed: np.ndarray, probs: np.ndarray) -> tuple[float, float]:
-    """(statistic, alpha = 1e-3 critical value), bins with expected < 5 merged into one."""
-    expected = probs * observed.sum()
-    big = expected >= 5
-    obs = np.append(observed[big], observed[~big].sum())
-    exp = np.append(expected[big], expected[~big].sum())
-    keep = exp > 0
-    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
-    df = int(keep.sum()) - 1
-    z = 3.0902  # one-sided normal quantile for alpha = 1e-3
-    crit = df * (1 - 2 / (9 * df) + z * np.sqrt(2 / (9 * df))) ** 3
-    return stat, crit
 
 
 def test_reference_p_tilde_matches_sampling_probs():

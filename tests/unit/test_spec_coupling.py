@@ -12,6 +12,7 @@ draws from q but declares another q' is detected by the same statistic.
 import numpy as np
 import pytest
 import torch
+from chisq import chi_square
 
 from vllm_hyco.spec_decode.coupling import SampledDrafts
 from vllm_hyco.spec_decode.sampling import SamplingSpec, sampling_probs
@@ -19,12 +20,7 @@ from vllm_hyco.spec_decode.tree import TokenTree
 from vllm_hyco.spec_decode.verify import PackedTrees, verify_batch
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 V, M = 6, 53
@@ -107,18 +103,6 @@ def expected_two() -> np.ndarray:
         out[a] = pa * p_next(PROMPT + (a,))
     return out.reshape(-1)
 
-
-def chi_square(observed: np.ndarray, probs: np.ndarray) -> tuple[float, float]:
-    expected = probs * observed.sum()
-    big = expected >= 5
-    obs = np.append(observed[big], observed[~big].sum())
-    exp = np.append(expected[big], expected[~big].sum())
-    keep = exp > 0
-    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
-    df = int(keep.sum()) - 1
-    z = 3.0902
-    crit = df * (1 - 2 / (9 * df) + z * np.sqrt(2 / (9 * df))) ** 3
-    return stat, crit
 
 
 def test_sampled_drafts_are_lossless_and_accept_one_minus_tv():

@@ -11,13 +11,7 @@ from vllm_hyco.handoff.tree_contract import validate_tree
 from vllm_hyco.spec_decode.tree import TokenTree
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small tensors: one intra-op thread avoids OpenMP barriers on a shared, loaded CPU."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 V = 100
 

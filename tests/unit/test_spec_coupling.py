@@ -36,8 +36,12 @@ def _row(ctx) -> int:
     return (31 * ctx[-1] + 7 * ctx[-2] + 3 * len(ctx)) % M
 
 
-def p_next(ctx) -> np.ndarray:
-    return P_ALL[_row(ctx)]
+DENSE = SamplingSpec(temperature=1.0)  # no top-k / top-p: p̃ is dense over the vocabulary
+P_DENSE = sampling_probs(torch.from_numpy(TABLE).float(), 1.0, -1, 1.0).double().numpy()
+
+
+def p_next(ctx, table=P_ALL) -> np.ndarray:
+    return table[_row(ctx)]
 
 
 def q_weights(ctx) -> np.ndarray:
@@ -56,7 +60,7 @@ def _tree(tokens, parents) -> TokenTree:
     return _TREES[key]
 
 
-def decode_two(seed: int, declared=None):
+def decode_two(seed: int, declared=None, spec=SPEC):
     """Counts of the first two committed tokens, and the sampled depth-1 child's acceptance rate.
 
     Each round's tree: root, x1 ~ q(ctx), x2 ~ q(ctx + x1) under it (both sampled, q on the wire), and
@@ -84,7 +88,7 @@ def decode_two(seed: int, declared=None):
             rows += [_row(x) for x in ctx_rows]
         gens = [torch.Generator().manual_seed(seed * 7919 + rnd * TRIALS + i) for i in active]
         logits = torch.from_numpy(TABLE[rows]).float()
-        verdict = verify_batch(PackedTrees.pack(trees), logits, SPEC, None, gens, draft_q=qs)
+        verdict = verify_batch(PackedTrees.pack(trees), logits, spec, None, gens, draft_q=qs)
         for k, (i, committed) in enumerate(zip(active, verdict.committed())):
             if rnd == 0:
                 firsts += 1
@@ -97,10 +101,10 @@ def decode_two(seed: int, declared=None):
     return np.bincount(idx, minlength=V * V).astype(float), hits / firsts
 
 
-def expected_two() -> np.ndarray:
+def expected_two(table=P_ALL) -> np.ndarray:
     out = np.zeros((V, V))
-    for a, pa in enumerate(p_next(PROMPT)):
-        out[a] = pa * p_next(PROMPT + (a,))
+    for a, pa in enumerate(p_next(PROMPT, table)):
+        out[a] = pa * p_next(PROMPT + (a,), table)
     return out.reshape(-1)
 
 
@@ -118,6 +122,16 @@ def test_sampled_drafts_are_lossless_and_accept_one_minus_tv():
     # teeth: declaring a flat q while drawing from the real one biases the committed tokens
     lying, _ = decode_two(seed=0, declared=lambda c: np.full(V, 7, dtype=np.int64))
     assert chi_square(lying, expected_two())[0] > crit
+
+
+def test_sampled_drafts_are_lossless_on_a_dense_p_tilde():
+    """No top-k / top-p: p̃ is dense (the support covers the vocabulary), the coupling's other code path."""
+    observed, accept = decode_two(seed=1, spec=DENSE)
+    stat, crit = chi_square(observed, expected_two(P_DENSE))
+    assert stat < crit, (stat, crit)
+    w = q_weights(PROMPT)
+    analytic = float(np.minimum(p_next(PROMPT, P_DENSE), w / w.sum()).sum())
+    assert abs(accept - analytic) < 0.015, (accept, analytic)
 
 
 def test_pack_drops_rows_past_a_cut_and_counts_per_tree():

@@ -16,6 +16,12 @@ Shared session fixtures:
                         defaults (fp32, eager, in-process "uni"); every engine it made is shut down at the
                         end of the test, or earlier with make_llm.close(llm)
 
+Module fixture:
+
+    one_torch_thread    torch at one intra-op thread while a module runs (small tensors: one thread
+                        avoids OpenMP barriers on a shared, loaded CPU); a module opts in with
+                        ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``
+
 The runtime environment of docs/vllm-notes.md §7 is set as defaults here (before vLLM is imported).
 """
 
@@ -74,6 +80,16 @@ def pytest_sessionfinish(session, exitstatus):
     """With HYCO_REQUIRE_PASSES=1 (scripts/test.sh), a run where nothing passed fails like 'no tests ran'."""
     if os.environ.get("HYCO_REQUIRE_PASSES") == "1" and exitstatus == 0 and _PASSED["count"] == 0:
         session.exitstatus = pytest.ExitCode.NO_TESTS_COLLECTED
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from chisq import chi_square
+from distcheck import cached_tree, chi_square
 
 from vllm_hyco.spec_decode.sampling import SamplingSpec
 from vllm_hyco.spec_decode.tree import TokenTree
@@ -113,16 +113,6 @@ def tree_logits(ctx, tokens, parents) -> torch.Tensor:
     return torch.from_numpy(TABLE[table_rows(ctx, tokens, parents)]).float()
 
 
-_TREES: dict = {}
-
-
-def _tree(tokens, parents) -> TokenTree:
-    key = (tuple(tokens), tuple(parents))
-    if key not in _TREES:
-        _TREES[key] = TokenTree.from_parents(tokens, parents, vocab_size=V)
-    return _TREES[key]
-
-
 def decode_first3(epsilon, seed: int) -> np.ndarray:
     """Counts of the first 3 generated tokens over ROUNDS independent decodes."""
     rng = random.Random(seed)
@@ -132,7 +122,7 @@ def decode_first3(epsilon, seed: int) -> np.ndarray:
         trees, rows = [], []
         for i in active:
             toks, pars = build_tree(ctxs[i], rng.randrange(4), rng)
-            trees.append(_tree(toks, pars))
+            trees.append(cached_tree(toks, pars, V))
             rows += table_rows(ctxs[i], toks, pars)
         gens = [torch.Generator().manual_seed(seed * 7919 + rnd * ROUNDS + i) for i in active]
         logits = torch.from_numpy(TABLE[rows]).float()

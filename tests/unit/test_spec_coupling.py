@@ -12,7 +12,7 @@ draws from q but declares another q' is detected by the same statistic.
 import numpy as np
 import pytest
 import torch
-from chisq import chi_square
+from distcheck import cached_tree, chi_square
 
 from vllm_hyco.spec_decode.coupling import SampledDrafts
 from vllm_hyco.spec_decode.sampling import SamplingSpec, sampling_probs
@@ -50,16 +50,6 @@ def q_weights(ctx) -> np.ndarray:
     return np.maximum(1, np.round(1000 * x / x.sum())).astype(np.int64)
 
 
-_TREES: dict = {}
-
-
-def _tree(tokens, parents) -> TokenTree:
-    key = (tuple(tokens), tuple(parents))
-    if key not in _TREES:
-        _TREES[key] = TokenTree.from_parents(tokens, parents, vocab_size=V)
-    return _TREES[key]
-
-
 def decode_two(seed: int, declared=None, spec=SPEC):
     """Counts of the first two committed tokens, and the sampled depth-1 child's acceptance rate.
 
@@ -83,7 +73,7 @@ def decode_two(seed: int, declared=None, spec=SPEC):
                 tokens, parents = tokens + [top], parents + [0]
             send = declared or q_weights
             qs.append({1: (list(range(V)), send(c).tolist()), 2: (list(range(V)), send(c + (x1,)).tolist())})
-            trees.append(_tree(tokens, parents))
+            trees.append(cached_tree(tokens, parents, V))
             ctx_rows = [c, c + (tokens[1],), c + (tokens[1], tokens[2])] + ([c + (top,)] if len(tokens) == 4 else [])
             rows += [_row(x) for x in ctx_rows]
         gens = [torch.Generator().manual_seed(seed * 7919 + rnd * TRIALS + i) for i in active]

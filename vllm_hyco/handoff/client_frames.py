@@ -324,8 +324,9 @@ class DraftQ:
         return cls(tuple(r for r, _ in items), tuple(tuple(int(x) for x in v[0]) for _, v in items),
                    tuple(tuple(int(x) for x in v[1]) for _, v in items))
 
-    def as_dict(self) -> dict[int, tuple[tuple[int, ...], tuple[int, ...]]]:
-        return {r: (i, w) for r, i, w in zip(self.rows, self.ids, self.weights)}
+    def records(self) -> list[list]:
+        """``[[row, ids, weights], ...]``: the plain form the engine call and a phone snapshot carry."""
+        return [[r, list(i), list(w)] for r, i, w in zip(self.rows, self.ids, self.weights)]
 
     def prob(self, k: int, token: int) -> float:
         """q(token) of the k-th sampled row."""

@@ -210,8 +210,7 @@ class HycoService:
                     s.engine, t.round, list(t.tokens), list(t.parents),
                     None if t.labels is None else [int(x) for x in t.labels],
                     None if t.values is None else [int(x) / 255.0 for x in t.values],  # phone values (v2)
-                    None if t.draft_q is None else [[r, list(i), list(w)] for r, i, w in
-                                                    zip(t.draft_q.rows, t.draft_q.ids, t.draft_q.weights)])
+                    None if t.draft_q is None else t.draft_q.records())
             except HycoError as e:  # the engine's refusal, with its code (serving.engine_port)
                 if e.code == "server_busy":
                     self.metrics.rejected.labels(code="server_busy").inc()

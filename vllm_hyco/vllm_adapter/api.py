@@ -31,6 +31,7 @@ from typing import Any
 
 from vllm_hyco.config import resolve_session_eps
 from vllm_hyco.errors import HycoError, SessionError
+from vllm_hyco.handoff.client_frames import DraftQ
 from vllm_hyco.handoff.tree_contract import DEFAULT_NODE_BUDGET as DEFAULT_BUDGET
 from vllm_hyco.vllm_adapter.bridge import session_params
 from vllm_hyco.vllm_adapter.core_ext import raise_if_error
@@ -189,7 +190,7 @@ class HycoEngine:
                 q = rest[1] if len(rest) > 1 else None
                 self._call("hyco_submit_tree", sid, round_, list(tokens), list(parents),
                            rest[0] if rest else None, None, None,
-                           None if q is None else [[int(r), list(i), list(w)] for r, (i, w) in sorted(q.items())])
+                           None if q is None else DraftQ.of(q).records())
             except HycoError as e:
                 if isinstance(e, SessionError) and e.code in ENDED_CODES and sid in self._sessions:
                     self._drop(sid, e.code)  # the engine finished it (timeout, eviction...): drop it here too

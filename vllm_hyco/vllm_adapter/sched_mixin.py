@@ -467,8 +467,6 @@ class HycoSchedulerMixin:
                 k = t.plan.nodes + 1
                 t.tokens, t.parents = t.tokens[:k], t.parents[:k]
                 t.labels = None if t.labels is None else t.labels[:k]
-                if t.draft_q:
-                    t.draft_q = {r: q for r, q in t.draft_q.items() if r < k} or None
                 request.spec_token_ids = t.tokens[1:]
 
     def _hyco_budget_verdict(self, s: Session, verdict: dict[str, Any]) -> None:

@@ -59,7 +59,9 @@ class RoundTree:
     eps: float | None  # None: exact acceptance
     labels: list[int] | None = None  # [num_rows] NodeLabel per row (statistics and the budget's estimate)
     values: list[float] | None = None  # [num_rows] phone-sent values (untrusted: bounded by the server's)
-    draft_q: dict[int, tuple[list[int], list[int]]] | None = None  # sampled rows' q: {row: (ids, weights)}
+    # sampled rows' q: {row: (ids, weights)}; entries past a budget cut stay and are dropped with the rows
+    # the step does not verify (coupling.SampledDrafts.pack)
+    draft_q: dict[int, tuple[list[int], list[int]]] | None = None
     plan: Any = None  # the node budget's cut (``vllm_hyco.spec_decode.budget.Plan``) once planned
 
 

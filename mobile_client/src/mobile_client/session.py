@@ -437,7 +437,8 @@ class PhoneSession:
                 "finish_reason": self.finish_reason, "reopened_at": self._reopened_at,
                 "pending": None if p is None else {"round": p.round, "tokens": list(p.tree.tokens),
                                                    "parents": list(p.tree.parents),
-                                                   "draft_q": _q_json(p.frame)}}
+                                                   "draft_q": None if p.frame.draft_q is None
+                                                   else p.frame.draft_q.records()}}
 
     @classmethod
     def restore(cls, drafter: Drafter, snap: dict, **kw) -> PhoneSession:
@@ -476,11 +477,6 @@ class PhoneSession:
 def _max_tokens(request: dict) -> int | None:
     value = request.get("max_completion_tokens", request.get("max_tokens"))
     return None if value is None else int(value)
-
-
-def _q_json(frame: TreeFrame) -> list | None:
-    q = frame.draft_q
-    return None if q is None else [[r, list(i), list(w)] for r, i, w in zip(q.rows, q.ids, q.weights)]
 
 
 def node_values(tree: DraftTree) -> list[int]:

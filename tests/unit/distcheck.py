@@ -1,6 +1,21 @@
-"""The chi-square check of the distribution tests (test_spec_acceptance_lossless, test_spec_coupling)."""
+"""Shared pieces of the distribution tests (test_spec_acceptance_lossless, test_spec_coupling): the
+chi-square check and a cache of validated trees (many decodes draw the same few small trees)."""
+
+from functools import lru_cache
 
 import numpy as np
+
+from vllm_hyco.spec_decode.tree import TokenTree
+
+
+@lru_cache(maxsize=None)
+def _cached_tree(tokens: tuple, parents: tuple, vocab_size: int) -> TokenTree:
+    return TokenTree.from_parents(tokens, parents, vocab_size=vocab_size)
+
+
+def cached_tree(tokens, parents, vocab_size: int) -> TokenTree:
+    """``TokenTree.from_parents``, built once per distinct (tokens, parents, vocabulary)."""
+    return _cached_tree(tuple(tokens), tuple(parents), vocab_size)
 
 
 def chi_square(observed: np.ndarray, probs: np.ndarray) -> tuple[float, float]:

@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from distcheck import cached_tree
+
 from vllm_hyco.spec_decode.budget import BudgetPolicy, StepCostModel
 from vllm_hyco.spec_decode.verify import PackedTrees, verify_batch
 
@@ -50,7 +52,7 @@ def decode_first3_cut(seed: int) -> tuple[np.ndarray, list[tuple[int, int]]]:
             toks, pars = toks[:plan.nodes + 1], pars[:plan.nodes + 1]
             kept.append((plan.nodes, plan.sent))
             cut.append((toks, pars))
-            trees.append(L._tree(toks, pars))
+            trees.append(cached_tree(toks, pars, L.V))
             rows += L.table_rows(ctxs[i], toks, pars)
         gens = [torch.Generator().manual_seed(seed * 7919 + rnd * ROUNDS + i) for i in active]
         logits = torch.from_numpy(L.TABLE[rows]).float()

@@ -94,3 +94,46 @@ def test_bench_client_models_device_time():
     assert client.sim_draft_ms == configs.HYCO_ROUND_MS
     S.P.proactive_hit = True
     assert client.sim_draft_ms == 0.0 and S.bench_device_ms == {0: configs.SLM_PASS_MS, 3: 0.0}
+
+
+def test_round_gate_holds_each_tree_until_every_active_phone_has_one():
+    import asyncio
+
+    async def scenario():
+        gate, order = phones.RoundGate(), []
+
+        async def phone(name, rounds, delay):
+            for r in range(rounds):
+                await asyncio.sleep(delay)  # drafting
+                await gate.wait(name)
+                order.append((name, r))
+            gate.leave(name)
+
+        for n in "abc":
+            gate.join(n)
+        await asyncio.gather(phone("a", 3, 0.0), phone("b", 2, 0.01), phone("c", 1, 0.02))
+        return order, gate
+
+    order, gate = asyncio.run(scenario())
+    rounds = [sorted(n for n, r in order if r == k) for k in range(3)]
+    assert rounds == [["a", "b", "c"], ["a", "b"], ["a"]]
+    # every round's trees leave together: no phone's round k+1 before another's round k
+    assert [r for _, r in order] == sorted(r for _, r in order)
+    assert gate.opened == 3 and not gate.active and gate.waited_s["a"] > gate.waited_s["c"]
+
+
+def test_round_gate_opens_when_the_last_waited_phone_leaves():
+    import asyncio
+
+    async def scenario():
+        gate = phones.RoundGate()
+        gate.join("a")
+        gate.join("b")
+        waiting = asyncio.ensure_future(gate.wait("a"))
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        gate.leave("b")  # b failed or finished without another tree
+        await asyncio.wait_for(waiting, 1.0)
+        return gate.opened
+
+    assert asyncio.run(scenario()) == 1

@@ -54,6 +54,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sweep-configs", default=",".join(C.SWEEP),
                    help="configurations of the sweep (default: Cloud+MTP greedy and sampled drafts, HyCo exact "
                         "static 4/8/16/32 and adaptive, HyCo eps adaptive)")
+    p.add_argument("--phase-lock", action="store_true",
+                   help="phones send their trees in lock step (each waits until every active phone has its tree): "
+                        "no drafting on this CPU overlaps a server step, so the server's g is measured at full "
+                        "batching; the phones' wall times exclude the waits (hyco_lab.bench.phones.RoundGate)")
     p.add_argument("--sweep-runs", type=int, default=None, help="runs per sweep level (default: --runs)")
     p.add_argument("--ordinary", action="store_true", help="ordinary requests: hyco server vs plain vLLM")
     p.add_argument("--ordinary-phones", type=int, default=0,
@@ -182,7 +186,8 @@ class Bench:
                                                 concurrency=concurrency, link=self.link, seed0=1000 * run))
         else:
             recs, proxy = asyncio.run(run_phones(srv.url, cfg, run, prompts, ids, self.fx, self.sampling,
-                                                 concurrency=concurrency, link=self.link, seed0=1000 * run))
+                                                 concurrency=concurrency, link=self.link, seed0=1000 * run,
+                                                 phase_lock=self.args.phase_lock))
         wall = time.perf_counter() - t0
         time.sleep(0.5)  # let the API server's stat loggers see the last outputs
         after_m = srv.metrics()
@@ -404,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
                            "node_budget": args.node_budget or None,
                            "max_tokens": args.max_tokens, "temperature": args.temperature, "top_k": args.top_k,
                            "top_p": args.top_p, "engine_threads": args.engine_threads,
-                           "max_num_batched_tokens": args.max_num_batched_tokens,
+                           "phase_lock": args.phase_lock, "max_num_batched_tokens": args.max_num_batched_tokens,
                            "slm_only": any(c.name == "slm-only" for c in selected),
                            "argv": sys.argv[1:] if argv is None else argv, "phone_notes": phone_notes(bench.fx),
                            "handoff_values": handoff_values(bench.fx), "expand_kernel": bench.expand_kernels,

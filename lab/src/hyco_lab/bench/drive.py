@@ -90,11 +90,15 @@ def _target(url: str) -> tuple[str, int]:
 
 
 async def _phone_one(url: str, cfg: BenchConfig, run: int, prompt: dict, ids: list[int], bundle: Path,
-                     sampling: Sampling, seed: int, frame_timeout_s: float) -> RequestRecord:
+                     sampling: Sampling, seed: int, frame_timeout_s: float,
+                     gate: phones.RoundGate | None = None) -> RequestRecord:
     from mobile_client.client import Timeouts
     from mobile_client.session import SessionOptions
 
     rec = RequestRecord(cfg.name, run, prompt["id"])
+    name = f"{run}:{prompt['id']}:{seed}"
+    if gate is not None:
+        gate.join(name)  # before loading: the first phone loaded must not find the gate open to it alone
     try:
         drafter, spec, opts, rows, _ = await asyncio.to_thread(phones.load_phone, bundle, cfg)
         request = {"messages": prompt["messages"], **sampling.body(seed)}
@@ -102,13 +106,15 @@ async def _phone_one(url: str, cfg: BenchConfig, run: int, prompt: dict, ids: li
                                                    endpoint="chat.completions", spec=spec,
                                                    options=SessionOptions(**opts))
         rows.context = session.before_root
-        client = phones.bench_client_class()(url, config=cfg, session=session,
+        client = phones.bench_client_class()(url, config=cfg, session=session, gate=gate, gate_name=name,
                                              timeouts=Timeouts(frame_s=frame_timeout_s), max_retries=2)
         t0 = time.perf_counter()
         try:
             result = await client.run(session)
         finally:
             rec.wall_ms = (time.perf_counter() - t0) * 1e3
+            if gate is not None:
+                rec.wall_ms -= 1e3 * gate.waited_s.get(name, 0.0)  # held for the other phones: not this one's
         rec.tokens = len(result.token_ids)
         rec.text = result.text
         rec.trees = [session.bench_trees[k] for k in sorted(session.bench_trees)]  # not a field: not in records
@@ -122,19 +128,29 @@ async def _phone_one(url: str, cfg: BenchConfig, run: int, prompt: dict, ids: li
         rec.wall_ms -= phones.cpu_overrun_ms(rec.rounds)
     except Exception as e:  # noqa: BLE001 - recorded, not raised
         rec.error = f"{type(e).__name__}: {e}"[:300]
+    finally:
+        if gate is not None:
+            gate.leave(name)
     return rec
 
 
 async def run_phones(url: str, cfg: BenchConfig, run: int, prompts: list[dict], ids: list[list[int]],
                      bundle: Path, sampling: Sampling, *, concurrency: int = 1, link: LinkModel, seed0: int = 0,
-                     frame_timeout_s: float = 300.0) -> tuple[list[RequestRecord], dict]:
+                     frame_timeout_s: float = 300.0, phase_lock: bool = False) -> tuple[list[RequestRecord], dict]:
+    """``phase_lock``: the phones send their trees in lock step (``phones.RoundGate``); the returned dict
+    then counts the gate's openings (``locked_rounds``)."""
+    gate = phones.RoundGate() if phase_lock else None
     async with LinkProxy(_target(url), link) as proxy:
         sem = asyncio.Semaphore(concurrency)
         base = f"http://127.0.0.1:{proxy.port}"
 
         async def one(i, p):
             async with sem:
-                return await _phone_one(base, cfg, run, p, ids[i], bundle, sampling, seed0 + i, frame_timeout_s)
+                return await _phone_one(base, cfg, run, p, ids[i], bundle, sampling, seed0 + i, frame_timeout_s,
+                                        gate)
 
         records = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-        return list(records), {"up": proxy.bytes_up, "down": proxy.bytes_down}
+        info = {"up": proxy.bytes_up, "down": proxy.bytes_down}
+        if gate is not None:
+            info["locked_rounds"] = gate.opened
+        return list(records), info

@@ -17,6 +17,7 @@ drafter's state (proactive drafting while the verdict is in flight).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from pathlib import Path
@@ -105,14 +106,90 @@ def recording_session_class():
     return RecordingSession
 
 
+class RoundGate:
+    """Phase-locked phones (``--phase-lock``): each active phone's next tree waits until every active phone
+    has one ready, so the phones draft while the server idles and their trees reach it together.
+
+    Why: the simulated phones draft on this machine's CPU, the server's. Free-running, their drafting
+    overlaps the server's steps (both slow down) and spreads their trees so that a step carries one or
+    two of them (docs/benchmarks.md). Locked, no drafting overlaps a step and every step can carry all
+    trees: the server's cost per token at full batching, the regime Cloud+MTP's HTTP clients are always in.
+    A phone is active from ``join`` until ``leave`` (its session finished or failed); the gate opens when
+    the ready phones reach the active ones. ``waited_s`` is each phone's time at the gate.
+
+    >>> import asyncio
+    >>> async def demo():
+    ...     g, order = RoundGate(), []
+    ...     async def phone(name, rounds):
+    ...         for r in range(rounds):
+    ...             await g.wait(name)
+    ...             order.append((name, r))
+    ...         g.leave(name)
+    ...     g.join("a"); g.join("b")
+    ...     await asyncio.gather(phone("a", 2), phone("b", 1))
+    ...     return order, g.opened
+    >>> asyncio.run(demo())   # a's second tree goes only after b's first
+    ([('b', 0), ('a', 0), ('a', 1)], 2)
+    """
+
+    def __init__(self):
+        self.active: set[str] = set()
+        self.ready: set[str] = set()
+        self.generation = 0
+        self.waited_s: dict[str, float] = {}
+        self.opened = 0  # times the gate opened (rounds of the locked phones)
+        self._event: asyncio.Event | None = None
+
+    def join(self, name: str) -> None:
+        self.active.add(name)
+
+    def leave(self, name: str) -> None:
+        self.active.discard(name)
+        self.ready.discard(name)
+        self._maybe_open()
+
+    async def wait(self, name: str) -> None:
+        if self._event is None:
+            self._event = asyncio.Event()
+        t0, event = time.perf_counter(), self._event
+        self.ready.add(name)
+        self._maybe_open()
+        if name in self.ready:  # not opened by this arrival
+            await event.wait()
+        self.waited_s[name] = self.waited_s.get(name, 0.0) + time.perf_counter() - t0
+
+    def _maybe_open(self) -> None:
+        if self.ready and self.ready >= self.active:
+            self.ready.clear()
+            self.generation += 1
+            self.opened += 1
+            if self._event is not None:
+                self._event.set()
+            self._event = asyncio.Event()
+
+
 def bench_client_class():
-    """``HycoClient`` whose modelled device time depends on the round (first round: the SLM alone)."""
+    """``HycoClient`` whose modelled device time depends on the round (first round: the SLM alone); with a
+    ``gate`` (:class:`RoundGate`) each new tree waits there before it is sent."""
     from mobile_client.client import HycoClient
 
     class BenchClient(HycoClient):
-        def __init__(self, *args, config: BenchConfig, session, **kwargs):
+        def __init__(self, *args, config: BenchConfig, session, gate: RoundGate | None = None,
+                     gate_name: str = "", **kwargs):
             self.config, self.session = config, session
+            self.gate, self.gate_name = gate, gate_name
             super().__init__(*args, **kwargs)
+
+        async def _call(self, fn):
+            out = await super()._call(fn)
+            if self.gate is not None and fn == self.session.next_tree:
+                await self.gate.wait(self.gate_name)
+            return out
+
+        async def _take_verdict(self, *args, **kwargs):
+            await super()._take_verdict(*args, **kwargs)
+            if self.gate is not None and self.session.finished:
+                self.gate.leave(self.gate_name)  # no further tree: the others need not wait for this phone
 
         @property
         def sim_draft_ms(self) -> float:

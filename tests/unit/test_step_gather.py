@@ -54,3 +54,33 @@ def test_step_gather_option():
     assert not HycoConfig(step_gather="off").gathers
     with pytest.raises(ConfigError, match="step_gather"):
         HycoConfig(step_gather="always")
+
+
+def test_a_late_round_shifts_every_expected_arrival():
+    # three sessions with 100 ms round trips; this round all of them run 80 ms late (phones released
+    # together, a slow link): without the shift b and c look overdue when a's tree comes and nothing holds
+    g = _gather(0.1)
+    for sid in ("a", "b", "c"):
+        g.taken(sid, 1.0)
+    g.submitted("a", 1.18)  # 80 ms later than its average said
+    assert g.late["a"] == pytest.approx(0.08)
+    assert g.hold_until(1.18, 0.05, ["b", "c"], now=1.18) is None  # no shift: overdue, not waited for
+    assert g.hold_until(1.18, 0.05, ["b", "c"], now=1.18, pending=["a"]) == pytest.approx(1.23)
+    # an early round likewise: b and c are expected 50 ms early, inside the window
+    h = _gather(0.2)
+    for sid in ("a", "b", "c"):
+        h.taken(sid, 1.0)
+    h.submitted("a", 1.15)
+    assert h.hold_until(1.15, 0.03, ["b"], now=1.15) is None
+    assert h.hold_until(1.15, 0.03, ["b"], now=1.15, pending=["a"]) == pytest.approx(1.18)
+
+
+def test_the_shift_is_bounded_by_the_waited_sessions_round_trip():
+    g = _gather(0.1)
+    for sid in ("a", "b"):
+        g.taken(sid, 1.0)
+    g.submitted("a", 3.0)  # 1.9 s late: b's shift is capped at its own 0.1 s round trip (expected 1.2)
+    assert g.lateness(["a"]) == pytest.approx(1.9)
+    assert g.hold_until(3.0, 0.05, ["b"], now=3.0, pending=["a"]) is None
+    g.forget("a")
+    assert g.lateness(["a"]) == 0.0

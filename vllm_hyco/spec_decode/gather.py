@@ -11,7 +11,16 @@ The rule (:meth:`StepGather.hold_until`): a step whose runnable work is only sub
 while some session in its round trip is expected before ``first tree ready + predicted step time``; the
 step runs at that deadline, or as soon as no expected session is left (each submission re-evaluates it).
 So a tree waits at most one predicted step time, the wait a tree arriving just after a step started
-pays anyway, and every session that arrives in the window shares the step's fixed cost. Nothing is held
+pays anyway, and every session that arrives in the window shares the step's fixed cost.
+
+Round trips move together: the sessions of one step take their verdicts at the same moment, and a slow
+or fast round (the server's own step, a shared link, phones released together) moves all of them. So the
+expected arrivals are shifted by the *lateness* of the trees already pending (each one's submission time
+minus its expected time; their median, at most one round trip either way): when the pending trees came
+100 ms later than their averages said, the others are expected 100 ms later too. Without the shift a round
+slower or faster than the average by more than one step time held nothing: the others looked overdue or
+not due yet, and the step ran with the first tree or two (measured with phase-locked phones,
+docs/benchmarks.md). Nothing is held
 while an ordinary request, a prefill or an unfinished output is in the engine (the adapter checks that),
 and nothing is held before the cost model is fitted. Pure Python; the engine wiring is
 ``vllm_adapter/sched_mixin.py`` (``has_requests``) and ``core_ext.py`` (the wake-up).
@@ -38,23 +47,35 @@ class StepGather:
         self.gap: dict[str, float] = {}  # sid -> average seconds from verdict taken to next tree submitted
         self.taken_at: dict[str, float] = {}  # sid -> when its last verdict was taken (in its round trip)
         self.ready_at: dict[str, float] = {}  # sid -> when its pending tree was submitted
+        self.late: dict[str, float] = {}  # sid -> its pending tree's submission time minus its expected time
         self.holds = 0  # holds started (the adapter counts them and logs a few)
 
     def taken(self, sid: str, now: float) -> None:
         self.taken_at[sid] = now
         self.ready_at.pop(sid, None)
+        self.late.pop(sid, None)
 
     def submitted(self, sid: str, now: float) -> None:
         t = self.taken_at.pop(sid, None)
         if t is not None and now >= t:
             g = now - t
             old = self.gap.get(sid)
+            if old is not None:
+                self.late[sid] = g - old
             self.gap[sid] = g if old is None else old + self.alpha * (g - old)
         self.ready_at[sid] = now
 
     def forget(self, sid: str) -> None:
-        for d in (self.gap, self.taken_at, self.ready_at):
+        for d in (self.gap, self.taken_at, self.ready_at, self.late):
             d.pop(sid, None)
+
+    def lateness(self, pending: Iterable[str]) -> float:
+        """The median lateness of the pending trees (0 when none has an estimate)."""
+        xs = sorted(self.late[s] for s in pending if s in self.late)
+        if not xs:
+            return 0.0
+        m = len(xs) // 2
+        return xs[m] if len(xs) % 2 else 0.5 * (xs[m - 1] + xs[m])
 
     def expected(self, sid: str) -> float | None:
         """When ``sid``'s next tree is expected, or None (not in its round trip, or no estimate yet)."""
@@ -62,19 +83,25 @@ class StepGather:
         return None if t is None or g is None else t + g
 
     def hold_until(self, ready_since: float, horizon: float, waiting: Iterable[str], *,
-                   now: float) -> float | None:
+                   now: float, pending: Iterable[str] = ()) -> float | None:
         """The deadline to hold the step until, or None to run it now.
 
         ``ready_since``: when the oldest pending tree was submitted; ``horizon``: the predicted seconds of
-        the step; ``waiting``: the sessions in their round trip (parked with their verdict taken). A session
-        is waited for when it is expected by the deadline and not overdue by more than ``horizon``."""
+        the step; ``waiting``: the sessions in their round trip (parked with their verdict taken);
+        ``pending``: the sessions whose trees wait for the step (their lateness shifts the others'
+        expected arrivals, at most by each one's own round trip). A session is waited for when it is
+        expected by the deadline and not overdue by more than ``horizon``."""
         if not horizon > 0:
             return None
         end = ready_since + horizon
         if now >= end:
             return None
+        shift = self.lateness(pending)
         for sid in waiting:
             e = self.expected(sid)
+            if e is not None and shift:
+                g = self.gap[sid]
+                e += min(max(shift, -g), g)
             # expected within the window, and not overdue by more than one step (a session that stopped
             # submitting, or a phone far slower than its average, is not waited for)
             if e is not None and now - horizon <= e <= end:

@@ -219,3 +219,28 @@ def test_engine_core_time_is_counted_apart_from_the_model_calls(monkeypatch, tmp
             break
         time.sleep(t.FLUSH_S)
     assert (total["core_s"], total["busy_s"]) == (0.5, 0.1)
+
+
+def test_per_request_cost_is_fitted_apart_from_rows_and_lengthens_the_cut():
+    # steps of 1-64 requests with 1-16 rows each: a request costs 1 ms whatever its rows, a row 0.2 ms
+    rng = np.random.default_rng(3)
+    m = StepCostModel(min_steps=16)
+    for _ in range(200):
+        reqs = int(rng.integers(1, 65))
+        rows = int(reqs * rng.integers(1, 17))
+        m.observe(rows, 0.0, 0.008 + 0.0002 * rows + 0.001 * reqs + rng.normal(0, 1e-5), reqs)
+    c0, c1, _ = m.coef
+    assert c0 == pytest.approx(0.008, rel=0.05) and c1 == pytest.approx(0.0002, rel=0.05)
+    assert m.per_request == pytest.approx(0.001, rel=0.05)
+    assert m.predict(80, 0.0, 16) == pytest.approx(0.008 + 0.016 + 0.016, rel=0.02)
+    assert m.snapshot()["per_request_ms"] == pytest.approx(1.0, rel=0.05)
+    # at 64 trees a step the per-request millisecond is the session's own fixed cost: a row-only model
+    # of the same steps would charge it to rows and keep a shorter prefix
+    with_req = BudgetPolicy(32)
+    with_req.cost = m
+    rows_only = BudgetPolicy(32)
+    rows_only.cost = fitted(0.008, 0.0002 + 0.001 / 8)  # the request's cost spread over 8 rows
+    vals = [1.0, 0.85, 0.7, 0.56, 0.45, 0.36, 0.29, 0.23, 0.18]
+    a = choose_nodes(vals, fixed=c0 / 64 + m.per_request, per_row=m.marginal(0))
+    assert with_req.plan("s", CHAIN8, sharing=64).nodes >= rows_only.plan("s", CHAIN8, sharing=64).nodes
+    assert a > choose_nodes(vals, fixed=c0 / 64, per_row=m.marginal(0))

@@ -18,7 +18,7 @@ gauge would need a ``multiprocess_mode``. Created once per process (idempotent :
 | ``vllm_hyco_error_frames_total`` | counter | ``code`` |
 | ``vllm_hyco_node_budget`` | histogram | nodes granted per verdict (the budget policy's choice) |
 | ``vllm_hyco_verified_nodes`` | histogram | nodes of the phone's tree the server verified (after its cut) |
-| ``vllm_hyco_step_cost_seconds`` | gauge | ``term``: fixed, per_row, per_row_kctx, rmse: the step-cost model's fit |
+| ``vllm_hyco_step_cost_seconds`` | gauge | ``term``: fixed, per_row, per_row_kctx, per_request, rmse: the step-cost model's fit |
 | ``vllm_hyco_step_cost_steps`` | gauge | steps the cost model was fitted on |
 """
 
@@ -54,7 +54,7 @@ class HycoMetrics:
         if info.get("nodes_verified") is not None:
             self.verified.observe(info["nodes_verified"])
         for term, key in (("fixed", "fixed_ms"), ("per_row", "per_row_ms"), ("per_row_kctx", "per_krow_ctx_ms"),
-                          ("rmse", "rmse_ms")):
+                          ("per_request", "per_request_ms"), ("rmse", "rmse_ms")):
             if info.get(key) is not None:
                 self.cost.labels(term=term).set(info[key] / 1e3)
         self.cost_steps.set(info.get("steps", 0))
@@ -89,7 +89,7 @@ def get() -> HycoMetrics:
             verified=Histogram(p + "verified_nodes", "Tree nodes verified per round (after the budget cut)",
                                buckets=NODE_BUCKETS),
             cost=Gauge(p + "step_cost_seconds", "Engine step-cost model: fixed, per row, per row x 1000 "
-                       "context tokens, and its RMSE", ["term"]),
+                       "context tokens, per request, and its RMSE", ["term"]),
             cost_steps=Gauge(p + "step_cost_steps", "Engine steps the step-cost model was fitted on"),
         )
     return _METRICS

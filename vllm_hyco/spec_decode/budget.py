@@ -13,14 +13,16 @@ its expected committed tokens. This module holds the three parts of the decision
   the conditionals of one node's children are scaled to sum to at most 1). Phone-sent values are
   untrusted: :func:`bound_values` takes ``min(phone, server)`` per node, so they can only lower a node.
   :func:`reliability_table` bins predicted against observed acceptance (calibration).
-* :class:`StepCostModel`: the step's cost as ``c0 + c1 * rows + c2 * kctx``, with ``rows`` the tokens the
-  step scheduled and ``kctx`` the attention work (sum over requests of rows times context, in thousands of
-  tokens), fitted online by recursive least squares on the measured steps. No cost constant is set by hand:
+* :class:`StepCostModel`: the step's cost as ``c0 + c1 * rows + c2 * kctx + c3 * reqs``, with ``rows`` the
+  tokens the step scheduled, ``kctx`` the attention work (sum over requests of rows times context, in
+  thousands of tokens) and ``reqs`` the requests in it (what a tree costs whatever its size: its decision,
+  KV compaction, hand-off, tree-attention set-up and utility calls), fitted online by recursive least
+  squares on the measured steps. No cost constant is set by hand:
   until ``min_steps`` steps with at least three distinct row counts were seen the model is not ``ready``
   and the policy verifies whole trees (the paper's static budget).
 * :func:`choose_nodes`: the cut rule. A session whose round shares a step with ``n`` requests pays
-  ``c0 / n`` of the step's fixed cost plus the marginal cost ``m = c1 + c2 * ctx / 1000`` per row (the
-  root included). With nodes in value order, it keeps the prefix of ``k >= 1`` nodes that minimises its
+  ``c0 / n + c3`` (its share of the step's fixed cost and its own per-request cost) plus the marginal cost
+  ``m = c1 + c2 * ctx / 1000`` per row (the root included). With nodes in value order, it keeps the prefix of ``k >= 1`` nodes that minimises its
   expected cost per committed token ``(c0 / n + m (k + 1)) / (1 + sum of the k values)`` (the bonus token
   counts): a node is kept only when its expected tokens per unit of cost beat the session's average, so no
   row is verified whose expected committed tokens are worth less than its cost. Every session keeps at
@@ -192,33 +194,36 @@ def calibration_error(table: list[dict]) -> float:
 
 
 class StepCostModel:
-    """Step seconds ~ ``c0 + c1 * rows + c2 * kctx``, recursive least squares with forgetting.
+    """Step seconds ~ ``c0 + c1 * rows + c2 * kctx + c3 * reqs``, recursive least squares with forgetting.
 
-    Features are scaled internally (rows / 64, kctx / 64) so the fit is well conditioned; the prior is a
-    wide ridge around zero (``prior_var``), so the first steps decide the fit. Steps scheduling more than
-    ``max_rows`` tokens (prefill chunks far outside any verification step) are not fitted.
+    Features are scaled internally (rows / 64, kctx / 64, reqs / 16) so the fit is well conditioned; the
+    prior is a wide ridge around zero (``prior_var``), so the first steps decide the fit. Steps scheduling
+    more than ``max_rows`` tokens (prefill chunks far outside any verification step) are not fitted.
+    ``reqs`` separates what a request costs from what a row costs: on the CPU build, at 16 trees a step,
+    the per-tree work (tree-attention set-up per layer, decision, hand-off) is most of a step
+    (docs/benchmarks.md), and a model without the term charged it to rows and cut trees to 1-2 nodes.
     """
 
-    SCALE = np.array([1.0, 64.0, 64.0])
+    SCALE = np.array([1.0, 64.0, 64.0, 16.0])
 
     def __init__(self, *, forget: float = 0.995, min_steps: int = 16, max_rows: int | None = None,
                  prior_var: float = 1e4):
         self.forget, self.min_steps, self.max_rows = forget, min_steps, max_rows
-        self.theta = np.zeros(3)
-        self.P = np.eye(3) * prior_var
+        self.theta = np.zeros(4)
+        self.P = np.eye(4) * prior_var
         self.steps = 0
         self.row_counts: set[int] = set()
         self.sq_err = 0.0  # decayed squared residual (before each update)
         self.weight = 0.0
 
-    def _x(self, rows: float, kctx: float) -> np.ndarray:
-        return np.array([1.0, rows, kctx]) / self.SCALE
+    def _x(self, rows: float, kctx: float, reqs: float) -> np.ndarray:
+        return np.array([1.0, rows, kctx, reqs]) / self.SCALE
 
-    def observe(self, rows: int, kctx: float, seconds: float) -> bool:
+    def observe(self, rows: int, kctx: float, seconds: float, reqs: int = 1) -> bool:
         if rows <= 0 or not math.isfinite(seconds) or seconds < 0 or \
                 (self.max_rows is not None and rows > self.max_rows):
             return False
-        x = self._x(rows, kctx)
+        x = self._x(rows, kctx, max(int(reqs), 1))
         err = seconds - float(x @ self.theta)
         Px = self.P @ x
         gain = Px / (self.forget + float(x @ Px))
@@ -241,9 +246,14 @@ class StepCostModel:
         c = self.theta / self.SCALE
         return float(max(c[0], 0.0)), float(max(c[1], 0.0)), float(max(c[2], 0.0))
 
-    def predict(self, rows: float, kctx: float = 0.0) -> float:
+    @property
+    def per_request(self) -> float:
+        """Seconds each request adds to a step whatever its rows (clipped at >= 0)."""
+        return float(max(self.theta[3] / self.SCALE[3], 0.0))
+
+    def predict(self, rows: float, kctx: float = 0.0, reqs: int = 1) -> float:
         c0, c1, c2 = self.coef
-        return c0 + c1 * rows + c2 * kctx
+        return c0 + c1 * rows + c2 * kctx + self.per_request * max(int(reqs), 1)
 
     def marginal(self, ctx: int) -> float:
         """Seconds one more row costs for a request with ``ctx`` tokens of context."""
@@ -254,7 +264,8 @@ class StepCostModel:
         c0, c1, c2 = self.coef
         rmse = math.sqrt(self.sq_err / self.weight) if self.weight else None
         return {"fixed_ms": round(c0 * 1e3, 6), "per_row_ms": round(c1 * 1e3, 6),
-                "per_krow_ctx_ms": round(c2 * 1e3, 6), "steps": self.steps, "ready": self.ready,
+                "per_krow_ctx_ms": round(c2 * 1e3, 6), "per_request_ms": round(self.per_request * 1e3, 6),
+                "steps": self.steps, "ready": self.ready,
                 "rmse_ms": None if rmse is None else round(rmse * 1e3, 6)}
 
 
@@ -319,7 +330,8 @@ class BudgetPolicy:
         nodes = sent
         if self.adaptive and self.cost.ready and sent > 1:
             c0, _, _ = self.cost.coef
-            nodes = choose_nodes(vals, fixed=c0 / max(sharing, 1), per_row=self.cost.marginal(ctx))
+            nodes = choose_nodes(vals, fixed=c0 / max(sharing, 1) + self.cost.per_request,
+                                 per_row=self.cost.marginal(ctx))
         self.last_nodes = nodes
         return Plan(nodes, sent, vals[: nodes + 1], server[: nodes + 1])
 
@@ -331,8 +343,8 @@ class BudgetPolicy:
             hit[[r for r in path_rows if 0 < r < len(predicted)]] = True
             self.log.extend(zip(predicted[1:].tolist(), hit[1:].astype(float).tolist()))
 
-    def observe_step(self, rows: int, kctx: float, seconds: float) -> bool:
-        return self.cost.observe(rows, kctx, seconds)
+    def observe_step(self, rows: int, kctx: float, seconds: float, reqs: int = 1) -> bool:
+        return self.cost.observe(rows, kctx, seconds, reqs)
 
     def next_budget(self, plan: Plan | None, *, first_round: bool = False) -> int:
         """Nodes granted for the session's next round: the cap (static, or no fit yet, or after the

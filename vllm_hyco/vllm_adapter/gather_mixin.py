@@ -58,7 +58,7 @@ class HycoGatherMixin:
         if not pol.cost.ready:
             return False
         gather = self.hyco_gather
-        rows, kctx, since = 0, 0.0, None
+        rows, kctx, since, pending = 0, 0.0, None, []
         for request in self.running:
             s = reg.by_req(request.request_id)
             if s is None or s.state is not SessionState.VERIFYING or s.tree is None \
@@ -68,6 +68,7 @@ class HycoGatherMixin:
             if t is None:
                 return False
             since = t if since is None else min(since, t)
+            pending.append(s.sid)
             n = len(s.tree.tokens) if s.tree.plan is None else s.tree.plan.nodes + 1
             rows += n
             kctx += n * request.num_tokens / 1000.0
@@ -75,7 +76,7 @@ class HycoGatherMixin:
             return False
         now = time.perf_counter()
         waiting = [s.sid for s in reg.live() if s.state is SessionState.PARKED]
-        end = gather.hold_until(since, pol.cost.predict(rows, kctx), waiting, now=now)
+        end = gather.hold_until(since, pol.cost.predict(rows, kctx, len(pending)), waiting, now=now, pending=pending)
         if end is None:
             return False
         if self.__dict__.get("_hyco_wake_at", 0.0) < now:  # no timer pending: a new hold

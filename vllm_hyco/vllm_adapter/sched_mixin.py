@@ -442,7 +442,7 @@ class HycoSchedulerMixin:
             request = self.requests.get(req_id)
             if request is not None:
                 kctx += n * request.num_tokens / 1000.0
-        self.hyco_budget_policy.observe_step(rows, kctx, seconds)
+        self.hyco_budget_policy.observe_step(rows, kctx, seconds, len(scheduler_output.num_scheduled_tokens))
 
     def _hyco_cut_trees(self, reg: SessionRegistry) -> None:
         """Cut every tree submitted since the last step to the prefix that pays, before vLLM schedules it."""

@@ -215,6 +215,49 @@ def tree_attention_dense_ref(
     return o.transpose(0, 1).to(q.dtype)
 
 
+def tree_attention_padded(
+    q: torch.Tensor,
+    k_prefix: torch.Tensor,
+    v_prefix: torch.Tensor,
+    k_tree: torch.Tensor,
+    v_tree: torch.Tensor,
+    bias: torch.Tensor,
+    scale: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Tree attention of MANY requests padded to one batch (fp32 math, output in ``q.dtype``): the CPU
+    engine's path for a step's trees, one call per layer instead of one per tree and layer.
+
+    Shape: q [T, R, num_q_heads, D]; the prefix keys k/v_prefix [T, L, num_kv_heads, D] and the tree rows'
+    own k/v_tree [T, R, num_kv_heads, D] (kept apart: concatenating them copied more than the attention
+    computed); bias [T, R, L + R] float, 0 where a row sees a key and -inf elsewhere, every row seeing at
+    least one key (``vllm_adapter.tree_plan.PaddedTrees`` builds it from :func:`visibility_mask`). Per
+    tree it computes what :func:`tree_attention_dense_ref` computes.
+
+    >>> q = torch.randn(2, 3, 2, 16); kp = torch.randn(2, 5, 1, 16); kt = torch.randn(2, 3, 1, 16)
+    >>> tree_attention_padded(q, kp, kp, kt, kt, torch.zeros(2, 3, 8), 0.25).shape
+    torch.Size([2, 3, 2, 16])
+    """
+    T, R, hq, d = q.shape
+    L, hkv = k_prefix.shape[1], k_prefix.shape[2]
+    if (k_prefix.shape != v_prefix.shape or k_tree.shape != v_tree.shape or k_tree.shape[:2] != (T, R)
+            or k_prefix.shape[0] != T or bias.shape != (T, R, L + R) or hq % hkv):
+        raise KernelInputError(f"q {tuple(q.shape)}, k_prefix {tuple(k_prefix.shape)}, k_tree {tuple(k_tree.shape)}, "
+                               f"bias {tuple(bias.shape)}: shapes disagree")
+    g = hq // hkv
+    # query heads grouped under their KV head: [T, hkv, g * R, D]
+    qg = q.float().reshape(T, R, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(T, hkv, g * R, d)
+    kp, kt = k_prefix.float().permute(0, 2, 3, 1), k_tree.float().permute(0, 2, 3, 1)  # [T, hkv, D, keys]
+    s = torch.cat([torch.matmul(qg, kp), torch.matmul(qg, kt)], -1) * scale  # [T, hkv, g * R, L + R]
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    s = s.view(T, hkv, g, R, L + R) + bias[:, None, None]
+    p = torch.softmax(s, dim=-1).view(T, hkv, g * R, L + R)
+    o = torch.matmul(p[..., :L], v_prefix.float().transpose(1, 2)) + torch.matmul(p[..., L:],
+                                                                                 v_tree.float().transpose(1, 2))
+    return o.view(T, hkv, g, R, d).permute(0, 3, 1, 2, 4).reshape(T, R, hq, d).to(q.dtype)
+
+
 def first_visible_key(prefix_len: int, depths: torch.Tensor, sliding_window: int | None) -> int:
     """The lowest cache index any row of the request can see (0 without a window)."""
     if not sliding_window or depths.numel() == 0:

@@ -8,9 +8,12 @@ Matches vLLM 0.32 (``v1/attention/backends/cpu_attn.py``).
 * What it replaces: the backend class registered for the **static** enum member
   ``AttentionBackendEnum.CPU_ATTN`` (never a new enum name: a dynamic member cannot be unpickled in a
   spawned engine core). ``forward`` runs the stock op for the whole batch, then overwrites the output of
-  each tree request's rows with the kernels' torch twin (``tree_attention_dense_ref``) over the prefix
-  K/V gathered through the KV view (only the window's tail for sliding layers; visibility depends on
-  position differences only, so the tail is passed as a shorter prefix) plus the fresh tree K/V. A
+  the tree requests' rows: all trees at once, padded to one batch (``tree_plan.PaddedTrees``, built once
+  per step and KV-cache group): one gather of every tree's prefix K/V through the KV view (only the
+  window's tail for sliding layers) and one masked attention (``kernels.tree_attention_padded``) over
+  the prefix K/V and the fresh tree K/V. ``VLLM_HYCO_CPU_TREE_ATTN=loop`` keeps the earlier path, one gather and one
+  ``tree_attention_dense_ref`` per tree and layer (the benchmarks compare the two in one run; the
+  per-tree loop was most of a 16-tree step's per-request cost, docs/benchmarks.md). A
   KV-shared layer (called with no key/value) reads the tree rows' K/V from its target's paged cache: vLLM
   hands it the target's cache, and the target's ``do_kv_cache_update`` wrote the rows at their sequential
   slots earlier in the same forward. ``do_kv_cache_update`` writes as stock and records that the layer was
@@ -29,9 +32,10 @@ from __future__ import annotations
 import torch
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
+from vllm_hyco import envs
 from vllm_hyco.vllm_adapter import tree_plan
 from vllm_hyco.vllm_adapter.kv_view import cpu_kv_view, slots_for_positions
-from vllm_hyco.kernels.tree_attention import tree_attention_dense_ref
+from vllm_hyco.kernels.tree_attention import tree_attention_dense_ref, tree_attention_padded
 
 
 def install() -> None:
@@ -64,6 +68,8 @@ class HycoCPUAttentionImpl(CPUAttentionBackendImpl):
             return out
         assert self.sinks is None and self.alibi_slopes is None, "tree rows: sinks/alibi not supported"
         view = cpu_kv_view(layer.isa, kv_cache, self.kv_cache_dtype)
+        if envs.VLLM_HYCO_CPU_TREE_ATTN != "loop":
+            return self._padded(trees, view, query, key, value, kv_cache, attn_metadata, out)
         block_size = kv_cache.shape[2]
         for tr in trees:
             rows = slice(tr.q_start, tr.q_start + tr.num_rows)
@@ -86,6 +92,31 @@ class HycoCPUAttentionImpl(CPUAttentionBackendImpl):
                                            t - lo, tr.masks, tr.depths, self.scale, sliding_window=window,
                                            softcap=float(self.logits_soft_cap or 0.0) or None)
             out[rows] = res.reshape(out[rows].shape)
+        return out
+
+    def _padded(self, trees, view, query, key, value, kv_cache, attn_metadata, out):
+        """Every tree of the step in one gather and one attention (``tree_plan.PaddedTrees``)."""
+        window = self.sliding_window if self.sliding_window > 0 else None
+        bt = attn_metadata.block_table
+        block_size = kv_cache.shape[2]
+        # the layout is the same for every layer with this window; the slots follow each layer's table
+        # (each KV-cache group has its own)
+        pt = tree_plan.step_cached(("cpu_padded", window), lambda: tree_plan.PaddedTrees.build(trees, window))
+        prefix_slots, tree_slots = pt.slots(bt, block_size)
+        T, R = pt.rows.shape
+        L = prefix_slots.shape[1]
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_size
+        q = query.reshape(-1, hq, d)[pt.rows]  # [T, R, hq, D]
+        k_pre, v_pre = view.gather(kv_cache, prefix_slots.reshape(-1))
+        if key is None:  # KV-shared: the target wrote the tree rows at their sequential slots
+            k_tree, v_tree = view.gather(kv_cache, tree_slots.reshape(-1))
+            k_tree, v_tree = k_tree.view(T, R, hkv, d), v_tree.view(T, R, hkv, d)
+        else:
+            k_tree, v_tree = key.reshape(-1, hkv, d)[pt.rows], value.reshape(-1, hkv, d)[pt.rows]
+        res = tree_attention_padded(q, k_pre.view(T, L, hkv, d), v_pre.view(T, L, hkv, d), k_tree, v_tree, pt.bias,
+                                    self.scale, softcap=float(self.logits_soft_cap or 0.0) or None)  # [T, R, hq, D]
+        flat = out.view(out.shape[0], -1)
+        flat[pt.rows[pt.valid]] = res[pt.valid].reshape(-1, hq * d).to(out.dtype)
         return out
 
 

@@ -115,14 +115,96 @@ class TreeStep:
         )
 
 
+@dataclass
+class PaddedTrees:
+    """The step's trees padded to one batch, for the CPU override's one gather and one attention per layer.
+
+    ``T`` trees, ``R`` = the most rows of any tree, ``L`` = the most prefix keys of any tree (the keys a
+    row can see below the root: all committed positions, or the window's tail on a sliding layer). Keys
+    of tree b are its prefix (positions ``lo_b ..``) then its own rows, so the visibility
+    ``vis [T, R, L + R]`` is the one-request rule of ``kernels.tree_attention.visibility_mask`` per tree,
+    with padding masked out; a padded row sees only itself (no all-masked row). The layout depends on the
+    window only; the cache slots of its keys depend on the layer's block table (:meth:`slots`: each KV-cache
+    group has its own)."""
+
+    rows: torch.Tensor  # [T, R] int64 flattened-batch row (padding: the tree's root row)
+    valid: torch.Tensor  # [T, R] bool
+    batch_idx: list[int]  # [T] rows of the block table
+    positions: torch.Tensor  # [T, L + R] int64 position of every key (padding: 0, masked)
+    vis: torch.Tensor  # [T, R, L + R] bool
+    bias: torch.Tensor  # [T, R, L + R] float32: 0 where visible, -inf elsewhere (added to the scores)
+
+    @classmethod
+    def build(cls, trees: list[TreeRows], sliding_window: int | None) -> PaddedTrees:
+        """
+        >>> a = TreeRows.build(req_id="a", batch_idx=0, q_start=0, num_rows=3, context_len=2, round=0,
+        ...                    tokens=[5, 6, 7], parents=[-1, 0, 0], eps=None)
+        >>> b = TreeRows.build(req_id="b", batch_idx=1, q_start=3, num_rows=1, context_len=4, round=0,
+        ...                    tokens=[9], parents=[-1], eps=None)
+        >>> pt = PaddedTrees.build([a, b], None)
+        >>> pt.rows.tolist(), pt.positions.tolist()
+        ([[0, 1, 2], [3, 3, 3]], [[0, 1, 0, 0, 2, 3, 4], [0, 1, 2, 3, 4, 0, 0]])
+        >>> pt.vis[0].int().tolist()   # row 2 sees the prefix, the root and itself, not its sibling
+        [[1, 1, 0, 0, 1, 0, 0], [1, 1, 0, 0, 1, 1, 0], [1, 1, 0, 0, 1, 0, 1]]
+        >>> [x.tolist() for x in pt.slots(torch.tensor([[0], [1]]), 8)]   # (prefix, tree rows)
+        [[[0, 1, 0, 0], [8, 9, 10, 11]], [[2, 3, 4], [12, 8, 8]]]
+        """
+        T, R = len(trees), max(tr.num_rows for tr in trees)
+        n = torch.tensor([tr.num_rows for tr in trees])  # [T]
+        t = torch.tensor([tr.context_len for tr in trees])  # [T]
+        lo = torch.zeros_like(t) if not sliding_window else (t - sliding_window + 1).clamp(min=0)
+        pre = t - lo  # [T] prefix keys of each tree
+        L = int(pre.max())
+        r = torch.arange(R)
+        valid = r[None] < n[:, None]  # [T, R]
+        q_start = torch.tensor([tr.q_start for tr in trees])
+        rows = torch.where(valid, q_start[:, None] + r[None], q_start[:, None])
+        masks = torch.zeros(T, R, dtype=torch.int64)
+        depths = torch.zeros(T, R, dtype=torch.int64)
+        for b, tr in enumerate(trees):
+            masks[b, :tr.num_rows] = tr.masks
+            depths[b, :tr.num_rows] = tr.depths
+        j = torch.arange(L)
+        key_ok = j[None] < pre[:, None]  # [T, L]
+        vis_pre = key_ok[:, None, :].expand(T, R, L)
+        vis_tree = (((masks[:, :, None] >> r.clamp(max=63)[None, None, :]) & 1) != 0) & valid[:, None, :]
+        if sliding_window:  # key position > row position - window (positions t + depth for the rows)
+            row_pos = t[:, None] + depths  # [T, R]
+            vis_pre = vis_pre & ((lo[:, None] + j[None])[:, None, :] > (row_pos - sliding_window)[:, :, None])
+            vis_tree = vis_tree & (row_pos[:, None, :] > (row_pos - sliding_window)[:, :, None])
+        vis_tree = vis_tree | (torch.eye(R, dtype=torch.bool)[None] & ~valid[:, :, None])  # padded: itself
+        vis = torch.cat([vis_pre & valid[:, :, None], vis_tree], 2)
+        positions = torch.cat([torch.where(key_ok, lo[:, None] + j[None], 0),
+                               torch.where(valid, t[:, None] + r[None], 0)], 1)
+        return cls(rows=rows, valid=valid, batch_idx=[tr.batch_idx for tr in trees], positions=positions, vis=vis,
+                   bias=torch.zeros(vis.shape).masked_fill_(~vis, float("-inf")))
+
+    def slots(self, block_table: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """([T, L] prefix-key slots, [T, R] tree-row slots) in the layer's ``[batch, max_blocks]`` table
+        (padding reads a slot of the request's first block: masked)."""
+        bt = block_table.to(torch.int64)[self.batch_idx]  # [T, max_blocks]
+        p = self.positions
+        s = bt.gather(1, p // block_size) * block_size + p % block_size
+        L = p.shape[1] - self.rows.shape[1]
+        return s[:, :L], s[:, L:]
+
+
 # This step's trees and the device they run on; the stacked TreeStep is built on first use; the names of
-# the layers whose KV-cache write ran while the trees were active.
-_ACTIVE: dict = {"trees": None, "device": "cpu", "step": None, "written": set()}
+# the layers whose KV-cache write ran while the trees were active; per-step layouts keyed by the caller.
+_ACTIVE: dict = {"trees": None, "device": "cpu", "step": None, "written": set(), "cache": {}}
 
 
 def set_active_trees(trees: list[TreeRows] | None, device: torch.device | str = "cpu") -> None:
     """Publish this step's trees (None or [] clears); everything runs in the worker process."""
-    _ACTIVE.update(trees=trees or None, device=device, step=None, written=set())
+    _ACTIVE.update(trees=trees or None, device=device, step=None, written=set(), cache={})
+
+
+def step_cached(key, build):
+    """``build()`` once per step and ``key`` (layouts every layer of a KV-cache group shares)."""
+    cache = _ACTIVE["cache"]
+    if key not in cache:
+        cache[key] = build()
+    return cache[key]
 
 
 def note_layer_written(name: str) -> None:

@@ -1,6 +1,7 @@
 """Where a step's server time goes: HyCo trees against vLLM's MTP, per component, at 1 and N requests.
 
-``python -m hyco_lab.bench.stepcost --requests 1,16 --nodes 4,32 --steps 24 [--fixtures DIR] [--out F]``
+``python -m hyco_lab.bench.stepcost --requests 1,16 --nodes 4,32 --steps 24 [--tree-attn padded,loop]
+[--fixtures DIR] [--out F]``
 
 One engine per setup, in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; each setup in its own child
 process so the two engines never share one), on the bench fixtures. HyCo: ``n`` sessions submit a tree of
@@ -13,7 +14,7 @@ time by wrapping it (the wrappers' own cost is inside the totals; a few microsec
 | --- | --- |
 | ``step`` | ``EngineCore.step`` (schedule + model call + sampling + update) + ``post_step`` |
 | ``forward`` | the runner's ``_model_forward`` (all layers; HyCo's tree attention is inside it) |
-| ``tree_attn`` | HyCo's tree-row recompute in the attention override: the K/V gathers and the dense twin (the loop around them is in ``forward``) |
+| ``tree_attn`` | HyCo's tree-row recompute in the attention override: the K/V gathers and the attention (per tree with ``loop``, the padded layout and one call per layer with ``padded``; the Python around them is in ``forward``) |
 | ``logits`` | ``compute_logits`` |
 | ``decide`` / ``compact`` / ``handoff`` / ``plan`` | ``tree_step``: the tree decision, KV compaction, int8 hand-off, step index tensors |
 | ``schedule`` / ``update`` | the scheduler's ``schedule`` / ``update_from_output`` (HyCo's cut included) |
@@ -83,6 +84,10 @@ def _install(clock: Clock, hyco: bool) -> None:
         from vllm_hyco.vllm_adapter.scheduler import HycoScheduler
 
         clock.wrap(cpu_attention, "tree_attention_dense_ref", "tree_attn")
+        clock.wrap(cpu_attention, "tree_attention_padded", "tree_attn")
+        from vllm_hyco.vllm_adapter import tree_plan
+
+        clock.wrap(tree_plan.PaddedTrees, "build", "tree_attn")
         from vllm_hyco.vllm_adapter import kv_view
 
         clock.wrap(kv_view.CpuAttnKVView, "gather", "tree_attn")
@@ -133,14 +138,16 @@ def _tree(root: int, greedy: list[int], nodes: int, rng: random.Random, vocab: i
     return tokens, parents
 
 
-def run_hyco(verifier: str, n: int, nodes: int, steps: int, out: dict) -> None:
+def run_hyco(verifier: str, n: int, nodes: int, steps: int, tree_attn: str, out: dict) -> None:
+    os.environ["VLLM_HYCO_CPU_TREE_ATTN"] = tree_attn
     from vllm import LLM, SamplingParams
 
     clock = Clock()
     _install(clock, hyco=True)
     llm = LLM(model=verifier, dtype="float32", max_model_len=1024, max_num_seqs=max(n, 1), enforce_eager=True,
               distributed_executor_backend="uni", skip_tokenizer_init=True, seed=0, enable_prefix_caching=False,
-              speculative_config={"method": "hyco", "budget_policy": "static", "node_budget": nodes})
+              speculative_config={"method": "hyco", "budget_policy": "static", "node_budget": nodes,
+                                  "max_sessions": max(n, 1)})
     from vllm_hyco.vllm_adapter.api import HycoEngine
 
     vocab = llm.llm_engine.model_config.get_vocab_size()
@@ -169,7 +176,8 @@ def run_hyco(verifier: str, n: int, nodes: int, steps: int, out: dict) -> None:
             s["root"], s["round"] = v.bonus, s["round"] + 1
             if r >= warm:
                 tokens += len(v.committed)
-    out.update(_result(clock, base, tokens, f"hyco-static{nodes}", n))
+    out.update(_result(clock, base, tokens, f"hyco-static{nodes}" + ("" if tree_attn == "padded" else f"-{tree_attn}"),
+                       n))
 
 
 def run_mtp(verifier: str, assistant: str, n: int, steps: int, out: dict) -> None:
@@ -214,6 +222,8 @@ def main(argv=None) -> int:
     p.add_argument("--requests", default="1,16")
     p.add_argument("--nodes", default="4,32")
     p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--tree-attn", default="padded",
+                   help="CPU tree attention paths to compare (VLLM_HYCO_CPU_TREE_ATTN), e.g. padded,loop")
     p.add_argument("--fixtures", default=None)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -232,7 +242,8 @@ def main(argv=None) -> int:
     for n in [int(x) for x in args.requests.split(",")]:
         jobs.append((run_mtp, (verifier, assistant, n, args.steps)))
         for nodes in [int(x) for x in args.nodes.split(",")]:
-            jobs.append((run_hyco, (verifier, n, nodes, args.steps)))
+            for mode in args.tree_attn.split(","):
+                jobs.append((run_hyco, (verifier, n, nodes, args.steps, mode)))
     ctx = mp.get_context("spawn")
     rows = []
     for target, a in jobs:

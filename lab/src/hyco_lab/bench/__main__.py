@@ -57,7 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--phase-lock", action="store_true",
                    help="phones send their trees in lock step (each waits until every active phone has its tree): "
                         "no drafting on this CPU overlaps a server step, so the server's g is measured at full "
-                        "batching; the phones' wall times exclude the waits (hyco_lab.bench.phones.RoundGate)")
+                        "batching; the phones' wall times exclude the waits (hyco_lab.bench.phones.RoundGate); "
+                        "the sweep's HyCo servers then all gather steps (step_gather on, static budgets too)")
     p.add_argument("--sweep-runs", type=int, default=None, help="runs per sweep level (default: --runs)")
     p.add_argument("--ordinary", action="store_true", help="ordinary requests: hyco server vs plain vLLM")
     p.add_argument("--ordinary-phones", type=int, default=0,
@@ -301,7 +302,10 @@ class Bench:
     def sweep(self, levels: list[int]) -> list[dict]:
         out: list[dict] = []
         for cfg in C.select(self.args.sweep_configs):
-            spec = cfg.server_spec(str(self.fx / "assistant"), max_sessions=max(levels))
+            # phase-locked phones: every HyCo server gathers its steps (static budgets too), so the sweep's
+            # HyCo configurations differ in their budget only
+            spec = cfg.server_spec(str(self.fx / "assistant"), max_sessions=max(levels),
+                                   step_gather="on" if self.args.phase_lock and cfg.server == "hyco" else None)
             runs = self.args.sweep_runs if self.args.sweep_runs is not None else self.args.runs
             with self.server(spec, max_num_seqs=max(levels)) as srv:
                 # one warm-up request, as the main runs have (first-use costs; the budget's cost model

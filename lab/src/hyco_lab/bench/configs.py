@@ -68,8 +68,9 @@ class BenchConfig:
     def mode(self) -> str:
         return "exact" if self.epsilon is None else "epsilon"
 
-    def server_spec(self, assistant: str, max_sessions: int = 64) -> str:
-        """The ``--speculative-config`` JSON for this configuration's server."""
+    def server_spec(self, assistant: str, max_sessions: int = 64, step_gather: str | None = None) -> str:
+        """The ``--speculative-config`` JSON for this configuration's server (``step_gather``: the HyCo
+        option, when not the server's default)."""
         if self.server == "mtp":
             spec = {"method": "mtp", "model": assistant, "num_speculative_tokens": MTP_K}
             if self.draft_sample_method:
@@ -80,6 +81,8 @@ class BenchConfig:
             spec["epsilon"] = self.epsilon
         if self.node_budget is not None:
             spec.update(node_budget=self.node_budget, budget_policy="static")
+        if step_gather is not None:
+            spec["step_gather"] = step_gather
         return json.dumps(spec)
 
     def server_key(self) -> tuple:

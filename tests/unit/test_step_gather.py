@@ -84,3 +84,20 @@ def test_the_shift_is_bounded_by_the_waited_sessions_round_trip():
     assert g.hold_until(3.0, 0.05, ["b"], now=3.0, pending=["a"]) is None
     g.forget("a")
     assert g.lateness(["a"]) == 0.0
+
+
+def test_the_window_grows_with_the_trees_expected_to_join():
+    # a burst of 8 sessions expected 5 ms apart: a step of the pending tree alone is predicted at 10 ms
+    # (only the first two fit), a step with k more trees at 10 + 5k ms (all eight fit)
+    g = StepGather()
+    names = [f"s{i}" for i in range(8)]
+    for i, sid in enumerate(names):
+        g.taken(sid, 0.0)
+        g.submitted(sid, 0.1)
+        g.taken(sid, 1.0)
+        g.gap[sid] = 0.1 + 0.005 * (i + 1)  # expected at 1.105, 1.110, ..., 1.140
+    assert g.hold_until(1.1, 0.01, names, now=1.1) == pytest.approx(1.11)
+    end = g.hold_until(1.1, lambda k: 0.01 + 0.005 * k, names, now=1.1)
+    assert end == pytest.approx(1.1 + 0.01 + 0.005 * 8)
+    # a session expected long after every step it could join is not waited for
+    assert g.hold_until(1.1, lambda k: 0.01 + 0.005 * k, ["s7"], now=1.1) is None

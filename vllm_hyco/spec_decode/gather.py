@@ -8,10 +8,14 @@ session's round trip (verdict taken -> next tree submitted) is measured, so the 
 session now in its round trip is predicted.
 
 The rule (:meth:`StepGather.hold_until`): a step whose runnable work is only submitted trees is held
-while some session in its round trip is expected before ``first tree ready + predicted step time``; the
-step runs at that deadline, or as soon as no expected session is left (each submission re-evaluates it).
-So a tree waits at most one predicted step time, the wait a tree arriving just after a step started
-pays anyway, and every session that arrives in the window shares the step's fixed cost.
+while sessions in their round trip are expected before ``first tree ready + predicted step time``, the
+step's time predicted with the trees expected to join it (k sessions are waited for when the k-th
+expected arrival comes before the predicted end of a step with k more trees); the step runs at that
+deadline, or as soon as no expected session is left (each submission re-evaluates it). So a tree waits
+at most the predicted time of the step it joins, the wait a tree arriving just after that step started
+pays anyway, and every session that arrives in the window shares the step's fixed cost. (With the
+horizon of the pending trees' step alone, 64 phase-locked phones, whose trees reach the engine over
+more than one such step, ran about 11 trees a step: docs/benchmarks.md.)
 
 Round trips move together: the sessions of one step take their verdicts at the same moment, and a slow
 or fast round (the server's own step, a shared link, phones released together) moves all of them. So the
@@ -36,7 +40,7 @@ and nothing is held before the cost model is fitted. Pure Python; the engine wir
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 
 class StepGather:
@@ -82,28 +86,40 @@ class StepGather:
         t, g = self.taken_at.get(sid), self.gap.get(sid)
         return None if t is None or g is None else t + g
 
-    def hold_until(self, ready_since: float, horizon: float, waiting: Iterable[str], *,
+    def hold_until(self, ready_since: float, horizon: float | Callable[[int], float], waiting: Iterable[str], *,
                    now: float, pending: Iterable[str] = ()) -> float | None:
         """The deadline to hold the step until, or None to run it now.
 
         ``ready_since``: when the oldest pending tree was submitted; ``horizon``: the predicted seconds of
-        the step; ``waiting``: the sessions in their round trip (parked with their verdict taken);
-        ``pending``: the sessions whose trees wait for the step (their lateness shifts the others'
-        expected arrivals, at most by each one's own round trip). A session is waited for when it is
-        expected by the deadline and not overdue by more than ``horizon``."""
-        if not horizon > 0:
-            return None
-        end = ready_since + horizon
-        if now >= end:
+        the step, or ``horizon(k)``: of the step when ``k`` more trees join it; ``waiting``: the sessions
+        in their round trip (parked with their verdict taken); ``pending``: the sessions whose trees wait
+        for the step (their lateness shifts the others' expected arrivals, at most by each one's own round
+        trip). The step waits for the most sessions ``k`` whose ``k``-th expected arrival falls before
+        ``ready_since + horizon(k)``: a tree waits at most the predicted time of the step it joins, the
+        wait a tree arriving just after that step started would pay anyway. A session overdue by more than
+        ``horizon(0)`` (it stopped submitting, or its phone is far slower than its average) is not waited
+        for."""
+        hz = horizon if callable(horizon) else (lambda k, h=horizon: h)
+        h0 = hz(0)
+        if not h0 > 0:
             return None
         shift = self.lateness(pending)
+        times = []
         for sid in waiting:
             e = self.expected(sid)
-            if e is not None and shift:
+            if e is None:
+                continue
+            if shift:
                 g = self.gap[sid]
                 e += min(max(shift, -g), g)
-            # expected within the window, and not overdue by more than one step (a session that stopped
-            # submitting, or a phone far slower than its average, is not waited for)
-            if e is not None and now - horizon <= e <= end:
-                return end
-        return None
+            if e >= now - h0:
+                times.append(e)
+        times.sort()
+        best = 0
+        for k, e in enumerate(times, start=1):
+            if e <= ready_since + hz(k):
+                best = k
+        if not best:
+            return None
+        end = ready_since + hz(best)
+        return end if now < end else None

@@ -13,7 +13,8 @@ The rule is ``vllm_hyco.spec_decode.gather`` (pure); this module wires it:
 * A step is held only when every runnable request is a session whose submitted tree starts at its root
   (no ordinary request running or waiting, no prefill, no finished request to report), ``step_gather``
   is on (``HycoConfig.gathers``) and the step-cost model is fitted; the horizon is the model's predicted
-  step time for the pending trees' rows.
+  time of the step with the pending trees and those expected to join (each costed as the pending ones'
+  mean).
 
 Can go when vLLM's scheduler has a batching-delay hook for spec-decode requests.
 """
@@ -76,7 +77,12 @@ class HycoGatherMixin:
             return False
         now = time.perf_counter()
         waiting = [s.sid for s in reg.live() if s.state is SessionState.PARKED]
-        end = gather.hold_until(since, pol.cost.predict(rows, kctx, len(pending)), waiting, now=now, pending=pending)
+        per = (rows / len(pending), kctx / len(pending))  # a joining tree is costed as the pending ones' mean
+
+        def horizon(k: int) -> float:
+            return pol.cost.predict(rows + k * per[0], kctx + k * per[1], len(pending) + k)
+
+        end = gather.hold_until(since, horizon, waiting, now=now, pending=pending)
         if end is None:
             return False
         if self.__dict__.get("_hyco_wake_at", 0.0) < now:  # no timer pending: a new hold

@@ -115,7 +115,9 @@ class RoundGate:
     two of them (docs/benchmarks.md). Locked, no drafting overlaps a step and every step can carry all
     trees: the server's cost per token at full batching, the regime Cloud+MTP's HTTP clients are always in.
     A phone is active from ``join`` until ``leave`` (its session finished or failed); the gate opens when
-    the ready phones reach the active ones. ``waited_s`` is each phone's time at the gate.
+    the ready phones reach the active ones. The bench also passes the gate once before opening the
+    sessions, so they start together (loading 64 drafters took seconds, and each session opened alone cost
+    the server one prefill step). ``waited_s`` is each phone's time at the gate.
 
     >>> import asyncio
     >>> async def demo():

@@ -13,9 +13,8 @@ step's time predicted with the trees expected to join it (k sessions are waited 
 expected arrival comes before the predicted end of a step with k more trees); the step runs at that
 deadline, or as soon as no expected session is left (each submission re-evaluates it). So a tree waits
 at most the predicted time of the step it joins, the wait a tree arriving just after that step started
-pays anyway, and every session that arrives in the window shares the step's fixed cost. (With the
-horizon of the pending trees' step alone, 64 phase-locked phones, whose trees reach the engine over
-more than one such step, ran about 11 trees a step: docs/benchmarks.md.)
+pays anyway, and every session that arrives in the window shares the step's fixed cost; a burst of
+trees that reaches the engine over longer than the first tree's own step is still gathered.
 
 Round trips move together: the sessions of one step take their verdicts at the same moment, and a slow
 or fast round (the server's own step, a shared link, phones released together) moves all of them. So the

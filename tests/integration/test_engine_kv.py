@@ -235,6 +235,30 @@ def test_bad_input_gets_typed_errors_and_the_session_keeps_working(llm, hy):
     hy.close(s2.sid)
 
 
+def test_padded_and_per_tree_cpu_attention_give_the_same_rounds(llm, hy, monkeypatch):
+    """The CPU override's two paths (``VLLM_HYCO_CPU_TREE_ATTN``: one padded attention per layer for the
+    step's trees, or one per tree and layer) give the same logits and commits on a 3-tree step that
+    crosses the sliding window, trees of different sizes and depths."""
+    rng = random.Random(11)
+    prompts = [[2] + [rng.randrange(5, VOCAB) for _ in range(n)] for n in (3, 40, 70)]
+    refs = [_plain_greedy(hy, p, 12, f"pad{i}") for i, p in enumerate(prompts)]
+    shapes = ["deep", "slm", "sibling"]
+    trees = [_tree(p[-1], r, shapes[i], random.Random(i))[:2] for i, (p, r) in enumerate(zip(prompts, refs))]
+    got = {}
+    for mode in ("loop", "padded"):
+        monkeypatch.setenv("VLLM_HYCO_CPU_TREE_ATTN", mode)
+        hs = [hy.open(prompt_token_ids=p, temperature=0.0, max_tokens=12, ignore_eos=True) for p in prompts]
+        vs = hy.submit_many([(h.sid, 0, toks, pars) for h, (toks, pars) in zip(hs, trees)])
+        got[mode] = [(v.committed, v.stats["logits"]) for v in vs]
+        for h in hs:
+            hy.close(h.sid)
+    for (ca, la), (cb, lb), ref in zip(got["loop"], got["padded"], refs):
+        torch.testing.assert_close(lb, la, **tol("logits_engine_vs_prefill", torch.float32))
+        assert ca == cb and ca == ref[:len(ca)]
+    # it runs before the poisoned-expert test below: the first requests after that test got NaN logits
+    # (plain and HyCo alike), a state it leaves behind (docs/engine.md "Not done yet")
+
+
 def test_moe_router_hook_and_poisoned_expert_leave_a_tree_round_finite(llm, hy):
     """Tree rows go through vLLM's routed MoE like any tokens: a router hook sees every row's top-k, and an
     expert with NaN weights whose router logit is forced to -inf never reaches a tree round's logits."""
@@ -283,24 +307,3 @@ def test_moe_router_hook_and_poisoned_expert_leave_a_tree_round_finite(llm, hy):
                 p.copy_(saved[n])
         hy.close(s.sid)
 
-
-def test_padded_and_per_tree_cpu_attention_give_the_same_rounds(llm, hy, monkeypatch):
-    """The CPU override's two paths (``VLLM_HYCO_CPU_TREE_ATTN``: one padded attention per layer for the
-    step's trees, or one per tree and layer) give the same logits and commits on a 3-tree step that
-    crosses the sliding window, trees of different sizes and depths."""
-    rng = random.Random(11)
-    prompts = [[2] + [rng.randrange(5, VOCAB) for _ in range(n)] for n in (3, 40, 70)]
-    refs = [_plain_greedy(hy, p, 12, f"pad{i}") for i, p in enumerate(prompts)]
-    shapes = ["deep", "slm", "sibling"]
-    trees = [_tree(p[-1], r, shapes[i], random.Random(i))[:2] for i, (p, r) in enumerate(zip(prompts, refs))]
-    got = {}
-    for mode in ("loop", "padded"):
-        monkeypatch.setenv("VLLM_HYCO_CPU_TREE_ATTN", mode)
-        hs = [hy.open(prompt_token_ids=p, temperature=0.0, max_tokens=12, ignore_eos=True) for p in prompts]
-        vs = hy.submit_many([(h.sid, 0, toks, pars) for h, (toks, pars) in zip(hs, trees)])
-        got[mode] = [(v.committed, v.stats["logits"]) for v in vs]
-        for h in hs:
-            hy.close(h.sid)
-    for (ca, la), (cb, lb), ref in zip(got["loop"], got["padded"], refs):
-        torch.testing.assert_close(lb, la, **tol("logits_engine_vs_prefill", torch.float32))
-        assert ca == cb and ca == ref[:len(ca)]

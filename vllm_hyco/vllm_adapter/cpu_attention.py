@@ -107,13 +107,19 @@ class HycoCPUAttentionImpl(CPUAttentionBackendImpl):
         L = prefix_slots.shape[1]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_size
         q = query.reshape(-1, hq, d)[pt.rows]  # [T, R, hq, D]
+        # padding gathers slots that may hold anything (a freed block): zero it, a NaN key poisons the row
+        pad = ~pt.prefix_ok[:, :, None, None]
         k_pre, v_pre = view.gather(kv_cache, prefix_slots.reshape(-1))
+        k_pre = k_pre.view(T, L, hkv, d).masked_fill(pad, 0.0)
+        v_pre = v_pre.view(T, L, hkv, d).masked_fill(pad, 0.0)
         if key is None:  # KV-shared: the target wrote the tree rows at their sequential slots
             k_tree, v_tree = view.gather(kv_cache, tree_slots.reshape(-1))
-            k_tree, v_tree = k_tree.view(T, R, hkv, d), v_tree.view(T, R, hkv, d)
+            pad_rows = ~pt.valid[:, :, None, None]
+            k_tree = k_tree.view(T, R, hkv, d).masked_fill(pad_rows, 0.0)
+            v_tree = v_tree.view(T, R, hkv, d).masked_fill(pad_rows, 0.0)
         else:
             k_tree, v_tree = key.reshape(-1, hkv, d)[pt.rows], value.reshape(-1, hkv, d)[pt.rows]
-        res = tree_attention_padded(q, k_pre.view(T, L, hkv, d), v_pre.view(T, L, hkv, d), k_tree, v_tree, pt.bias,
+        res = tree_attention_padded(q, k_pre, v_pre, k_tree, v_tree, pt.bias,
                                     self.scale, softcap=float(self.logits_soft_cap or 0.0) or None)  # [T, R, hq, D]
         flat = out.view(out.shape[0], -1)
         flat[pt.rows[pt.valid]] = res[pt.valid].reshape(-1, hq * d).to(out.dtype)

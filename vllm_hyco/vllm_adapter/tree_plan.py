@@ -131,6 +131,7 @@ class PaddedTrees:
     valid: torch.Tensor  # [T, R] bool
     batch_idx: list[int]  # [T] rows of the block table
     positions: torch.Tensor  # [T, L + R] int64 position of every key (padding: 0, masked)
+    prefix_ok: torch.Tensor  # [T, L] bool: a real prefix key (padding reads a slot that may hold anything)
     vis: torch.Tensor  # [T, R, L + R] bool
     bias: torch.Tensor  # [T, R, L + R] float32: 0 where visible, -inf elsewhere (added to the scores)
 
@@ -176,12 +177,14 @@ class PaddedTrees:
         vis = torch.cat([vis_pre & valid[:, :, None], vis_tree], 2)
         positions = torch.cat([torch.where(key_ok, lo[:, None] + j[None], 0),
                                torch.where(valid, t[:, None] + r[None], 0)], 1)
-        return cls(rows=rows, valid=valid, batch_idx=[tr.batch_idx for tr in trees], positions=positions, vis=vis,
-                   bias=torch.zeros(vis.shape).masked_fill_(~vis, float("-inf")))
+        return cls(rows=rows, valid=valid, batch_idx=[tr.batch_idx for tr in trees], positions=positions,
+                   prefix_ok=key_ok, vis=vis, bias=torch.zeros(vis.shape).masked_fill_(~vis, float("-inf")))
 
     def slots(self, block_table: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """([T, L] prefix-key slots, [T, R] tree-row slots) in the layer's ``[batch, max_blocks]`` table
-        (padding reads a slot of the request's first block: masked)."""
+        """([T, L] prefix-key slots, [T, R] tree-row slots) in the layer's ``[batch, max_blocks]`` table.
+        Padding reads the slot of position 0, whose block a sliding group may have freed and reused: the
+        caller zeroes what padding gathers (``prefix_ok``, ``valid``), since a masked key that holds NaN
+        still poisons the attention."""
         bt = block_table.to(torch.int64)[self.batch_idx]  # [T, max_blocks]
         p = self.positions
         s = bt.gather(1, p // block_size) * block_size + p % block_size

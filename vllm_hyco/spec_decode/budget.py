@@ -17,14 +17,13 @@ its expected committed tokens. This module holds the three parts of the decision
   tokens the step scheduled, ``kctx`` the attention work (sum over requests of rows times context, in
   thousands of tokens) and ``reqs`` the requests in it (what a tree costs whatever its size: its decision,
   KV compaction, hand-off, tree-attention set-up and utility calls), fitted online by recursive least
-  squares on the measured steps. No cost constant is set by hand:
-  until ``min_steps`` steps with at least three distinct row counts were seen the model is not ``ready``
+  squares on the measured steps. No cost constant is set by hand: until ``min_steps`` steps with at least three distinct row counts were seen the model is not ``ready``
   and the policy verifies whole trees (the paper's static budget).
 * :func:`choose_nodes`: the cut rule. A session whose round shares a step with ``n`` requests pays
   ``c0 / n + c3`` (its share of the step's fixed cost and its own per-request cost) plus the marginal cost
-  ``m = c1 + c2 * ctx / 1000`` per row (the root included). With nodes in value order, it keeps the prefix of ``k >= 1`` nodes that minimises its
-  expected cost per committed token ``(c0 / n + m (k + 1)) / (1 + sum of the k values)`` (the bonus token
-  counts): a node is kept only when its expected tokens per unit of cost beat the session's average, so no
+  ``m = c1 + c2 * ctx / 1000`` per row (the root included). With nodes in value order, it keeps the
+  prefix of ``k >= 1`` nodes that minimises its expected cost per committed token
+  ``(c0 / n + c3 + m (k + 1)) / (1 + sum of the k values)`` (the bonus token counts): a node is kept only when its expected tokens per unit of cost beat the session's average, so no
   row is verified whose expected committed tokens are worth less than its cost. Every session keeps at
   least its first node (no starvation). Flat cost (``m`` ~ 0) keeps whole trees; steep cost keeps chains.
 

@@ -23,9 +23,10 @@ minus its expected time; their median, at most one round trip either way): when 
 100 ms later than their averages said, the others are expected 100 ms later too. Without the shift a round
 slower or faster than the average by more than one step time held nothing: the others looked overdue or
 not due yet, and the step ran with the first tree or two (measured with phase-locked phones,
-docs/benchmarks.md). Nothing is held
-while an ordinary request, a prefill or an unfinished output is in the engine (the adapter checks that),
-and nothing is held before the cost model is fitted. Pure Python; the engine wiring is
+docs/benchmarks.md).
+
+Nothing is held while an ordinary request, a prefill or an unfinished output is in the engine (the
+adapter checks that), and nothing is held before the cost model is fitted. Pure Python; the engine wiring is
 ``vllm_adapter/sched_mixin.py`` (``has_requests``) and ``core_ext.py`` (the wake-up).
 
     >>> g = StepGather()
@@ -39,6 +40,7 @@ and nothing is held before the cost model is fitted. Pure Python; the engine wir
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable, Iterable
 
 
@@ -74,11 +76,8 @@ class StepGather:
 
     def lateness(self, pending: Iterable[str]) -> float:
         """The median lateness of the pending trees (0 when none has an estimate)."""
-        xs = sorted(self.late[s] for s in pending if s in self.late)
-        if not xs:
-            return 0.0
-        m = len(xs) // 2
-        return xs[m] if len(xs) % 2 else 0.5 * (xs[m - 1] + xs[m])
+        xs = [self.late[s] for s in pending if s in self.late]
+        return statistics.median(xs) if xs else 0.0
 
     def expected(self, sid: str) -> float | None:
         """When ``sid``'s next tree is expected, or None (not in its round trip, or no estimate yet)."""

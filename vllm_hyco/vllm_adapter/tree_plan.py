@@ -203,7 +203,8 @@ def set_active_trees(trees: list[TreeRows] | None, device: torch.device | str = 
 
 
 def step_cached(key, build):
-    """``build()`` once per step and ``key`` (layouts every layer of a KV-cache group shares)."""
+    """``build()`` once per step and ``key`` (what several layers of the step share, e.g. the CPU
+    override's padded layout per window)."""
     cache = _ACTIVE["cache"]
     if key not in cache:
         cache[key] = build()

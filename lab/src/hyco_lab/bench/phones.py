@@ -137,7 +137,6 @@ class RoundGate:
     def __init__(self):
         self.active: set[str] = set()
         self.ready: set[str] = set()
-        self.generation = 0
         self.waited_s: dict[str, float] = {}
         self.opened = 0  # times the gate opened (rounds of the locked phones)
         self._event: asyncio.Event | None = None
@@ -163,7 +162,6 @@ class RoundGate:
     def _maybe_open(self) -> None:
         if self.ready and self.ready >= self.active:
             self.ready.clear()
-            self.generation += 1
             self.opened += 1
             if self._event is not None:
                 self._event.set()

@@ -14,6 +14,7 @@ Only process-wide switches live here; everything about *how* HyCo runs is a Hyco
 | ``VLLM_HYCO_BENCH_TIMING`` | 0 | benchmarks only: time the engine's model calls for g (``vllm_hyco.vllm_adapter.patches.step_timing``) |
 | ``VLLM_HYCO_BENCH_TIMING_DIR`` | unset | where each engine process writes ``timing-<pid>.json`` |
 | ``VLLM_HYCO_CPU_TREE_ATTN`` | ``padded`` | CPU engine: ``padded`` (a step's trees in one attention per layer) or ``loop`` (one per tree and layer; kept for the side-by-side benchmark) |
+| ``VLLM_HYCO_CHAIN_ATTN`` | ``stock`` | ``stock``: a tree that is a chain keeps vLLM's own attention (its mask is causal); ``tree``: its rows are recomputed like any tree's (the side-by-side benchmark) |
 | ``VLLM_HYCO_ROUTE_KEY`` | ``hyco`` | this replica's routing key, the prefix of the session ids it issues (docs/protocol.md section 3); the hyco option ``replica_id`` overrides it |
 """
 
@@ -39,6 +40,7 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     "VLLM_HYCO_BENCH_TIMING": _flag("VLLM_HYCO_BENCH_TIMING"),
     "VLLM_HYCO_BENCH_TIMING_DIR": lambda: os.environ.get("VLLM_HYCO_BENCH_TIMING_DIR") or None,
     "VLLM_HYCO_CPU_TREE_ATTN": lambda: (os.environ.get("VLLM_HYCO_CPU_TREE_ATTN") or "padded").strip().lower(),
+    "VLLM_HYCO_CHAIN_ATTN": lambda: (os.environ.get("VLLM_HYCO_CHAIN_ATTN") or "stock").strip().lower(),
     "VLLM_HYCO_ROUTE_KEY": lambda: os.environ.get("VLLM_HYCO_ROUTE_KEY") or "hyco",
 }
 

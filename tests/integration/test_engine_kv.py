@@ -259,6 +259,43 @@ def test_padded_and_per_tree_cpu_attention_give_the_same_rounds(llm, hy, monkeyp
     # (plain and HyCo alike), a state it leaves behind (docs/engine.md "Not done yet")
 
 
+def test_chain_trees_keep_the_stock_attention_and_the_same_rounds(llm, hy, monkeypatch):
+    """A tree that is a chain keeps vLLM's own attention (``VLLM_HYCO_CHAIN_ATTN=stock``): its logits and
+    commits equal those of the recomputed rows (``tree``), in a step that mixes chains (one past the
+    sliding window, one with a wrong token at depth 2) with a branching tree."""
+    from vllm_hyco.vllm_adapter import tree_plan
+
+    rng = random.Random(12)
+    prompts = [[2] + [rng.randrange(5, VOCAB) for _ in range(n)] for n in (5, 45, 60)]
+    refs = [_plain_greedy(hy, p, 12, f"chain{i}") for i, p in enumerate(prompts)]
+    wrong = (refs[1][1] + 1) % VOCAB or 5
+    trees = [([prompts[0][-1]] + refs[0][:5], [-1, 0, 1, 2, 3, 4]),
+             ([prompts[1][-1], refs[1][0], wrong, refs[1][2]], [-1, 0, 1, 2]),
+             _tree(prompts[2][-1], refs[2], "sibling", random.Random(3))[:2]]
+    got, masked = {}, {}
+    seen = tree_plan.masked_trees
+
+    def spy():
+        out = seen()
+        if out is not None:
+            masked.setdefault(mode, set()).update(tr.req_id for tr in out)
+        return out
+
+    monkeypatch.setattr(tree_plan, "masked_trees", spy)
+    for mode in ("tree", "stock"):
+        monkeypatch.setenv("VLLM_HYCO_CHAIN_ATTN", mode)
+        hs = [hy.open(prompt_token_ids=p, temperature=0.0, max_tokens=12, ignore_eos=True) for p in prompts]
+        vs = hy.submit_many([(h.sid, 0, toks, pars) for h, (toks, pars) in zip(hs, trees)])
+        got[mode] = [(v.committed, v.stats["logits"]) for v in vs]
+        for h in hs:
+            hy.close(h.sid)
+    assert len(masked["tree"]) == 3 and len(masked["stock"]) == 1  # only the branching tree is recomputed
+    for (ca, la), (cb, lb), ref in zip(got["tree"], got["stock"], refs):
+        torch.testing.assert_close(lb, la, **tol("logits_engine_vs_prefill", torch.float32))
+        assert ca == cb and ca == ref[:len(ca)]
+    assert len(got["stock"][0][0]) == 6 and len(got["stock"][1][0]) == 2  # all 5 + bonus; 1 + bonus
+
+
 def test_moe_router_hook_and_poisoned_expert_leave_a_tree_round_finite(llm, hy):
     """Tree rows go through vLLM's routed MoE like any tokens: a router hook sees every row's top-k, and an
     expert with NaN weights whose router logit is forced to -inf never reaches a tree round's logits."""

@@ -98,3 +98,30 @@ def test_padded_attention_rejects_disagreeing_shapes():
     with pytest.raises(KernelInputError, match="shapes disagree"):
         tree_attention_padded(torch.zeros(1, 2, 4, 8), torch.zeros(1, 3, 2, 8), torch.zeros(1, 3, 2, 8),
                               torch.zeros(1, 2, 2, 8), torch.zeros(1, 2, 2, 8), torch.zeros(1, 2, 4), 1.0)
+
+
+def test_chains_are_left_to_the_stock_attention(monkeypatch):
+    """``masked_trees`` drops the chains (causal mask, sequential positions) unless
+    ``VLLM_HYCO_CHAIN_ATTN=tree``; ``active_trees`` keeps every tree (decision, compaction, hand-off)."""
+    from vllm_hyco.vllm_adapter import tree_plan
+
+    def tree(req_id, parents):
+        n = len(parents)
+        return TreeRows.build(req_id=req_id, batch_idx=0, q_start=0, num_rows=n, context_len=7, round=0,
+                              tokens=list(range(n)), parents=parents, eps=None)
+
+    trees = [tree("chain", [-1, 0, 1, 2]), tree("root", [-1]), tree("fork", [-1, 0, 0]),
+             tree("cut", [-1, 0, 1, 1])]
+    assert [t.is_chain for t in trees] == [True, True, False, False]
+    try:
+        tree_plan.set_active_trees(trees)
+        assert [t.req_id for t in tree_plan.masked_trees()] == ["fork", "cut"]
+        assert tree_plan.active_step().row_counts == [3, 4]
+        assert len(tree_plan.active_trees()) == 4
+        tree_plan.set_active_trees(trees[:2])
+        assert tree_plan.masked_trees() is None and tree_plan.active_step() is None
+        monkeypatch.setenv("VLLM_HYCO_CHAIN_ATTN", "tree")
+        tree_plan.set_active_trees(trees[:2])
+        assert len(tree_plan.masked_trees()) == 2
+    finally:
+        tree_plan.set_active_trees(None)

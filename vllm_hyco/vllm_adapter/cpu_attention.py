@@ -18,7 +18,8 @@ Matches vLLM 0.32 (``v1/attention/backends/cpu_attn.py``).
   hands it the target's cache, and the target's ``do_kv_cache_update`` wrote the rows at their sequential
   slots earlier in the same forward. ``do_kv_cache_update`` writes as stock and records that the layer was
   written this step (compaction and the hand-off read the paged cache afterwards); vLLM never calls it for
-  a KV-shared layer. Batches without trees are untouched.
+  a KV-shared layer. Batches without trees are untouched, and so are the rows of a tree that is a chain
+  (``tree_plan.masked_trees``: its mask is the causal one the stock op applied).
 * Overrides: ``CPUAttentionBackendImpl.forward`` and ``do_kv_cache_update`` (above);
   ``CPUAttentionBackend.get_impl_cls`` (returns the HyCo impl). tests/unit/test_vllm_surface.py checks them.
 * When it can go: when vLLM's CPU op takes a per-sequence tree mask and per-row positions.
@@ -63,7 +64,7 @@ class HycoCPUAttentionImpl(CPUAttentionBackendImpl):
                 output_scale=None, output_block_scale=None):
         out = super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                               output_scale, output_block_scale)
-        trees = tree_plan.active_trees()
+        trees = tree_plan.masked_trees()  # chains keep the stock op's rows (their mask is causal)
         if not trees or attn_metadata is None:
             return out
         assert self.sinks is None and self.alibi_slopes is None, "tree rows: sinks/alibi not supported"

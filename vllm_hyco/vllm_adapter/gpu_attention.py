@@ -17,7 +17,8 @@ is how the hook below is unit-tested without a GPU).
     ``kernels.paged_tree_rows_attention``, which reads the paged block-major cache through the block table
     (no gather; the tree rows' own K/V were written at their sequential slots by the stock
     ``do_kv_cache_update`` before the forward), and written over the stock output rows. Batches without
-    trees run the stock path only.
+    trees, and the rows of trees that are chains (causal mask: the stock output is exact), run the stock
+    path only.
   - ``do_kv_cache_update``: stock write, and a note that the layer was written this step (no copy: the
     compaction and the hand-off read the paged cache, ``vllm_adapter/tree_step.py``).
   - the builder declares ``AttentionCGSupport.NEVER``: vLLM then resolves ``FULL_AND_PIECEWISE`` (the

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_hyco import envs
 from vllm_hyco.handoff import tree_contract
 
 
@@ -69,6 +70,13 @@ class TreeRows:
     def positions(self) -> torch.Tensor:
         """[num_rows] int64: t + depth."""
         return self.context_len + self.depths
+
+    @property
+    def is_chain(self) -> bool:
+        """Every row is the child of the row before it (the last row is at depth ``num_rows - 1``, so its
+        ancestors are all the other rows). A chain's mask is the causal one and its positions are
+        sequential, so vLLM's own attention already computes its rows exactly (:func:`masked_trees`)."""
+        return int(self.depths[-1]) == self.num_rows - 1
 
 
 @dataclass
@@ -192,14 +200,19 @@ class PaddedTrees:
         return s[:, :L], s[:, L:]
 
 
-# This step's trees and the device they run on; the stacked TreeStep is built on first use; the names of
-# the layers whose KV-cache write ran while the trees were active; per-step layouts keyed by the caller.
-_ACTIVE: dict = {"trees": None, "device": "cpu", "step": None, "written": set(), "cache": {}}
+# This step's trees and the device they run on; the trees whose rows the attention overrides recompute;
+# the stacked TreeStep of those, built on first use; the names of the layers whose KV-cache write ran
+# while the trees were active; per-step layouts keyed by the caller.
+_ACTIVE: dict = {"trees": None, "masked": None, "device": "cpu", "step": None, "written": set(), "cache": {}}
 
 
 def set_active_trees(trees: list[TreeRows] | None, device: torch.device | str = "cpu") -> None:
     """Publish this step's trees (None or [] clears); everything runs in the worker process."""
-    _ACTIVE.update(trees=trees or None, device=device, step=None, written=set(), cache={})
+    trees = trees or None
+    masked = trees
+    if trees and envs.VLLM_HYCO_CHAIN_ATTN == "stock":
+        masked = [tr for tr in trees if not tr.is_chain] or None
+    _ACTIVE.update(trees=trees, masked=masked, device=device, step=None, written=set(), cache={})
 
 
 def step_cached(key, build):
@@ -222,10 +235,19 @@ def layers_written() -> set[str]:
 
 
 def active_trees() -> list[TreeRows] | None:
+    """Every tree of the step (the decision, compaction and hand-off need them all)."""
     return _ACTIVE["trees"]
 
 
+def masked_trees() -> list[TreeRows] | None:
+    """The trees whose rows the attention overrides recompute: every tree but the chains
+    (``VLLM_HYCO_CHAIN_ATTN=stock``, the default), whose rows vLLM's own attention gets right; a step of
+    chains alone (the cut often keeps just the MTP chain at low load) pays no tree attention at all."""
+    return _ACTIVE["masked"]
+
+
 def active_step() -> TreeStep | None:
-    if _ACTIVE["step"] is None and _ACTIVE["trees"]:
-        _ACTIVE["step"] = TreeStep.build(_ACTIVE["trees"], _ACTIVE["device"])
+    """The :class:`TreeStep` of :func:`masked_trees`, on the runner's device."""
+    if _ACTIVE["step"] is None and _ACTIVE["masked"]:
+        _ACTIVE["step"] = TreeStep.build(_ACTIVE["masked"], _ACTIVE["device"])
     return _ACTIVE["step"]

@@ -1,7 +1,7 @@
 """Where a step's server time goes: HyCo trees against vLLM's MTP, per component, at 1 and N requests.
 
 ``python -m hyco_lab.bench.stepcost --requests 1,16 --nodes 4,32 --steps 24 [--tree-attn padded,loop]
-[--fixtures DIR] [--out F]``
+[--shape tree,chain] [--chain-attn stock,tree] [--fixtures DIR] [--out F]``
 
 One engine per setup, in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; each setup in its own child
 process so the two engines never share one), on the bench fixtures. HyCo: ``n`` sessions submit a tree of
@@ -116,13 +116,21 @@ def _prompts(n: int, seed: int = 7) -> list[list[int]]:
     return [[2] + [rng.randrange(10, 4000) for _ in range(40)] for _ in range(n)]
 
 
-def _tree(root: int, greedy: list[int], nodes: int, rng: random.Random, vocab: int) -> tuple[list, list]:
-    """A value-ordered tree: the greedy chain (depth 0..4 planted), then random siblings level by level."""
-    depth = min(rng.randrange(0, 5), len(greedy))
+def _tree(root: int, greedy: list[int], nodes: int, rng: random.Random, vocab: int,
+          shape: str = "tree") -> tuple[list, list]:
+    """A value-ordered tree: the greedy chain (depth 0..4 planted), then random siblings level by level;
+    ``shape="chain"``: one chain of ``nodes`` nodes, the greedy continuation to depth 0..nodes planted and
+    random tokens below it (what the adaptive cut keeps at low load: the MTP chain)."""
+    depth = min(rng.randrange(0, 5 if shape == "tree" else nodes + 1), len(greedy))
     tokens, parents = [root], [-1]
     for d in range(depth):
         tokens.append(greedy[d])
         parents.append(d)
+    if shape == "chain":
+        while len(tokens) < nodes + 1:
+            tokens.append(rng.randrange(10, vocab))
+            parents.append(len(tokens) - 2)
+        return tokens, parents
     chain = list(range(len(tokens)))
     used = {p: {tokens[p + 1]} if p + 1 < len(tokens) else set() for p in chain}
     while len(tokens) < nodes + 1:
@@ -138,8 +146,10 @@ def _tree(root: int, greedy: list[int], nodes: int, rng: random.Random, vocab: i
     return tokens, parents
 
 
-def run_hyco(verifier: str, n: int, nodes: int, steps: int, tree_attn: str, out: dict) -> None:
+def run_hyco(verifier: str, n: int, nodes: int, steps: int, tree_attn: str, out: dict,
+             shape: str = "tree", chain_attn: str = "stock") -> None:
     os.environ["VLLM_HYCO_CPU_TREE_ATTN"] = tree_attn
+    os.environ["VLLM_HYCO_CHAIN_ATTN"] = chain_attn
     from vllm import LLM, SamplingParams
 
     clock = Clock()
@@ -168,7 +178,7 @@ def run_hyco(verifier: str, n: int, nodes: int, steps: int, tree_attn: str, out:
             base = clock.snapshot()
         batch = []
         for sid, s in st.items():
-            toks, pars = _tree(s["root"], list(s["ref"][len(s["out"]):]), nodes, rng, vocab)
+            toks, pars = _tree(s["root"], list(s["ref"][len(s["out"]):]), nodes, rng, vocab, shape)
             batch.append((sid, s["round"], toks, pars))
         for v in hy.submit_many(batch):
             s = st[v.sid]
@@ -176,8 +186,9 @@ def run_hyco(verifier: str, n: int, nodes: int, steps: int, tree_attn: str, out:
             s["root"], s["round"] = v.bonus, s["round"] + 1
             if r >= warm:
                 tokens += len(v.committed)
-    out.update(_result(clock, base, tokens, f"hyco-static{nodes}" + ("" if tree_attn == "padded" else f"-{tree_attn}"),
-                       n))
+    name = f"hyco-{shape}{nodes}" + ("" if tree_attn == "padded" else f"-{tree_attn}") \
+        + ("" if shape == "tree" or chain_attn == "stock" else f"-{chain_attn}")
+    out.update(_result(clock, base, tokens, name, n))
 
 
 def run_mtp(verifier: str, assistant: str, n: int, steps: int, out: dict) -> None:
@@ -208,10 +219,10 @@ def _result(clock: Clock, base: dict, tokens: int, name: str, n: int, prefill_to
             "calls_per_step": {k: round(v / steps, 2) for k, v in calls.items()}}
 
 
-def _child(target, args, q):
+def _child(target, args, kwargs, q):
     out: dict = {}
     try:
-        target(*args, out)
+        target(*args, out, **kwargs)
     except Exception as e:  # noqa: BLE001 - reported in the table
         out = {"error": repr(e)}
     q.put(out)
@@ -224,6 +235,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--tree-attn", default="padded",
                    help="CPU tree attention paths to compare (VLLM_HYCO_CPU_TREE_ATTN), e.g. padded,loop")
+    p.add_argument("--shape", default="tree", help="HyCo trees: tree (chain + siblings), chain, or both")
+    p.add_argument("--chain-attn", default="stock",
+                   help="chains' attention paths to compare (VLLM_HYCO_CHAIN_ATTN), e.g. stock,tree")
     p.add_argument("--fixtures", default=None)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -240,15 +254,18 @@ def main(argv=None) -> int:
     verifier, assistant = str(fx / "verifier"), str(fx / "assistant")
     jobs = []
     for n in [int(x) for x in args.requests.split(",")]:
-        jobs.append((run_mtp, (verifier, assistant, n, args.steps)))
+        jobs.append((run_mtp, (verifier, assistant, n, args.steps), {}))
         for nodes in [int(x) for x in args.nodes.split(",")]:
-            for mode in args.tree_attn.split(","):
-                jobs.append((run_hyco, (verifier, n, nodes, args.steps, mode)))
+            for shape in args.shape.split(","):
+                for mode in args.tree_attn.split(","):
+                    for chain in (args.chain_attn.split(",") if shape == "chain" else ["stock"]):
+                        jobs.append((run_hyco, (verifier, n, nodes, args.steps, mode),
+                                     {"shape": shape, "chain_attn": chain}))
     ctx = mp.get_context("spawn")
     rows = []
-    for target, a in jobs:
+    for target, a, kw in jobs:
         q = ctx.Queue()
-        proc = ctx.Process(target=_child, args=(target, a, q))
+        proc = ctx.Process(target=_child, args=(target, a, kw, q))
         proc.start()
         res = q.get()
         proc.join()

@@ -244,3 +244,26 @@ def test_per_request_cost_is_fitted_apart_from_rows_and_lengthens_the_cut():
     a = choose_nodes(vals, fixed=c0 / 64 + m.per_request, per_row=m.marginal(0))
     assert with_req.plan("s", CHAIN8, sharing=64).nodes >= rows_only.plan("s", CHAIN8, sharing=64).nodes
     assert a > choose_nodes(vals, fixed=c0 / 64, per_row=m.marginal(0))
+
+
+def test_a_lone_phone_probes_smaller_trees_until_the_fit_can_tell_rows_from_the_step():
+    # one phone sending full 32-node trees: every step has 33 rows, so without probing no per-row cost
+    # could ever be fitted (the model never gets ready and the policy stays static)
+    flat = StepCostModel(min_steps=16)
+    for _ in range(40):
+        flat.observe(33, 1.0, 0.010 + 0.0003 * 33)
+    assert not flat.spread and not flat.ready
+    pol = BudgetPolicy(32)
+    chain32 = list(range(-1, 32))
+    sizes = []
+    for _ in range(16):
+        plan = pol.plan("s", chain32)
+        sizes.append(plan.nodes)
+        pol.observe_step(plan.nodes + 1, 0.05 * (plan.nodes + 1), 0.010 + 0.0003 * (plan.nodes + 1))
+    assert sizes[:3] == [32, 8, 16]  # a quarter, a half, all of it, in turn, until the counts spread
+    assert pol.cost.spread and sizes[3:] == [32] * 13 and pol.cost.ready
+    assert pol.probes == 3
+    c0, c1, _ = pol.cost.coef
+    assert c0 + pol.cost.per_request == pytest.approx(0.010, rel=0.05) and c1 == pytest.approx(0.0003, rel=0.05)
+    static = BudgetPolicy(32, "static")  # the paper's budget never probes
+    assert static.plan("s", chain32).nodes == 32 and static.plan("s", chain32).nodes == 32

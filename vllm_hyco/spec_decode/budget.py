@@ -13,19 +13,23 @@ its expected committed tokens. This module holds the three parts of the decision
   the conditionals of one node's children are scaled to sum to at most 1). Phone-sent values are
   untrusted: :func:`bound_values` takes ``min(phone, server)`` per node, so they can only lower a node.
   :func:`reliability_table` bins predicted against observed acceptance (calibration).
-* :class:`StepCostModel`: the step's cost as ``c0 + c1 * rows + c2 * kctx + c3 * reqs``, with ``rows`` the
-  tokens the step scheduled, ``kctx`` the attention work (sum over requests of rows times context, in
+* :class:`StepCostModel`: the step's cost as ``c0 + c1 * rows + c2 * kctx + c3 * reqs``, with ``rows``
+  the tokens the step scheduled, ``kctx`` the attention work (sum over requests of rows times context, in
   thousands of tokens) and ``reqs`` the requests in it (what a tree costs whatever its size: its decision,
   KV compaction, hand-off, tree-attention set-up and utility calls), fitted online by recursive least
-  squares on the measured steps. No cost constant is set by hand: until ``min_steps`` steps with at least three distinct row counts were seen the model is not ``ready``
-  and the policy verifies whole trees (the paper's static budget).
+  squares on the measured steps. No cost constant is set by hand: until ``min_steps`` steps whose row counts spread
+  (three distinct counts, the largest at least twice the smallest) were seen the model is not ``ready``
+  and the policy verifies whole trees (the paper's static budget), except that while the counts do not
+  spread it cuts trees in turn to a quarter, a half and all of their nodes (a lone phone's full trees
+  give every step the same rows, from which no per-row cost can be fitted).
 * :func:`choose_nodes`: the cut rule. A session whose round shares a step with ``n`` requests pays
-  ``c0 / n + c3`` (its share of the step's fixed cost and its own per-request cost) plus the marginal cost
-  ``m = c1 + c2 * ctx / 1000`` per row (the root included). With nodes in value order, it keeps the
+  ``c0 / n + c3`` (its share of the step's fixed cost and its own per-request cost) plus the marginal
+  cost ``m = c1 + c2 * ctx / 1000`` per row (the root included). With nodes in value order, it keeps the
   prefix of ``k >= 1`` nodes that minimises its expected cost per committed token
-  ``(c0 / n + c3 + m (k + 1)) / (1 + sum of the k values)`` (the bonus token counts): a node is kept only when its expected tokens per unit of cost beat the session's average, so no
-  row is verified whose expected committed tokens are worth less than its cost. Every session keeps at
-  least its first node (no starvation). Flat cost (``m`` ~ 0) keeps whole trees; steep cost keeps chains.
+  ``(c0 / n + c3 + m (k + 1)) / (1 + sum of the k values)`` (the bonus token counts): a node is kept only when its expected tokens per unit of cost beat
+  the session's average, so no row is verified whose expected committed tokens are worth less than its
+  cost. Every session keeps at least its first node (no starvation). Flat cost (``m`` ~ 0) keeps whole
+  trees; steep cost keeps chains.
 
 :class:`BudgetPolicy` ties them to sessions and steps (the scheduler mixin calls it). Example::
 
@@ -195,12 +199,14 @@ def calibration_error(table: list[dict]) -> float:
 class StepCostModel:
     """Step seconds ~ ``c0 + c1 * rows + c2 * kctx + c3 * reqs``, recursive least squares with forgetting.
 
-    Features are scaled internally (rows / 64, kctx / 64, reqs / 16) so the fit is well conditioned; the
-    prior is a wide ridge around zero (``prior_var``), so the first steps decide the fit. Steps scheduling
-    more than ``max_rows`` tokens (prefill chunks far outside any verification step) are not fitted.
-    ``reqs`` separates what a request costs from what a row costs: on the CPU build, at 16 trees a step,
-    the per-tree work (tree-attention set-up per layer, decision, hand-off) is most of a step
-    (docs/benchmarks.md), and a model without the term charged it to rows and cut trees to 1-2 nodes.
+    Features are scaled internally (rows / 64, kctx / 64, reqs / 16) so the fit is well conditioned; the prior is a wide ridge around zero (``prior_var``), so the first steps decide the fit.
+    Steps scheduling more than ``max_rows`` tokens (prefill chunks far outside any verification step) are
+    not fitted. ``reqs`` separates what a request costs from what a row costs: on the CPU build, at 16 trees
+    a step, the per-tree work (decision, hand-off, utility calls) is most of a step (docs/benchmarks.md),
+    and a model without the term charged it to rows and cut trees to 1-2 nodes. (A term for the trees that
+    are not chains, which alone pay the tree-attention override, was tried and dropped: at low load it is
+    collinear with the rows, since probes and full trees branch and cut trees are chains, and the fit
+    charged it the rows' cost; docs/engine.md.)
     """
 
     SCALE = np.array([1.0, 64.0, 64.0, 16.0])
@@ -208,10 +214,11 @@ class StepCostModel:
     def __init__(self, *, forget: float = 0.995, min_steps: int = 16, max_rows: int | None = None,
                  prior_var: float = 1e4):
         self.forget, self.min_steps, self.max_rows = forget, min_steps, max_rows
-        self.theta = np.zeros(4)
-        self.P = np.eye(4) * prior_var
+        self.theta = np.zeros(len(self.SCALE))
+        self.P = np.eye(len(self.SCALE)) * prior_var
         self.steps = 0
         self.row_counts: set[int] = set()
+        self.rows_lo, self.rows_hi = math.inf, 0  # the fewest and most rows of a fitted step
         self.sq_err = 0.0  # decayed squared residual (before each update)
         self.weight = 0.0
 
@@ -231,13 +238,20 @@ class StepCostModel:
         self.steps += 1
         if len(self.row_counts) < 8:
             self.row_counts.add(int(rows))
+        self.rows_lo, self.rows_hi = min(self.rows_lo, rows), max(self.rows_hi, rows)
         self.sq_err = self.forget * self.sq_err + err * err
         self.weight = self.forget * self.weight + 1.0
         return True
 
     @property
+    def spread(self) -> bool:
+        """The fitted steps' row counts are varied enough to separate the per-row cost from the fixed one:
+        three distinct counts, the largest at least twice the smallest."""
+        return len(self.row_counts) >= 3 and self.rows_hi >= 2 * self.rows_lo
+
+    @property
     def ready(self) -> bool:
-        return self.steps >= self.min_steps and len(self.row_counts) >= 3
+        return self.steps >= self.min_steps and self.spread
 
     @property
     def coef(self) -> tuple[float, float, float]:
@@ -315,6 +329,7 @@ class BudgetPolicy:
         self.cost = StepCostModel(max_rows=max_rows, min_steps=min_steps)
         self.log: deque[tuple[float, float]] = deque(maxlen=log_size)
         self.last_nodes: int | None = None  # the last cut's kept nodes (for the metrics)
+        self.probes = 0  # trees cut short to vary the steps' rows while the cost model lacks spread
 
     @property
     def adaptive(self) -> bool:
@@ -331,6 +346,11 @@ class BudgetPolicy:
             c0, _, _ = self.cost.coef
             nodes = choose_nodes(vals, fixed=c0 / max(sharing, 1) + self.cost.per_request,
                                  per_row=self.cost.marginal(ctx))
+        elif self.adaptive and not self.cost.spread and sent > 1:
+            # a lone phone sends full trees, so every step has the same rows and the fit cannot tell a
+            # row's cost from the step's: cut every tree in turn to a quarter, a half, all of it
+            nodes = max(1, (sent, sent // 4, sent // 2)[self.probes % 3])
+            self.probes += 1
         self.last_nodes = nodes
         return Plan(nodes, sent, vals[: nodes + 1], server[: nodes + 1])
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from mobile_client.session import PhoneSession, SessionOptions
+from vllm_hyco.errors import ConfigError
 from mobile_client.tree import DraftTree, build_draft_tree, trim, value_order
 from vllm_hyco.handoff import (HandoffPayload, HandoffScales, HandoffSpec, LayerSpec, SessionFrame, VerdictFrame,
                                openai_chunk)
@@ -83,11 +84,11 @@ def _verdict(rnd, path, tokens, budget, root):
 def test_the_phone_drafts_no_more_nodes_than_the_last_verdict_granted():
     d = Chain()
     s = PhoneSession(d, prompt_tokens=[5, 6, 7], request={"prompt": [5, 6, 7]}, endpoint="completions",
-                     spec=SPEC, options=SessionOptions(max_nodes=16))
+                     spec=SPEC, options=SessionOptions(max_nodes=16, order="score"))
     s.apply_session(SessionFrame("hyco." + "0" * 32, -1, 16, SPEC))  # protocol v2: the session frame first
     frame = s.next_tree()
     assert d.asked == [16] and len(frame.tokens) - 1 == 16
-    assert frame.tokens[-1] == 7 + 100  # the low-value sibling goes last: a prefix drops it first
+    assert frame.tokens[-1] == 7 + 100  # the low-score sibling goes last: a prefix drops it first
     s.apply_verdict(_verdict(0, [1], [frame.tokens[1], 40], 3, root=4))  # prompt root at 2, +2
     frame = s.next_tree()
     assert d.asked[-1] == 3 and len(frame.tokens) - 1 == 3
@@ -95,3 +96,61 @@ def test_the_phone_drafts_no_more_nodes_than_the_last_verdict_granted():
     assert len(s.next_tree().tokens) - 1 == 1 and d.asked[-1] == 1
     s.apply_verdict(_verdict(2, [], [42], 32, root=6))
     assert len(s.next_tree().tokens) - 1 == 16  # never past the phone's own max_nodes
+
+
+class ChainAndRunnerUp:
+    """A K = 4 chain and a runner-up beside its first node that outscores the chain's last two nodes
+    (Algorithm 3: a runner-up at depth 1 scores 2a, the chain's third node 3a)."""
+
+    def propose(self, context, tree_budget):
+        r, a = context.root, math.log(0.66)
+        tokens = (r, r + 1, r + 2, r + 3, r + 4, r + 50)
+        parents = (-1, 0, 1, 2, 3, 0)
+        scores = (0.0, a, 2 * a, 3 * a, 4 * a, 2 * a)
+        return DraftTree(tokens, parents, scores, (0, 1, 1, 1, 1, 2), 5)
+
+
+def test_the_learned_order_puts_a_chain_the_server_keeps_accepting_before_the_runner_up():
+    s = PhoneSession(ChainAndRunnerUp(), prompt_tokens=[5, 6, 7], request={"prompt": [5, 6, 7]},
+                     endpoint="completions", spec=SPEC, options=SessionOptions(max_nodes=16))
+    s.apply_session(SessionFrame("hyco." + "0" * 32, -1, 16, SPEC))
+    root = 7
+    frame = s.next_tree()
+    assert frame.tokens[:4] == (root, root + 1, root + 2, root + 3)  # the prior: chain first up to depth 3
+    orders = []
+    for rnd in range(12):  # every round the whole chain is accepted
+        chain = [frame.tokens.index(root + i) for i in (1, 2, 3, 4)]
+        new_root = 100 + rnd
+        s.apply_verdict(_verdict(rnd, chain, [root + 1, root + 2, root + 3, root + 4, new_root], 5,
+                                 root=2 + 5 * (rnd + 1)))
+        root = new_root
+        frame = s.next_tree()
+        orders.append(frame.tokens)
+    assert orders[-1] == (root, root + 1, root + 2, root + 3, root + 4, root + 50)  # the runner-up last
+    # granted 4 nodes: the head of the learned order is the whole chain (Algorithm 3's tree of 4 would
+    # have kept the runner-up and dropped the chain's last node)
+    s.apply_verdict(_verdict(12, [1, 2, 3, 4], [root + 1, root + 2, root + 3, root + 4, 200], 4, root=2 + 5 * 13))
+    assert s.next_tree().tokens == (200, 201, 202, 203, 204)
+    score = PhoneSession(ChainAndRunnerUp(), prompt_tokens=[5, 6, 7], request={"prompt": [5, 6, 7]},
+                         endpoint="completions", spec=SPEC, options=SessionOptions(order="score"))
+    score.apply_session(SessionFrame("hyco." + "0" * 32, -1, 16, SPEC))
+    assert score.next_tree().tokens == (7, 8, 9, 57, 10, 11)  # Algorithm-3 order: the runner-up third
+    with pytest.raises(ConfigError, match="order"):
+        SessionOptions(order="random")
+
+
+def test_rows_past_the_granted_budget_are_not_counted_as_failures():
+    """A cut tree: the verdict's budget (the nodes the server kept) bounds the rows the phone counts as
+    tried; the untried rest does not lower its estimates. Round 0 (granted the cap whatever was verified)
+    is not counted."""
+    s = PhoneSession(ChainAndRunnerUp(), prompt_tokens=[5, 6, 7], request={"prompt": [5, 6, 7]},
+                     endpoint="completions", spec=SPEC, options=SessionOptions(max_nodes=16))
+    s.apply_session(SessionFrame("hyco." + "0" * 32, -1, 16, SPEC))
+    s.next_tree()
+    s.apply_verdict(_verdict(0, [], [60], 16, root=3))
+    assert s.acceptance.engine.trials.sum() == 0
+    frame = s.next_tree()
+    assert frame.tokens[1:3] == (61, 62)
+    s.apply_verdict(_verdict(1, [1, 2], [61, 62, 70], 2, root=6))  # the server kept 2 nodes, both accepted
+    assert s.acceptance.engine.trials.sum() == pytest.approx(2.0)
+    assert s.acceptance.engine.accepted.sum() == pytest.approx(2.0)

@@ -259,6 +259,8 @@ def test_a_lone_phone_probes_smaller_trees_until_the_fit_can_tell_rows_from_the_
     for _ in range(16):
         plan = pol.plan("s", chain32)
         sizes.append(plan.nodes)
+        # a probe grants what it kept (the phone counts min(sent, budget) nodes as verified)
+        assert pol.next_budget(plan) == (plan.nodes if plan.nodes < 32 else 32)
         pol.observe_step(plan.nodes + 1, 0.05 * (plan.nodes + 1), 0.010 + 0.0003 * (plan.nodes + 1))
     assert sizes[:3] == [32, 8, 16]  # a quarter, a half, all of it, in turn, until the counts spread
     assert pol.cost.spread and sizes[3:] == [32] * 13 and pol.cost.ready

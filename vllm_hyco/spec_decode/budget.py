@@ -366,15 +366,18 @@ class BudgetPolicy:
         return self.cost.observe(rows, kctx, seconds, reqs)
 
     def next_budget(self, plan: Plan | None, *, first_round: bool = False) -> int:
-        """Nodes granted for the session's next round: the cap (static, or no fit yet, or after the
-        session's first round, whose tree is the SLM's alone (docs/decisions.md D2) and so says nothing
-        about the size of the hybrid trees that follow); else the nodes kept when the server cut the tree,
-        and twice them (up to the cap) when it kept every node sent, so a session whose trees pay grows
-        back to the cap."""
-        if not self.adaptive or plan is None or not self.cost.ready or first_round:
+        """Nodes granted for the session's next round: the cap (static, or after the session's first round,
+        whose tree is the SLM's alone (docs/decisions.md D2) and so says nothing about the size of the
+        hybrid trees that follow); else the nodes kept when the server cut the tree (a probe included); the
+        cap while the cost model is not ready; else twice the nodes (up to the cap) when it kept every node
+        sent, so a session whose trees pay grows back to the cap. So after any round but the first, the
+        phone knows how many of its nodes were verified: ``min(sent, budget)``."""
+        if not self.adaptive or plan is None or first_round:
             return self.cap
         if plan.nodes < plan.sent:
             return max(1, min(plan.nodes, self.cap))
+        if not self.cost.ready:
+            return self.cap
         return max(1, min(2 * max(plan.nodes, 1), self.cap))
 
     def forget(self, sid: str) -> None:

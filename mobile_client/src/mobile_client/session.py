@@ -54,6 +54,7 @@ from mobile_client.phone_drafter import HycoPhoneDrafter, takes_keyword
 from mobile_client.results import RoundStats, SessionResult, fmt_round
 from mobile_client.tree import DraftTree, trim, value_order
 from vllm_hyco.errors import ConfigError, FrameError, HandoffSchemaError, SessionError
+from vllm_hyco.spec_decode.budget import SESSION_HALF_LIFE, AcceptanceModel
 from vllm_hyco.handoff.client_frames import (MIN_CLIENT_MESSAGE_BYTES, ClientCapabilities, HycoOptions,
                                              ResumeRequest, StartFrame, TreeFrame)
 from vllm_hyco.handoff.frames import encode_frame
@@ -63,6 +64,7 @@ from vllm_hyco.handoff.server_frames import SessionFrame
 from vllm_hyco.handoff.tree_contract import DEFAULT_NODE_BUDGET
 
 DRAFT_SAMPLING = ("greedy", "probabilistic")  # SessionOptions.draft_sampling
+TREE_ORDERS = ("learned", "score")  # SessionOptions.order
 # tree [, catch_up=tokens] -> mobile_client.baselines.ProactiveDraft; ``catch_up`` (when the function takes
 # it): committed tokens before the tree's root that the drafter has not seen yet
 ProactiveFn = Callable[..., Any]
@@ -86,8 +88,16 @@ class SessionOptions:
     # "probabilistic": with a sampled request (temperature > 0) the MTP chain is drawn from the head's
     # distribution, sent as the tree's draft_q (lossless, accepted more often). "greedy": the argmax
     draft_sampling: str = "greedy"
+    # the order of the tree's rows (every prefix is a tree; the server's adaptive budget may verify only a
+    # prefix): "learned", by the acceptance this session's verdicts showed per depth and source (a chain
+    # of sampled drafts that is accepted 9 times in 10 goes before the runner-ups), or "score", by the
+    # Algorithm-3 score alone. The node set is Algorithm 3's either way.
+    order: str = "learned"
 
     def __post_init__(self):
+        if self.order not in TREE_ORDERS:
+            raise ConfigError(f"SessionOptions.order must be one of {', '.join(map(repr, TREE_ORDERS))}, got "
+                              f"{self.order!r}")
         if self.draft_sampling not in DRAFT_SAMPLING:
             allowed = ", ".join(map(repr, DRAFT_SAMPLING))
             raise ConfigError(f"SessionOptions.draft_sampling must be one of {allowed}, got "
@@ -132,7 +142,8 @@ class PhoneSession:
 
     def __init__(self, drafter: Drafter, *, prompt_tokens: Sequence[int], request: dict,
                  endpoint: str = "chat.completions", spec: HandoffSpec | None = None,
-                 options: SessionOptions = SessionOptions(), on_text: Callable[[str], None] | None = None):
+                 options: SessionOptions = SessionOptions(), on_text: Callable[[str], None] | None = None,
+                 acceptance: AcceptanceModel | None = None):
         if not prompt_tokens:
             raise SessionError("prompt_tokens is empty: the first tree's root is the prompt's last token",
                                code="bad_request")
@@ -166,6 +177,9 @@ class PhoneSession:
         self._prefill_context = self.prompt_tokens[:-1]  # committed tokens before the first root
         self._prepared = None  # the ProactiveDraft prepared during the last wait
         self._last_bet_key: tuple = ((), -1)  # (accepted path tokens, bonus) of the last verdict
+        # conditional acceptance by (depth, source) from the verdicts: the rows' order. A phone passes one
+        # model to all its sessions (same drafter, same server model); None: this session's alone
+        self.acceptance = acceptance if acceptance is not None else AcceptanceModel(engine_half_life=SESSION_HALF_LIFE)
 
     # -- frames the phone sends --------------------------------------------------------------------------
     @property
@@ -231,10 +245,16 @@ class PhoneSession:
         if tree is None:
             ctx = DraftContext(root=self.root, catch_up=self.catch_up, x_hat=self.x_hat,
                                sampling=self.draft_sampling())
-            tree = self.drafter.propose(ctx, self.budget)
-        draft_ms = (time.perf_counter() - t0) * 1e3
+            tree = self.drafter.propose(ctx, self._draft_budget())
         self._check_tree(tree)
-        tree = value_order(tree)  # each prefix is the best tree of its size: the server may verify a prefix
+        # each prefix is the best tree of its size (the server may verify a prefix), and the tree sent is
+        # the head of the granted size: with the learned order, the most valuable part of Algorithm 3's
+        # tree at the phone's own budget (its drafting costs the same: one SLM pass over the planted rows)
+        learned = None
+        if self.options.order == "learned":
+            learned = self.acceptance.node_values(tree.parents, tree.sources)
+        tree = value_order(tree, learned).head(self.budget)
+        draft_ms = (time.perf_counter() - t0) * 1e3
         if not hit:
             self.catch_up = ()  # the drafter's forward committed them
         # a reused proactive tree ran no forward of this drafter (it was drafted on a copy of its state,
@@ -276,15 +296,22 @@ class PhoneSession:
         if prepared is None or not prepared.matches(*self._last_bet_key):
             return None, False
         tree = prepared.tree
-        return (trim(tree, self.budget) if tree.num_nodes > self.budget else tree), True
+        budget = self._draft_budget()
+        return (trim(tree, budget) if tree.num_nodes > budget else tree), True
+
+    def _draft_budget(self) -> int:
+        """The nodes the drafter builds: the granted budget with the score order (whose head of ``k`` nodes is
+        Algorithm 3's tree of ``k``); the phone's own budget with the learned order, whose head is chosen
+        from the whole tree."""
+        return self.options.max_nodes if self.options.order == "learned" else self.budget
 
     def _check_tree(self, tree: DraftTree) -> None:
         if not tree.tokens or tree.tokens[0] != self.root:
             raise SessionError(f"the drafter's tree is rooted at {tree.tokens[:1]}, expected the root "
                                f"{self.root}", code="bad_draft")
-        if tree.num_nodes > self.budget:
-            raise SessionError(f"the drafter built {tree.num_nodes} nodes, over the granted budget "
-                               f"{self.budget}", code="bad_draft")
+        if tree.num_nodes > self._draft_budget():
+            raise SessionError(f"the drafter built {tree.num_nodes} nodes, over the budget it was given "
+                               f"{self._draft_budget()}", code="bad_draft")
 
     def prepare_proactive(self) -> None:
         """Run the proactive drafter on the tree in flight (the client calls it while waiting)."""
@@ -357,10 +384,22 @@ class PhoneSession:
         # Algorithm 1 line 10: rows without SLM KV become catch-up rows, after any still owed (a reused tree)
         self.catch_up = self.catch_up + tuple([self.root, *path_tokens][kept:])
         self.root, self.position = int(v.bonus), new_position
+        self._learn(p.tree, v)
         self.budget = min(v.budget, self.options.max_nodes)
         self._prepared, self._last_bet_key = p.prepared, (tuple(path_tokens), int(v.bonus))
         self._apply_handoff(handoff, new_position, v.bonus)
         return stats
+
+    def _learn(self, tree: DraftTree, v) -> None:
+        """Count the round's trials. The verdict does not say how many rows the server verified; its
+        budget does: after any round but the first, the server grants the nodes it kept when it cut the
+        tree, and at least the nodes sent when it verified them all (``BudgetPolicy.next_budget``), so the
+        first ``min(sent, budget)`` nodes were verified and the rest were never tried. Round 0 (the SLM's
+        tree alone, D2) is granted the cap whatever was verified: it is not counted."""
+        if v.round == 0:
+            return
+        n = min(tree.num_nodes, int(v.budget)) + 1
+        self.acceptance.observe(None, tree.parents[:n], tree.sources[:n], v.path)
 
     def _check_path(self, tree: DraftTree, v) -> list[int]:
         parent = 0

@@ -126,6 +126,18 @@ class DraftTree:
                          tuple(self.sources[r] for r in rows), self.budget,
                          q if q is not None and any(x is not None for x in q) else None)
 
+    def head(self, k: int) -> DraftTree:
+        """The root and the first ``k`` nodes: a tree, since parents come first (a value-ordered tree's
+        head is its most valuable tree of ``k`` nodes).
+
+        >>> DraftTree.make_dummy([7, 8, 9, 5], [-1, 0, 1, 0]).head(2).to_wire()
+        ([7, 8, 9], [-1, 0, 1])
+        """
+        if k >= self.num_nodes:
+            return self
+        k = max(k, 0)
+        return self._rows(range(k + 1), self.parents[:k + 1])
+
     def padded(self, rows: int | None = None) -> PaddedTree:
         """The static form (the tree contract's ``pad_tree``): ``rows`` (default budget + 1) rows, the last
         real row repeated; ``.ancestor_matrix()`` gives the [rows, rows] attention mask."""
@@ -373,22 +385,37 @@ def trim(tree: DraftTree, budget: int) -> DraftTree:
     return tree._rows(kept, tuple(-1 if r == 0 else new_row[tree.parents[r]] for r in kept))
 
 
-def value_order(tree: DraftTree) -> DraftTree:
-    """The same nodes, rows by descending score (ties to the earlier row), the root first, parents re-indexed.
+def value_order(tree: DraftTree, values: Sequence[float] | None = None) -> DraftTree:
+    """The same nodes, rows by descending value, the root first, parents re-indexed.
 
-    A node scores strictly below its parent (every edge adds ``ln q + a`` with ``a < 0``; with ``lam = 1``
-    a tie goes to the parent, the earlier row), so parents still come before children, and every prefix of
-    ``k`` nodes is the ``trim(tree, k)`` node set: the most valuable tree of its size. The server may
-    verify only a prefix (its adaptive budget), so the phone sends trees in this order.
+    ``values`` None: the value is the Algorithm-3 score (ties to the earlier row). A node scores strictly
+    below its parent (every edge adds ``ln q + a`` with ``a < 0``; with ``lam = 1`` a tie goes to the
+    parent, the earlier row), so parents still come before children, and every prefix of ``k`` nodes is the
+    ``trim(tree, k)`` node set: the most valuable tree of its size. The server may verify only a prefix
+    (its adaptive budget), so the phone sends trees in this order.
+
+    ``values`` [n + 1] in insertion order: an expected acceptance per row that never exceeds its parent's
+    (a product of conditional rates along the path, ``vllm_hyco.spec_decode.budget.AcceptanceModel``); rows
+    by descending value, ties by score, then the earlier row. The node set is unchanged; a prefix is then
+    the most valuable tree of its size by those values. An order that would put a child before its parent
+    falls back to the tree as it is.
 
     >>> t = DraftTree.make_dummy([7, 8, 9, 5], [-1, 0, 1, 0])   # scores 0, a, 2a, a
     >>> value_order(t).to_wire()
     ([7, 8, 5, 9], [-1, 0, 0, 1])
+    >>> value_order(t, [1.0, 0.9, 0.8, 0.05]).to_wire()   # the chain pays more than the sibling
+    ([7, 8, 9, 5], [-1, 0, 1, 0])
     """
-    order = [0] + sorted(range(1, len(tree.tokens)), key=lambda r: (-tree.scores[r], r))
+    if values is not None and len(values) != len(tree.tokens):
+        raise TreeBuildError(f"value_order: {len(values)} values for a tree of {len(tree.tokens)} rows")
+    if values is None:
+        key = lambda r: (-tree.scores[r], r)  # noqa: E731
+    else:
+        key = lambda r: (-float(values[r]), -tree.scores[r], r)  # noqa: E731
+    order = [0] + sorted(range(1, len(tree.tokens)), key=key)
     new_row = {r: i for i, r in enumerate(order)}
     parents = tuple(-1 if r == 0 else new_row[tree.parents[r]] for r in order)
-    if any(p >= i for i, p in enumerate(parents) if i):  # scores not decreasing along a path: keep as is
+    if any(p >= i for i, p in enumerate(parents) if i):  # values not decreasing along a path: keep as is
         return tree
     return tree._rows(order, parents)
 

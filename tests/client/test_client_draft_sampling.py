@@ -280,7 +280,10 @@ def test_bench_config_hyco_exact_prob():
     assert prob.draft_sampling == "probabilistic"
     assert dataclasses.replace(prob, name=exact.name, label=exact.label, draft_sampling="greedy") == exact
     assert prob.server_key() == exact.server_key() and prob.server_spec("a") == exact.server_spec("a")
-    assert all(c.draft_sampling == "greedy" for n, c in configs.CONFIGS.items() if n != "hyco-exact-prob")
+    assert all(c.draft_sampling == "greedy" for n, c in configs.CONFIGS.items()
+               if not n.startswith("hyco-exact-prob"))
+    s4 = configs.CONFIGS["hyco-exact-prob-s4"]
+    assert s4.draft_sampling == "probabilistic" and s4.server_key() == configs.CONFIGS["hyco-exact-s4"].server_key()
     assert json.loads(phones.describe(prob))["draft_sampling"] == "probabilistic"
     assert "draft_sampling" not in json.loads(phones.describe(exact))
     assert configs.select("hyco-exact-prob") == [prob]

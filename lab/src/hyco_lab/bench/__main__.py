@@ -326,7 +326,7 @@ class Bench:
         from hyco_lab.bench.drive import run_cloud, run_phones
 
         out = []
-        for name in ("cloud-mtp", "hyco-exact-s32", "hyco-exact"):
+        for name in ("cloud-mtp-prob", "hyco-exact-prob-s32", "hyco-exact-prob"):
             cfg = C.CONFIGS[name]
             spec = cfg.server_spec(str(self.fx / "assistant"), max_sessions=phones + len(self.prompts))
             with self.server(spec, max_num_seqs=phones + len(self.prompts)) as srv:

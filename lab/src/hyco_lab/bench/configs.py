@@ -12,6 +12,7 @@
 | ``hyco-exact`` | hyco | same as hyco | exact |
 | ``hyco-exact-prob`` | hyco | same, the MTP chain sampled (``draft_sampling`` probabilistic) | exact |
 | ``hyco-exact-s4`` .. ``-s32`` | hyco, ``budget_policy`` static, ``node_budget`` 4, 8, 16, 32 | same as hyco, that many nodes | exact |
+| ``hyco-exact-prob-s4`` .. ``-s32`` | same | same as hyco-exact-prob, that many nodes | exact |
 
 Every ``hyco`` server without a static budget runs the default ``budget_policy`` ``adaptive`` (cap 32):
 the server cuts each tree to the prefix that pays and grants each phone its next tree's nodes.
@@ -109,6 +110,9 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
                 device_ms=HYCO_ROUND_MS, draft_sampling="probabilistic"),
     *(BenchConfig(f"hyco-exact-s{b}", "phone", f"HyCo exact, static {b}", server="hyco", drafter="hybrid",
                   device_ms=HYCO_ROUND_MS, node_budget=b) for b in STATIC_BUDGETS),
+    *(BenchConfig(f"hyco-exact-prob-s{b}", "phone", f"HyCo exact, sampled drafts, static {b}", server="hyco",
+                  drafter="hybrid", device_ms=HYCO_ROUND_MS, draft_sampling="probabilistic", node_budget=b)
+      for b in STATIC_BUDGETS),
     BenchConfig("slm-only", "modelled", "SLM alone (modelled)"),
 )}
 
@@ -119,9 +123,11 @@ DROPPED = {
                    "phone's tree would need a server drafter that does not exist; its cost would be "
                    "cloud-mtp's head steps plus a 33-row verify, reported by neither.",
 }
-#: issue 16's sweep: Cloud+MTP (greedy, sampled drafts), HyCo exact static 4..32 and adaptive, HyCo ε adaptive
-SWEEP = ("cloud-mtp", "cloud-mtp-prob", *(f"hyco-exact-s{b}" for b in STATIC_BUDGETS), "hyco-exact",
-         "hyco-exact-prob", "hyco")
+#: issue 16's sweep: Cloud+MTP (greedy, sampled drafts), HyCo exact (sampled drafts, its best exact form) at
+#: static budgets 4..32 and adaptive, HyCo ε adaptive (greedy drafts, the paper's); the greedy-draft exact
+#: configurations (``hyco-exact``, ``hyco-exact-s4`` ..) stay selectable with ``--sweep-configs``
+SWEEP = ("cloud-mtp", "cloud-mtp-prob", *(f"hyco-exact-prob-s{b}" for b in STATIC_BUDGETS), "hyco-exact-prob",
+         "hyco")
 DEFAULT = ("cloud-mtp", "cloud-mtp-prob", "specedge", "specedge-pd", "specedge-eps", "hyco", "hyco-2p", "hyco-exact",
            "hyco-exact-prob", "slm-only")
 

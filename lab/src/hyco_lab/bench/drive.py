@@ -91,7 +91,7 @@ def _target(url: str) -> tuple[str, int]:
 
 async def _phone_one(url: str, cfg: BenchConfig, run: int, prompt: dict, ids: list[int], bundle: Path,
                      sampling: Sampling, seed: int, frame_timeout_s: float,
-                     gate: phones.RoundGate | None = None) -> RequestRecord:
+                     gate: phones.RoundGate | None = None, slot: int = 0) -> RequestRecord:
     from mobile_client.client import Timeouts
     from mobile_client.session import SessionOptions
 
@@ -104,7 +104,8 @@ async def _phone_one(url: str, cfg: BenchConfig, run: int, prompt: dict, ids: li
         request = {"messages": prompt["messages"], **sampling.body(seed)}
         session = phones.recording_session_class()(drafter, prompt_tokens=ids, request=request,
                                                    endpoint="chat.completions", spec=spec,
-                                                   options=SessionOptions(**opts))
+                                                   options=SessionOptions(**opts),
+                                                   acceptance=phones.acceptance_of(cfg.name, slot))
         rows.context = session.before_root
         client = phones.bench_client_class()(url, config=cfg, session=session, gate=gate, gate_name=name,
                                              timeouts=Timeouts(frame_s=frame_timeout_s), max_retries=2)
@@ -150,7 +151,7 @@ async def run_phones(url: str, cfg: BenchConfig, run: int, prompts: list[dict], 
         async def one(i, p):
             async with sem:
                 return await _phone_one(base, cfg, run, p, ids[i], bundle, sampling, seed0 + i, frame_timeout_s,
-                                        gate)
+                                        gate, slot=i)
 
         records = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
         info = {"up": proxy.bytes_up, "down": proxy.bytes_down}

@@ -52,8 +52,8 @@ def load_phone(bundle: Path, config: BenchConfig, *, window: int = WINDOW):
     options: dict[str, Any] = {"mode": config.mode}
     if config.draft_sampling != "greedy":  # sampled MTP drafts (with a sampled request)
         options["draft_sampling"] = config.draft_sampling
-    if config.node_budget is not None:  # a static server budget: the phone's trees are never bigger
-        options["max_nodes"] = config.node_budget
+    # a static server budget needs nothing here: the session frame and every verdict grant the phone its
+    # budget, and the phone sends the head of that size of its tree (the same phone for every budget)
     spec, mtp, scales = None, None, None
     if config.drafter in ("hybrid", "hybrid-2p"):
         spec, scales = handoff_spec(bundle)
@@ -69,6 +69,21 @@ def load_phone(bundle: Path, config: BenchConfig, *, window: int = WINDOW):
                                                                             catch_up=catch_up)
     drafter = HycoPhoneDrafter(inner, slm=slm, mtp=mtp, scales=scales)
     return drafter, spec, options, rows, notes
+
+
+_ACCEPTANCE: dict[tuple[str, int], Any] = {}
+
+
+def acceptance_of(config: str, slot: int):
+    """The phone of ``slot`` (its index in a run) of ``config``: its acceptance model, kept across the
+    requests it runs in this process, as a phone app keeps one across requests
+    (``PhoneSession(acceptance=)``)."""
+    from vllm_hyco.spec_decode.budget import SESSION_HALF_LIFE, AcceptanceModel
+
+    key = (config, slot)
+    if key not in _ACCEPTANCE:
+        _ACCEPTANCE[key] = AcceptanceModel(engine_half_life=SESSION_HALF_LIFE)
+    return _ACCEPTANCE[key]
 
 
 def recording_session_class():

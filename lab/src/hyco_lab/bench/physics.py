@@ -261,10 +261,15 @@ if __name__ == "__main__":
 
 
 def batch1(records: Sequence[dict], sweep: Sequence[dict], overlap: dict | None = None, *,
-           source: str = "hyco-exact-s32", caps: Sequence[int] = (4, 8, 16, 32)) -> dict:
+           source: str | None = None, caps: Sequence[int] = (4, 8, 16, 32)) -> dict:
     """GPU-modelled g at batch 1, both expert assumptions: the logged whole trees of ``source`` at one phone
     (every run's rounds after round 0) replayed under static budgets ``caps`` and the adaptive policy
-    (:func:`replay`), against Cloud+MTP's measured MAT at one request with its own head steps."""
+    (:func:`replay`), against Cloud+MTP's measured MAT at one request with its own head steps. ``source``
+    None: the sweep's whole trees of sampled drafts (``hyco-exact-prob-s32``) when it ran, else those of
+    greedy drafts (``hyco-exact-s32``)."""
+    if source is None:
+        ran = {rec.get("config") for rec in records}
+        source = "hyco-exact-prob-s32" if "hyco-exact-prob-s32" in ran else "hyco-exact-s32"
     shape = GpuShape()
     fns = {"independent": independent_experts}
     if overlap and overlap.get("rows"):

@@ -11,7 +11,8 @@ import pytest
 from vllm_hyco.errors import TreeValidationError
 from vllm_hyco.handoff.tree_contract import NodeLabel
 from vllm_hyco.spec_decode.budget import (PRIOR_ACCEPT, AcceptanceModel, BudgetPolicy, Plan, StepCostModel,
-                                          bound_values, calibration_error, choose_nodes, reliability_table)
+                                          bound_values, calibration_error, chain_prefix, choose_nodes,
+                                          reliability_table)
 
 CHAIN8 = [-1, 0, 1, 2, 3, 4, 5, 6, 7]  # root + a chain of 8
 # root, chain of 4 (rows 1-4), a runner-up beside each of the first two chain nodes (rows 5, 6),
@@ -254,18 +255,45 @@ def test_a_lone_phone_probes_smaller_trees_until_the_fit_can_tell_rows_from_the_
         flat.observe(33, 1.0, 0.010 + 0.0003 * 33)
     assert not flat.spread and not flat.ready
     pol = BudgetPolicy(32)
-    chain32 = list(range(-1, 32))
+    tree = TREE + [8 + i for i in range(24)]  # a chain of 4, then branches: 32 nodes
+    assert chain_prefix(tree) == 4
     sizes = []
-    for _ in range(16):
-        plan = pol.plan("s", chain32)
+    for _ in range(20):
+        plan = pol.plan("s", tree, LABELS + [3] * 24)
         sizes.append(plan.nodes)
         # a probe grants what it kept (the phone counts min(sent, budget) nodes as verified)
         assert pol.next_budget(plan) == (plan.nodes if plan.nodes < 32 else 32)
-        pol.observe_step(plan.nodes + 1, 0.05 * (plan.nodes + 1), 0.010 + 0.0003 * (plan.nodes + 1))
-    assert sizes[:3] == [32, 8, 16]  # a quarter, a half, all of it, in turn, until the counts spread
-    assert pol.cost.spread and sizes[3:] == [32] * 13 and pol.cost.ready
-    assert pol.probes == 3
+        rows = plan.nodes + 1
+        branching = int(plan.nodes > 4)
+        pol.observe_step(rows, 0.05 * rows, 0.010 + 0.0003 * rows + 0.0015 * branching, 1, branching)
+    # all, the chain, a quarter, the chain and one node more, a half, in turn, until the model is ready
+    assert sizes[:6] == [32, 4, 8, 5, 16, 32]
+    assert pol.cost.ready and pol.probes == 16 and len(set(sizes[16:])) == 1  # then the cut alone
     c0, c1, _ = pol.cost.coef
     assert c0 + pol.cost.per_request == pytest.approx(0.010, rel=0.05) and c1 == pytest.approx(0.0003, rel=0.05)
+    assert pol.cost.per_branching == pytest.approx(0.0015, rel=0.05)
     static = BudgetPolicy(32, "static")  # the paper's budget never probes
-    assert static.plan("s", chain32).nodes == 32 and static.plan("s", chain32).nodes == 32
+    assert static.plan("s", tree).nodes == 32 and static.plan("s", tree).nodes == 32
+
+
+def test_branching_cost_is_fitted_and_the_cut_prefers_a_chain_when_branching_costs():
+    assert chain_prefix(TREE) == 4 and chain_prefix(CHAIN8) == 8 and chain_prefix([-1, 0, 0]) == 1
+    # steps of 1-32 trees, some of them chains: a tree that is not a chain costs 0.5 ms more
+    rng = np.random.default_rng(5)
+    m = StepCostModel(min_steps=16)
+    for _ in range(300):
+        reqs = int(rng.integers(1, 33))
+        branching = int(rng.integers(0, reqs + 1))
+        rows = int(reqs * rng.integers(2, 17))
+        m.observe(rows, 0.0, 0.008 + 0.0002 * rows + 0.001 * reqs + 0.0005 * branching + rng.normal(0, 1e-5),
+                  reqs, branching)
+    assert m.per_branching == pytest.approx(0.0005, rel=0.05) and m.per_request == pytest.approx(0.001, rel=0.05)
+    assert m.snapshot()["per_branching_ms"] == pytest.approx(0.5, rel=0.05)
+    assert m.predict(40, 0.0, 4, 2) == pytest.approx(0.008 + 0.008 + 0.004 + 0.001, rel=0.02)
+    # TREE's first 4 nodes are its chain; keeping its 5th (a runner-up) makes it a branching tree, which
+    # pays the branching cost too
+    vals = [1.0, 0.8, 0.6, 0.45, 0.3, 0.25, 0.2, 0.1, 0.05]
+    free = choose_nodes(vals, fixed=0.002, per_row=0.0002, branch=0.0, chain=4)
+    dear = choose_nodes(vals, fixed=0.002, per_row=0.0002, branch=0.002, chain=4)
+    assert free > 4 and dear == 4
+    assert choose_nodes(vals, fixed=0.002, per_row=0.0002, branch=0.002) == free  # no chain given: no term

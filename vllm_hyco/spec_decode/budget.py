@@ -13,20 +13,22 @@ its expected committed tokens. This module holds the three parts of the decision
   the conditionals of one node's children are scaled to sum to at most 1). Phone-sent values are
   untrusted: :func:`bound_values` takes ``min(phone, server)`` per node, so they can only lower a node.
   :func:`reliability_table` bins predicted against observed acceptance (calibration).
-* :class:`StepCostModel`: the step's cost as ``c0 + c1 * rows + c2 * kctx + c3 * reqs``, with ``rows``
-  the tokens the step scheduled, ``kctx`` the attention work (sum over requests of rows times context, in
-  thousands of tokens) and ``reqs`` the requests in it (what a tree costs whatever its size: its decision,
-  KV compaction, hand-off, tree-attention set-up and utility calls), fitted online by recursive least
-  squares on the measured steps. No cost constant is set by hand: until ``min_steps`` steps whose row counts spread
+* :class:`StepCostModel`: the step's cost as ``c0 + c1 * rows + c2 * kctx + c3 * reqs + c4 * branching``,
+  with ``rows`` the tokens the step scheduled, ``kctx`` the attention work (sum over requests of rows
+  times context, in thousands of tokens), ``reqs`` the requests in it (what a tree costs whatever its
+  size: its decision, KV compaction, hand-off and utility calls) and ``branching`` its trees that are not
+  chains (only those pay the tree-attention override), fitted online by recursive least squares on the
+  measured steps. No cost constant is set by hand: until ``min_steps`` steps whose row counts spread
   (three distinct counts, the largest at least twice the smallest) were seen the model is not ``ready``
-  and the policy verifies whole trees (the paper's static budget), except that while the counts do not
-  spread it cuts trees in turn to a quarter, a half and all of their nodes (a lone phone's full trees
-  give every step the same rows, from which no per-row cost can be fitted).
+  and the policy probes: it cuts trees in turn to all their nodes, their chain, a quarter, their chain and
+  one node more, and a half (a lone phone's full trees would give every step the same rows, from which
+  no per-row cost can be fitted, and big trees branch while small ones are chains).
 * :func:`choose_nodes`: the cut rule. A session whose round shares a step with ``n`` requests pays
-  ``c0 / n + c3`` (its share of the step's fixed cost and its own per-request cost) plus the marginal
-  cost ``m = c1 + c2 * ctx / 1000`` per row (the root included). With nodes in value order, it keeps the
-  prefix of ``k >= 1`` nodes that minimises its expected cost per committed token
-  ``(c0 / n + c3 + m (k + 1)) / (1 + sum of the k values)`` (the bonus token counts): a node is kept only when its expected tokens per unit of cost beat
+  ``c0 / n + c3`` (its share of the step's fixed cost and its own per-request cost), ``c4`` when the kept
+  prefix is not a chain, plus the marginal cost ``m = c1 + c2 * ctx / 1000`` per row (the root
+  included). With nodes in value order, it keeps the prefix of ``k >= 1`` nodes that minimises its
+  expected cost per committed token ``(c0 / n + c3 + c4 [k > chain] + m (k + 1)) / (1 + sum of the k
+  values)`` (the bonus token counts): a node is kept only when its expected tokens per unit of cost beat
   the session's average, so no row is verified whose expected committed tokens are worth less than its
   cost. Every session keeps at least its first node (no starvation). Flat cost (``m`` ~ 0) keeps whole
   trees; steep cost keeps chains.
@@ -199,17 +201,20 @@ def calibration_error(table: list[dict]) -> float:
 class StepCostModel:
     """Step seconds ~ ``c0 + c1 * rows + c2 * kctx + c3 * reqs``, recursive least squares with forgetting.
 
-    Features are scaled internally (rows / 64, kctx / 64, reqs / 16) so the fit is well conditioned; the prior is a wide ridge around zero (``prior_var``), so the first steps decide the fit.
+    Features are scaled internally (rows / 64, kctx / 64, reqs / 16, branching / 16) so the fit is well
+    conditioned; the prior is a wide ridge around zero (``prior_var``), so the first steps decide the fit.
     Steps scheduling more than ``max_rows`` tokens (prefill chunks far outside any verification step) are
     not fitted. ``reqs`` separates what a request costs from what a row costs: on the CPU build, at 16 trees
     a step, the per-tree work (decision, hand-off, utility calls) is most of a step (docs/benchmarks.md),
-    and a model without the term charged it to rows and cut trees to 1-2 nodes. (A term for the trees that
-    are not chains, which alone pay the tree-attention override, was tried and dropped: at low load it is
-    collinear with the rows, since probes and full trees branch and cut trees are chains, and the fit
-    charged it the rows' cost; docs/engine.md.)
+    and a model without the term charged it to rows and cut trees to 1-2 nodes. ``branching`` counts the
+    step's trees that are not chains: only those pay the tree-attention override (a chain keeps vLLM's own
+    attention, ``vllm_adapter/tree_plan.masked_trees``), so the cut sees that a tree cut to its chain costs
+    less than one that keeps a sibling. Big trees branch and small ones are chains, so the term is
+    collinear with the rows unless the steps include chains and branching trees of nearly the same size:
+    the policy's probes (:meth:`BudgetPolicy.plan`) cut trees to their chain and to one node more.
     """
 
-    SCALE = np.array([1.0, 64.0, 64.0, 16.0])
+    SCALE = np.array([1.0, 64.0, 64.0, 16.0, 16.0])
 
     def __init__(self, *, forget: float = 0.995, min_steps: int = 16, max_rows: int | None = None,
                  prior_var: float = 1e4):
@@ -222,14 +227,14 @@ class StepCostModel:
         self.sq_err = 0.0  # decayed squared residual (before each update)
         self.weight = 0.0
 
-    def _x(self, rows: float, kctx: float, reqs: float) -> np.ndarray:
-        return np.array([1.0, rows, kctx, reqs]) / self.SCALE
+    def _x(self, rows: float, kctx: float, reqs: float, branching: float = 0.0) -> np.ndarray:
+        return np.array([1.0, rows, kctx, reqs, branching]) / self.SCALE
 
-    def observe(self, rows: int, kctx: float, seconds: float, reqs: int = 1) -> bool:
+    def observe(self, rows: int, kctx: float, seconds: float, reqs: int = 1, branching: int = 0) -> bool:
         if rows <= 0 or not math.isfinite(seconds) or seconds < 0 or \
                 (self.max_rows is not None and rows > self.max_rows):
             return False
-        x = self._x(rows, kctx, max(int(reqs), 1))
+        x = self._x(rows, kctx, max(int(reqs), 1), max(int(branching), 0))
         err = seconds - float(x @ self.theta)
         Px = self.P @ x
         gain = Px / (self.forget + float(x @ Px))
@@ -264,9 +269,15 @@ class StepCostModel:
         """Seconds each request adds to a step whatever its rows (clipped at >= 0)."""
         return float(max(self.theta[3] / self.SCALE[3], 0.0))
 
-    def predict(self, rows: float, kctx: float = 0.0, reqs: int = 1) -> float:
+    @property
+    def per_branching(self) -> float:
+        """Seconds each tree that is not a chain adds to a step (clipped at >= 0)."""
+        return float(max(self.theta[4] / self.SCALE[4], 0.0))
+
+    def predict(self, rows: float, kctx: float = 0.0, reqs: int = 1, branching: int = 0) -> float:
         c0, c1, c2 = self.coef
-        return c0 + c1 * rows + c2 * kctx + self.per_request * max(int(reqs), 1)
+        return c0 + c1 * rows + c2 * kctx + self.per_request * max(int(reqs), 1) \
+            + self.per_branching * max(int(branching), 0)
 
     def marginal(self, ctx: int) -> float:
         """Seconds one more row costs for a request with ``ctx`` tokens of context."""
@@ -278,6 +289,7 @@ class StepCostModel:
         rmse = math.sqrt(self.sq_err / self.weight) if self.weight else None
         return {"fixed_ms": round(c0 * 1e3, 6), "per_row_ms": round(c1 * 1e3, 6),
                 "per_krow_ctx_ms": round(c2 * 1e3, 6), "per_request_ms": round(self.per_request * 1e3, 6),
+                "per_branching_ms": round(self.per_branching * 1e3, 6),
                 "steps": self.steps, "ready": self.ready,
                 "rmse_ms": None if rmse is None else round(rmse * 1e3, 6)}
 
@@ -285,9 +297,25 @@ class StepCostModel:
 # ----------------------------------------------------------------------------------------------- cut
 
 
-def choose_nodes(values: Sequence[float], *, fixed: float, per_row: float) -> int:
+def chain_prefix(parents: Sequence[int]) -> int:
+    """How many leading nodes (after the root) form one chain, each the child of the row before it: every
+    prefix of at most that many nodes is a chain (vLLM's own attention verifies it).
+
+    >>> chain_prefix([-1, 0, 1, 2, 1]), chain_prefix([-1, 0, 0]), chain_prefix([-1])
+    (3, 1, 0)
+    """
+    par = np.asarray(parents, dtype=np.int64)
+    off = np.flatnonzero(par[1:] != np.arange(len(par) - 1))
+    return int(off[0]) if len(off) else len(par) - 1
+
+
+def choose_nodes(values: Sequence[float], *, fixed: float, per_row: float, branch: float = 0.0,
+                 chain: int | None = None) -> int:
     """Nodes to keep (``1 <= k <= n``; 0 for a root-only tree): the prefix minimising the expected cost per
-    committed token ``(fixed + per_row * (k + 1)) / (1 + values[1] + ... + values[k])``, first minimum.
+    committed token ``(fixed + per_row * (k + 1) + branch * [k > chain]) / (1 + values[1] + ... +
+    values[k])``, first minimum. ``branch``: what a tree that is not a chain adds (its tree attention);
+    ``chain``: how many leading nodes form a chain (:func:`chain_prefix`; None: every prefix is charged
+    alike).
 
     ``values``: [n + 1] expected acceptance per row in tree order (row 0 the root, ignored)."""
     v = np.asarray(values, dtype=np.float64)
@@ -297,6 +325,8 @@ def choose_nodes(values: Sequence[float], *, fixed: float, per_row: float) -> in
     k = np.arange(1, n + 1)
     tokens = 1.0 + np.cumsum(np.clip(v[1:], 0.0, None))
     cost = max(fixed, 0.0) + max(per_row, 0.0) * (k + 1)
+    if chain is not None:
+        cost = cost + max(branch, 0.0) * (k > chain)
     if not cost.any():
         return n  # nothing costs anything: verify it all
     ratio = cost / tokens
@@ -329,7 +359,7 @@ class BudgetPolicy:
         self.cost = StepCostModel(max_rows=max_rows, min_steps=min_steps)
         self.log: deque[tuple[float, float]] = deque(maxlen=log_size)
         self.last_nodes: int | None = None  # the last cut's kept nodes (for the metrics)
-        self.probes = 0  # trees cut short to vary the steps' rows while the cost model lacks spread
+        self.probes = 0  # trees cut short to vary the steps' rows and shapes while the cost model is not ready
 
     @property
     def adaptive(self) -> bool:
@@ -342,14 +372,18 @@ class BudgetPolicy:
         vals = bound_values(server, phone_values)
         sent = len(vals) - 1
         nodes = sent
+        chain = chain_prefix(parents)
         if self.adaptive and self.cost.ready and sent > 1:
             c0, _, _ = self.cost.coef
             nodes = choose_nodes(vals, fixed=c0 / max(sharing, 1) + self.cost.per_request,
-                                 per_row=self.cost.marginal(ctx))
-        elif self.adaptive and not self.cost.spread and sent > 1:
-            # a lone phone sends full trees, so every step has the same rows and the fit cannot tell a
-            # row's cost from the step's: cut every tree in turn to a quarter, a half, all of it
-            nodes = max(1, (sent, sent // 4, sent // 2)[self.probes % 3])
+                                 per_row=self.cost.marginal(ctx), branch=self.cost.per_branching, chain=chain)
+        elif self.adaptive and sent > 1:
+            # until the model is ready, probe: a lone phone sends full trees, so every step would have the
+            # same rows and the fit could not tell a row's cost from the step's, nor a branching tree's
+            # from a chain's; cut each tree in turn to all of it, its chain, a quarter, its chain and one
+            # node more (a branching tree of nearly the chain's rows), a half
+            sizes = (sent, chain, sent // 4, chain + 1, sent // 2)
+            nodes = min(sent, max(1, sizes[self.probes % len(sizes)]))
             self.probes += 1
         self.last_nodes = nodes
         return Plan(nodes, sent, vals[: nodes + 1], server[: nodes + 1])
@@ -362,8 +396,8 @@ class BudgetPolicy:
             hit[[r for r in path_rows if 0 < r < len(predicted)]] = True
             self.log.extend(zip(predicted[1:].tolist(), hit[1:].astype(float).tolist()))
 
-    def observe_step(self, rows: int, kctx: float, seconds: float, reqs: int = 1) -> bool:
-        return self.cost.observe(rows, kctx, seconds, reqs)
+    def observe_step(self, rows: int, kctx: float, seconds: float, reqs: int = 1, branching: int = 0) -> bool:
+        return self.cost.observe(rows, kctx, seconds, reqs, branching)
 
     def next_budget(self, plan: Plan | None, *, first_round: bool = False) -> int:
         """Nodes granted for the session's next round: the cap (static, or after the session's first round,

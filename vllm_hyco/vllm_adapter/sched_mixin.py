@@ -51,9 +51,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from vllm_hyco import envs
 from vllm_hyco.errors import SessionError, TreeValidationError
 from vllm_hyco.handoff.tree_contract import DEFAULT_NODE_BUDGET, check_draft_q, validate_tree
-from vllm_hyco.spec_decode.budget import BudgetPolicy
+from vllm_hyco.spec_decode.budget import BudgetPolicy, chain_prefix
 from vllm_hyco.vllm_adapter.session import RoundTree, Session, SessionRegistry, SessionState
 
 
@@ -437,12 +438,17 @@ class HycoSchedulerMixin:
         rows = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0)
         if rows <= 0:
             return
-        kctx = 0.0
+        kctx, branching = 0.0, 0
+        shapes = self.__dict__.setdefault("_hyco_branching", {})
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(req_id)
             if request is not None:
                 kctx += n * request.num_tokens / 1000.0
-        self.hyco_budget_policy.observe_step(rows, kctx, seconds, len(scheduler_output.num_scheduled_tokens))
+            branching += int(shapes.pop(req_id, False))
+        if len(shapes) > 4 * max(self.max_num_running_reqs, 1):  # trees never scheduled: do not grow
+            shapes.clear()
+        self.hyco_budget_policy.observe_step(rows, kctx, seconds, len(scheduler_output.num_scheduled_tokens),
+                                             branching)
 
     def _hyco_cut_trees(self, reg: SessionRegistry) -> None:
         """Cut every tree submitted since the last step to the prefix that pays, before vLLM schedules it."""
@@ -468,6 +474,9 @@ class HycoSchedulerMixin:
                 t.tokens, t.parents = t.tokens[:k], t.parents[:k]
                 t.labels = None if t.labels is None else t.labels[:k]
                 request.spec_token_ids = t.tokens[1:]
+            # the step's cost model counts the trees that pay the tree-attention override (not chains)
+            branching = chain_prefix(t.parents) < len(t.parents) - 1 or envs.VLLM_HYCO_CHAIN_ATTN != "stock"
+            self.__dict__.setdefault("_hyco_branching", {})[s.req_id] = branching
 
     def _hyco_budget_verdict(self, s: Session, verdict: dict[str, Any]) -> None:
         """Learn from the round (acceptance by depth and label) and grant the next round's nodes."""

@@ -60,6 +60,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "batching; the phones' wall times exclude the waits (hyco_lab.bench.phones.RoundGate); "
                         "the sweep's HyCo servers then all gather steps (step_gather on, static budgets too)")
     p.add_argument("--sweep-runs", type=int, default=None, help="runs per sweep level (default: --runs)")
+    p.add_argument("--sweep-warmup", type=int, default=4,
+                   help="unmeasured one-phone requests on each sweep server before its levels (first-use "
+                        "costs; an adaptive server's cost model fits on them, as a serving one has)")
     p.add_argument("--ordinary", action="store_true", help="ordinary requests: hyco server vs plain vLLM")
     p.add_argument("--ordinary-phones", type=int, default=0,
                    help="N > 0: ordinary requests' per-token latency beside N phones (hyco-exact adaptive, "
@@ -308,9 +311,12 @@ class Bench:
                                    step_gather="on" if self.args.phase_lock and cfg.server == "hyco" else None)
             runs = self.args.sweep_runs if self.args.sweep_runs is not None else self.args.runs
             with self.server(spec, max_num_seqs=max(levels)) as srv:
-                # one warm-up request, as the main runs have (first-use costs; the budget's cost model
-                # starts fitting)
-                self.one_pass(srv, cfg, -1, self.prompts[:1], self.ids()[:1] if cfg.kind == "phone" else None, 1)
+                # warm-up requests, one at a time, for every configuration alike (first-use costs; the
+                # budget's cost model fits on them, as that of a server that has been serving has)
+                for w in range(max(self.args.sweep_warmup, 1)):
+                    i = w % len(self.prompts)
+                    self.one_pass(srv, cfg, -1 - w, self.prompts[i:i + 1],
+                                  self.ids()[i:i + 1] if cfg.kind == "phone" else None, 1)
                 for n in levels:
                     prompts = [self.prompts[i % len(self.prompts)] for i in range(n)]
                     ids = [self.ids()[i % len(self.prompts)] for i in range(n)] if cfg.kind == "phone" else None

@@ -110,9 +110,16 @@ def test_apply_verdict_commits_path_and_bonus_and_tracks_positions():
     assert (st.accepted, st.committed, st.nodes, st.wait_ms, st.bytes_down) == (2, 3, 4, 1.5, 99)
     assert ("accept", [0, 1, 2]) in d.calls and ("handoff", 0, 6) in d.calls
     assert s.catch_up == (10,)  # root and row 1 were kept by the drafter; row 2 (token 10) was not
-    s.next_tree()
-    assert d.calls[-1] == ("propose", 77, (10,), True, 3) and s.catch_up == ()
+    frame = s.next_tree()
+    # the learned order: the drafter builds at the phone's own budget, the head of the granted 3 is sent
+    assert d.calls[-1] == ("propose", 77, (10,), True, 32) and s.catch_up == ()
+    assert len(frame.tokens) <= 4
     assert "round   0" in fmt_round(st)
+    s = session(Recorder(keep=2), order="score")  # the score order: the drafter gets the granted budget
+    s.next_tree()
+    s.apply_verdict(verdict(0, [1, 2], [9, 10, 77], 0, 6, budget=3))
+    s.next_tree()
+    assert s.drafter.calls[-1] == ("propose", 77, (10,), True, 3)
 
 
 @pytest.mark.parametrize("bad,code", [
@@ -231,12 +238,20 @@ def test_drafter_over_budget_is_refused():
     class Greedy(Recorder):
         def propose(self, context, tree_budget):
             return DraftTree.make_dummy([context.root, 1, 2, 3], [-1, 0, 1, 2])
-    s = session(Greedy())
+    s = session(Greedy(), order="score")  # the drafter is asked for the granted 2 and builds 3
     s.next_tree()
     s.apply_verdict(verdict(0, [], [40], 0, 4, budget=2))
     with pytest.raises(SessionError) as e:
         s.next_tree()
     assert e.value.code == "bad_draft"
+    s = session(Greedy(), max_nodes=2)  # learned order: asked for the phone's own 2
+    s.apply_session(SessionFrame(SID, -1, 2, SPEC))
+    with pytest.raises(SessionError, match="over the budget") as e:
+        s.next_tree()
+    s = session(Greedy())  # asked for 32, built 3: the head of the granted 2 goes out
+    s.next_tree()
+    s.apply_verdict(verdict(0, [], [40], 0, 4, budget=2))
+    assert len(s.next_tree().tokens) == 3
 
 
 def test_phone_drafter_dequantizes_the_handoff_into_the_mtp_ring():

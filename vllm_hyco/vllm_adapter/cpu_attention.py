@@ -64,10 +64,12 @@ class HycoCPUAttentionImpl(CPUAttentionBackendImpl):
                 output_scale=None, output_block_scale=None):
         out = super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                               output_scale, output_block_scale)
-        trees = tree_plan.masked_trees()  # chains keep the stock op's rows (their mask is causal)
-        if not trees or attn_metadata is None:
+        if not tree_plan.active_trees() or attn_metadata is None:
             return out
         assert self.sinks is None and self.alibi_slopes is None, "tree rows: sinks/alibi not supported"
+        trees = tree_plan.masked_trees()  # chains keep the stock op's rows (their mask is causal)
+        if not trees:
+            return out
         view = cpu_kv_view(layer.isa, kv_cache, self.kv_cache_dtype)
         if envs.VLLM_HYCO_CPU_TREE_ATTN != "loop":
             return self._padded(trees, view, query, key, value, kv_cache, attn_metadata, out)

@@ -124,10 +124,12 @@ class HycoTritonAttentionImpl(TritonAttentionImpl):
                 output_scale=None, output_block_scale=None):
         out = super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                               output_scale, output_block_scale)
-        step = tree_plan.active_step()
-        if step is None or attn_metadata is None:
+        if not tree_plan.active_trees() or attn_metadata is None:
             return out
-        self._check_tree_support()
+        self._check_tree_support()  # any tree, chains included: a layer that cannot take trees is refused
+        step = tree_plan.active_step()  # the trees that are not chains
+        if step is None:
+            return out
         block_table = attn_metadata.block_table  # [num_reqs, max_blocks] of this layer's KV group
         k_cache, v_cache = block_major_views(kv_cache, self.head_size)
         q_all = query.reshape(-1, self.num_heads, self.head_size)

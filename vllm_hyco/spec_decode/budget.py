@@ -199,7 +199,8 @@ def calibration_error(table: list[dict]) -> float:
 
 
 class StepCostModel:
-    """Step seconds ~ ``c0 + c1 * rows + c2 * kctx + c3 * reqs``, recursive least squares with forgetting.
+    """Step seconds ~ ``c0 + c1 * rows + c2 * kctx + c3 * reqs + c4 * branching``, recursive least squares
+    with forgetting.
 
     Features are scaled internally (rows / 64, kctx / 64, reqs / 16, branching / 16) so the fit is well
     conditioned; the prior is a wide ridge around zero (``prior_var``), so the first steps decide the fit.

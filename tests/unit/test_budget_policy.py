@@ -119,6 +119,14 @@ def test_node_values_are_path_products_and_siblings_share_their_parent():
         assert v[j] <= v[TREE[j]] + 1e-12
     kids = [j for j in range(1, len(TREE)) if TREE[j] == 0]
     assert sum(v[j] for j in kids) <= 1.0 + 1e-9  # at most one child of the root is accepted
+    # five SLM siblings beside the chain's first node share what it leaves; they do not lower it (a
+    # proportional share would have: the chain then fell behind the SLM nodes in a phone's value order)
+    wide = [-1, 0, 1, 0, 0, 0, 0, 0]
+    w = m.node_values(wide, [0, 1, 1, 3, 3, 3, 3, 3])
+    assert w[1] == pytest.approx(PRIOR_ACCEPT) and w[2] == pytest.approx(PRIOR_ACCEPT ** 2)
+    assert w[3] == pytest.approx(PRIOR_ACCEPT * (1 - PRIOR_ACCEPT))  # the likeliest SLM sibling, in full
+    assert w[4] == pytest.approx(1 - PRIOR_ACCEPT - w[3]) and w[5:].sum() == 0.0  # then what is left
+    assert w[[1, 3, 4, 5, 6, 7]].sum() == pytest.approx(1.0)
 
 
 def _simulate(model: AcceptanceModel, rounds: int, rng, sid="s", log=None):
@@ -222,7 +230,7 @@ def test_engine_core_time_is_counted_apart_from_the_model_calls(monkeypatch, tmp
     assert (total["core_s"], total["busy_s"]) == (0.5, 0.1)
 
 
-def test_per_request_cost_is_fitted_apart_from_rows_and_lengthens_the_cut():
+def test_per_tree_cost_is_fitted_apart_from_rows_and_lengthens_the_cut():
     # steps of 1-64 requests with 1-16 rows each: a request costs 1 ms whatever its rows, a row 0.2 ms
     rng = np.random.default_rng(3)
     m = StepCostModel(min_steps=16)
@@ -232,9 +240,9 @@ def test_per_request_cost_is_fitted_apart_from_rows_and_lengthens_the_cut():
         m.observe(rows, 0.0, 0.008 + 0.0002 * rows + 0.001 * reqs + rng.normal(0, 1e-5), reqs)
     c0, c1, _ = m.coef
     assert c0 == pytest.approx(0.008, rel=0.05) and c1 == pytest.approx(0.0002, rel=0.05)
-    assert m.per_request == pytest.approx(0.001, rel=0.05)
+    assert m.per_tree == pytest.approx(0.001, rel=0.05)
     assert m.predict(80, 0.0, 16) == pytest.approx(0.008 + 0.016 + 0.016, rel=0.02)
-    assert m.snapshot()["per_request_ms"] == pytest.approx(1.0, rel=0.05)
+    assert m.snapshot()["per_tree_ms"] == pytest.approx(1.0, rel=0.05)
     # at 64 trees a step the per-request millisecond is the session's own fixed cost: a row-only model
     # of the same steps would charge it to rows and keep a shorter prefix
     with_req = BudgetPolicy(32)
@@ -242,7 +250,7 @@ def test_per_request_cost_is_fitted_apart_from_rows_and_lengthens_the_cut():
     rows_only = BudgetPolicy(32)
     rows_only.cost = fitted(0.008, 0.0002 + 0.001 / 8)  # the request's cost spread over 8 rows
     vals = [1.0, 0.85, 0.7, 0.56, 0.45, 0.36, 0.29, 0.23, 0.18]
-    a = choose_nodes(vals, fixed=c0 / 64 + m.per_request, per_row=m.marginal(0))
+    a = choose_nodes(vals, fixed=c0 / 64 + m.per_tree, per_row=m.marginal(0))
     assert with_req.plan("s", CHAIN8, sharing=64).nodes >= rows_only.plan("s", CHAIN8, sharing=64).nodes
     assert a > choose_nodes(vals, fixed=c0 / 64, per_row=m.marginal(0))
 
@@ -270,7 +278,7 @@ def test_a_lone_phone_probes_smaller_trees_until_the_fit_can_tell_rows_from_the_
     assert sizes[:6] == [32, 4, 8, 5, 16, 32]
     assert pol.cost.ready and pol.probes == 16 and len(set(sizes[16:])) == 1  # then the cut alone
     c0, c1, _ = pol.cost.coef
-    assert c0 + pol.cost.per_request == pytest.approx(0.010, rel=0.05) and c1 == pytest.approx(0.0003, rel=0.05)
+    assert c0 + pol.cost.per_tree == pytest.approx(0.010, rel=0.05) and c1 == pytest.approx(0.0003, rel=0.05)
     assert pol.cost.per_branching == pytest.approx(0.0015, rel=0.05)
     static = BudgetPolicy(32, "static")  # the paper's budget never probes
     assert static.plan("s", tree).nodes == 32 and static.plan("s", tree).nodes == 32
@@ -287,7 +295,7 @@ def test_branching_cost_is_fitted_and_the_cut_prefers_a_chain_when_branching_cos
         rows = int(reqs * rng.integers(2, 17))
         m.observe(rows, 0.0, 0.008 + 0.0002 * rows + 0.001 * reqs + 0.0005 * branching + rng.normal(0, 1e-5),
                   reqs, branching)
-    assert m.per_branching == pytest.approx(0.0005, rel=0.05) and m.per_request == pytest.approx(0.001, rel=0.05)
+    assert m.per_branching == pytest.approx(0.0005, rel=0.05) and m.per_tree == pytest.approx(0.001, rel=0.05)
     assert m.snapshot()["per_branching_ms"] == pytest.approx(0.5, rel=0.05)
     assert m.predict(40, 0.0, 4, 2) == pytest.approx(0.008 + 0.008 + 0.004 + 0.001, rel=0.02)
     # TREE's first 4 nodes are its chain; keeping its 5th (a runner-up) makes it a branching tree, which
@@ -297,3 +305,25 @@ def test_branching_cost_is_fitted_and_the_cut_prefers_a_chain_when_branching_cos
     dear = choose_nodes(vals, fixed=0.002, per_row=0.0002, branch=0.002, chain=4)
     assert free > 4 and dear == 4
     assert choose_nodes(vals, fixed=0.002, per_row=0.0002, branch=0.002) == free  # no chain given: no term
+
+
+def test_prefill_steps_do_not_charge_the_trees_own_work_to_branching():
+    """One phone: prefill steps (a plain request, no tree) between rounds whose trees are chains or
+    branching trees of similar size. The tree's own work (decision, compaction, hand-off) is the per-tree
+    term and the tree attention the branching term; a prefill pays neither."""
+    rng = np.random.default_rng(9)
+    m = StepCostModel(min_steps=16)
+    for i in range(120):
+        if i % 8 == 0:  # a prefill of 30-60 rows
+            rows, trees, branching, plain = int(rng.integers(30, 61)), 0, 0, 1
+        else:
+            rows = int(rng.choice([5, 6, 9, 17, 33]))
+            trees, branching, plain = 1, int(rows > 5), 0
+        secs = 0.010 + 0.0003 * rows + 0.004 * trees + 0.0013 * branching + 0.0005 * plain
+        m.observe(rows, rows * 0.05, secs + rng.normal(0, 2e-5), trees, branching, plain)
+    assert m.per_branching == pytest.approx(0.0013, abs=2e-4)
+    assert m.coef[1] == pytest.approx(0.0003, rel=0.1)
+    assert m.coef[0] + m.per_tree == pytest.approx(0.014, rel=0.05)  # the cut's fixed cost at one tree a step
+    assert m.predict(40, 2.0, 0, 0, 1) == pytest.approx(0.0105 + 0.012, rel=0.02)  # a prefill
+    assert m.predict(9, 0.45, 1, 1) == pytest.approx(0.014 + 0.0027 + 0.0013, rel=0.02)
+    assert m.snapshot()["per_plain_ms"] == pytest.approx(m.per_plain * 1e3, rel=1e-6)

@@ -18,7 +18,7 @@ gauge would need a ``multiprocess_mode``. Created once per process (idempotent :
 | ``vllm_hyco_error_frames_total`` | counter | ``code`` |
 | ``vllm_hyco_node_budget`` | histogram | nodes granted per verdict (the budget policy's choice) |
 | ``vllm_hyco_verified_nodes`` | histogram | nodes of the phone's tree the server verified (after its cut) |
-| ``vllm_hyco_step_cost_seconds`` | gauge | ``term``: fixed, per_row, per_row_kctx, per_request, per_branching, rmse: the step-cost model's fit |
+| ``vllm_hyco_step_cost_seconds`` | gauge | ``term``: fixed, per_row, per_row_kctx, per_tree, per_branching, per_plain, rmse: the step-cost model's fit |
 | ``vllm_hyco_step_cost_steps`` | gauge | steps the cost model was fitted on |
 """
 
@@ -54,8 +54,8 @@ class HycoMetrics:
         if info.get("nodes_verified") is not None:
             self.verified.observe(info["nodes_verified"])
         for term, key in (("fixed", "fixed_ms"), ("per_row", "per_row_ms"), ("per_row_kctx", "per_krow_ctx_ms"),
-                          ("per_request", "per_request_ms"),
-                          ("per_branching", "per_branching_ms"), ("rmse", "rmse_ms")):
+                          ("per_tree", "per_tree_ms"),
+                          ("per_branching", "per_branching_ms"), ("per_plain", "per_plain_ms"), ("rmse", "rmse_ms")):
             if info.get(key) is not None:
                 self.cost.labels(term=term).set(info[key] / 1e3)
         self.cost_steps.set(info.get("steps", 0))

@@ -9,22 +9,23 @@ its expected committed tokens. This module holds the three parts of the decision
   shrink towards the engine-wide estimate of the same cell, which shrinks towards the label's pooled
   estimate, which starts from the paper's per-edge factor ``PRIOR_ACCEPT`` (λ = 0.66, Algorithm 3): λ for
   a chain node, λ (1 - λ) for any other node (a sibling of a likelier node: tried when it fails). A node's
-  expected acceptance is the product of the conditional estimates along its path (siblings are exclusive:
-  the conditionals of one node's children are scaled to sum to at most 1). Phone-sent values are
+  expected acceptance is the product of the conditional estimates along its path (siblings are exclusive
+  and the likelier is tried first: one node's children, likeliest first, share at most 1, each keeping at
+  most what the likelier ones left). Phone-sent values are
   untrusted: :func:`bound_values` takes ``min(phone, server)`` per node, so they can only lower a node.
   :func:`reliability_table` bins predicted against observed acceptance (calibration).
-* :class:`StepCostModel`: the step's cost as ``c0 + c1 * rows + c2 * kctx + c3 * reqs + c4 * branching``,
-  with ``rows`` the tokens the step scheduled, ``kctx`` the attention work (sum over requests of rows
-  times context, in thousands of tokens), ``reqs`` the requests in it (what a tree costs whatever its
-  size: its decision, KV compaction, hand-off and utility calls) and ``branching`` its trees that are not
-  chains (only those pay the tree-attention override), fitted online by recursive least squares on the
-  measured steps. No cost constant is set by hand: until ``min_steps`` steps whose row counts spread
+* :class:`StepCostModel`: the step's cost as ``c0 + c1 * rows + c2 * kctx + c3 * trees + c4 * branching +
+  c5 * plain``, with ``rows`` the tokens the step scheduled, ``kctx`` the attention work (sum over
+  requests of rows times context, in thousands of tokens), ``trees`` its HyCo rounds (what a tree costs
+  whatever its size: its decision, KV compaction, hand-off and utility calls), ``branching`` those of its
+  trees that are not chains (only those pay the tree-attention override) and ``plain`` its other requests
+  (prefills, ordinary decodes), fitted online by recursive least squares on the measured steps. No cost constant is set by hand: until ``min_steps`` steps whose row counts spread
   (three distinct counts, the largest at least twice the smallest) were seen the model is not ``ready``
   and the policy probes: it cuts trees in turn to all their nodes, their chain, a quarter, their chain and
   one node more, and a half (a lone phone's full trees would give every step the same rows, from which
   no per-row cost can be fitted, and big trees branch while small ones are chains).
 * :func:`choose_nodes`: the cut rule. A session whose round shares a step with ``n`` requests pays
-  ``c0 / n + c3`` (its share of the step's fixed cost and its own per-request cost), ``c4`` when the kept
+  ``c0 / n + c3`` (its share of the step's fixed cost and its own per-tree cost), ``c4`` when the kept
   prefix is not a chain, plus the marginal cost ``m = c1 + c2 * ctx / 1000`` per row (the root
   included). With nodes in value order, it keeps the prefix of ``k >= 1`` nodes that minimises its
   expected cost per committed token ``(c0 / n + c3 + c4 [k > chain] + m (k + 1)) / (1 + sum of the k
@@ -131,12 +132,17 @@ class AcceptanceModel:
         lab = _labels(labels, len(par))
         cond = self.conditional(sid)[d, lab]
         cond[0] = 1.0
-        total = np.zeros(len(par))
-        np.add.at(total, par[1:], cond[1:])  # siblings are exclusive: at most one child is accepted
-        scale = np.where(total > 1.0, 1.0 / np.maximum(total, 1e-12), 1.0)
+        # siblings are exclusive (at most one child is accepted) and the likelier is tried first: each child,
+        # likeliest first (ties to the earlier row), keeps at most what the ones before it left of 1
+        order = np.lexsort((np.arange(len(par)), -cond))
+        left = np.ones(len(par))
+        for j in order.tolist():
+            if j:
+                cond[j] = min(cond[j], left[par[j]])
+                left[par[j]] -= cond[j]
         vals = np.ones(len(par))
         for j in range(1, len(par)):
-            vals[j] = vals[par[j]] * cond[j] * scale[par[j]]
+            vals[j] = vals[par[j]] * cond[j]
         return vals
 
     def observe(self, sid: str | None, parents: Sequence[int], labels: Sequence[int] | None,
@@ -199,23 +205,26 @@ def calibration_error(table: list[dict]) -> float:
 
 
 class StepCostModel:
-    """Step seconds ~ ``c0 + c1 * rows + c2 * kctx + c3 * reqs + c4 * branching``, recursive least squares
-    with forgetting.
+    """Step seconds ~ ``c0 + c1 * rows + c2 * kctx + c3 * trees + c4 * branching + c5 * plain``, recursive
+    least squares with forgetting.
 
-    Features are scaled internally (rows / 64, kctx / 64, reqs / 16, branching / 16) so the fit is well
-    conditioned; the prior is a wide ridge around zero (``prior_var``), so the first steps decide the fit.
-    Steps scheduling more than ``max_rows`` tokens (prefill chunks far outside any verification step) are
-    not fitted. ``reqs`` separates what a request costs from what a row costs: on the CPU build, at 16 trees
-    a step, the per-tree work (decision, hand-off, utility calls) is most of a step (docs/benchmarks.md),
-    and a model without the term charged it to rows and cut trees to 1-2 nodes. ``branching`` counts the
-    step's trees that are not chains: only those pay the tree-attention override (a chain keeps vLLM's own
-    attention, ``vllm_adapter/tree_plan.masked_trees``), so the cut sees that a tree cut to its chain costs
-    less than one that keeps a sibling. Big trees branch and small ones are chains, so the term is
-    collinear with the rows unless the steps include chains and branching trees of nearly the same size:
-    the policy's probes (:meth:`BudgetPolicy.plan`) cut trees to their chain and to one node more.
+    Features are scaled internally (rows / 64, kctx / 64, trees, branching and plain / 16) so the fit is
+    well conditioned; the prior is a wide ridge around zero (``prior_var``), so the first steps decide the
+    fit. Steps scheduling more than ``max_rows`` tokens (prefill chunks far outside any verification step)
+    are not fitted. ``trees`` separates what a tree costs from what a row costs: on the CPU build, at 16
+    trees a step, the per-tree work (decision, hand-off, utility calls) is most of a step
+    (docs/benchmarks.md), and a model without the term charged it to rows and cut trees to 1-2 nodes.
+    ``branching`` counts the step's trees that are not chains: only those pay the tree-attention override
+    (a chain keeps vLLM's own attention, ``vllm_adapter/tree_plan.masked_trees``), so the cut sees that a
+    tree cut to its chain costs less than one that keeps a sibling. Big trees branch and small ones are
+    chains, so the term is collinear with the rows unless the steps include chains and branching trees of
+    nearly the same size: the policy's probes (:meth:`BudgetPolicy.plan`) cut trees to their chain and to
+    one node more. ``plain`` keeps the requests without a tree apart: a prefill step has no decision, no
+    compaction and no hand-off, and with one ``reqs`` term for both, the tree steps' own work was charged
+    to ``branching`` (10 ms per branching tree against about 1.3 ms measured; docs/engine.md).
     """
 
-    SCALE = np.array([1.0, 64.0, 64.0, 16.0, 16.0])
+    SCALE = np.array([1.0, 64.0, 64.0, 16.0, 16.0, 16.0])
 
     def __init__(self, *, forget: float = 0.995, min_steps: int = 16, max_rows: int | None = None,
                  prior_var: float = 1e4):
@@ -228,14 +237,17 @@ class StepCostModel:
         self.sq_err = 0.0  # decayed squared residual (before each update)
         self.weight = 0.0
 
-    def _x(self, rows: float, kctx: float, reqs: float, branching: float = 0.0) -> np.ndarray:
-        return np.array([1.0, rows, kctx, reqs, branching]) / self.SCALE
+    def _x(self, rows: float, kctx: float, trees: float, branching: float = 0.0, plain: float = 0.0) -> np.ndarray:
+        return np.array([1.0, rows, kctx, trees, branching, plain]) / self.SCALE
 
-    def observe(self, rows: int, kctx: float, seconds: float, reqs: int = 1, branching: int = 0) -> bool:
+    def observe(self, rows: int, kctx: float, seconds: float, trees: int = 1, branching: int = 0,
+                plain: int = 0) -> bool:
+        """One measured step: ``trees`` HyCo rounds (``branching`` of them not chains) and ``plain``
+        other requests."""
         if rows <= 0 or not math.isfinite(seconds) or seconds < 0 or \
                 (self.max_rows is not None and rows > self.max_rows):
             return False
-        x = self._x(rows, kctx, max(int(reqs), 1), max(int(branching), 0))
+        x = self._x(rows, kctx, max(int(trees), 0), max(int(branching), 0), max(int(plain), 0))
         err = seconds - float(x @ self.theta)
         Px = self.P @ x
         gain = Px / (self.forget + float(x @ Px))
@@ -266,19 +278,25 @@ class StepCostModel:
         return float(max(c[0], 0.0)), float(max(c[1], 0.0)), float(max(c[2], 0.0))
 
     @property
-    def per_request(self) -> float:
-        """Seconds each request adds to a step whatever its rows (clipped at >= 0)."""
+    def per_tree(self) -> float:
+        """Seconds each HyCo round adds to a step whatever its rows (clipped at >= 0)."""
         return float(max(self.theta[3] / self.SCALE[3], 0.0))
+
+    @property
+    def per_plain(self) -> float:
+        """Seconds each request without a tree adds to a step whatever its rows (clipped at >= 0)."""
+        return float(max(self.theta[5] / self.SCALE[5], 0.0))
 
     @property
     def per_branching(self) -> float:
         """Seconds each tree that is not a chain adds to a step (clipped at >= 0)."""
         return float(max(self.theta[4] / self.SCALE[4], 0.0))
 
-    def predict(self, rows: float, kctx: float = 0.0, reqs: int = 1, branching: int = 0) -> float:
-        c0, c1, c2 = self.coef
-        return c0 + c1 * rows + c2 * kctx + self.per_request * max(int(reqs), 1) \
-            + self.per_branching * max(int(branching), 0)
+    def predict(self, rows: float, kctx: float = 0.0, trees: int = 1, branching: int = 0, plain: int = 0) -> float:
+        """Predicted seconds of a step (the fit itself, unclipped: at one request a step, the fixed and
+        per-request terms are known only as their sum, and clipping one of them would bias it)."""
+        x = self._x(rows, kctx, max(int(trees), 0), max(int(branching), 0), max(int(plain), 0))
+        return max(float(x @ self.theta), 0.0)
 
     def marginal(self, ctx: int) -> float:
         """Seconds one more row costs for a request with ``ctx`` tokens of context."""
@@ -289,8 +307,8 @@ class StepCostModel:
         c0, c1, c2 = self.coef
         rmse = math.sqrt(self.sq_err / self.weight) if self.weight else None
         return {"fixed_ms": round(c0 * 1e3, 6), "per_row_ms": round(c1 * 1e3, 6),
-                "per_krow_ctx_ms": round(c2 * 1e3, 6), "per_request_ms": round(self.per_request * 1e3, 6),
-                "per_branching_ms": round(self.per_branching * 1e3, 6),
+                "per_krow_ctx_ms": round(c2 * 1e3, 6), "per_tree_ms": round(self.per_tree * 1e3, 6),
+                "per_branching_ms": round(self.per_branching * 1e3, 6), "per_plain_ms": round(self.per_plain * 1e3, 6),
                 "steps": self.steps, "ready": self.ready,
                 "rmse_ms": None if rmse is None else round(rmse * 1e3, 6)}
 
@@ -376,7 +394,7 @@ class BudgetPolicy:
         chain = chain_prefix(parents)
         if self.adaptive and self.cost.ready and sent > 1:
             c0, _, _ = self.cost.coef
-            nodes = choose_nodes(vals, fixed=c0 / max(sharing, 1) + self.cost.per_request,
+            nodes = choose_nodes(vals, fixed=c0 / max(sharing, 1) + self.cost.per_tree,
                                  per_row=self.cost.marginal(ctx), branch=self.cost.per_branching, chain=chain)
         elif self.adaptive and sent > 1:
             # until the model is ready, probe: a lone phone sends full trees, so every step would have the
@@ -397,8 +415,9 @@ class BudgetPolicy:
             hit[[r for r in path_rows if 0 < r < len(predicted)]] = True
             self.log.extend(zip(predicted[1:].tolist(), hit[1:].astype(float).tolist()))
 
-    def observe_step(self, rows: int, kctx: float, seconds: float, reqs: int = 1, branching: int = 0) -> bool:
-        return self.cost.observe(rows, kctx, seconds, reqs, branching)
+    def observe_step(self, rows: int, kctx: float, seconds: float, trees: int = 1, branching: int = 0,
+                     plain: int = 0) -> bool:
+        return self.cost.observe(rows, kctx, seconds, trees, branching, plain)
 
     def next_budget(self, plan: Plan | None, *, first_round: bool = False) -> int:
         """Nodes granted for the session's next round: the cap (static, or after the session's first round,

@@ -438,17 +438,19 @@ class HycoSchedulerMixin:
         rows = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0)
         if rows <= 0:
             return
-        kctx, branching = 0.0, 0
-        shapes = self.__dict__.setdefault("_hyco_branching", {})
+        kctx, trees, branching = 0.0, 0, 0
+        shapes = self.__dict__.setdefault("_hyco_branching", {})  # req id -> its tree is not a chain
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(req_id)
             if request is not None:
                 kctx += n * request.num_tokens / 1000.0
-            branching += int(shapes.pop(req_id, False))
+            shape = shapes.pop(req_id, None)
+            if shape is not None:
+                trees, branching = trees + 1, branching + int(shape)
         if len(shapes) > 4 * max(self.max_num_running_reqs, 1):  # trees never scheduled: do not grow
             shapes.clear()
-        self.hyco_budget_policy.observe_step(rows, kctx, seconds, len(scheduler_output.num_scheduled_tokens),
-                                             branching)
+        plain = len(scheduler_output.num_scheduled_tokens) - trees
+        self.hyco_budget_policy.observe_step(rows, kctx, seconds, trees, branching, plain)
 
     def _hyco_cut_trees(self, reg: SessionRegistry) -> None:
         """Cut every tree submitted since the last step to the prefix that pays, before vLLM schedules it."""

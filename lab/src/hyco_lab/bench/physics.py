@@ -128,7 +128,8 @@ def replay(rounds: Sequence[dict], shape: GpuShape, experts_fn, *, policy: str =
     # the engine's other steps (plain decode of ordinary requests, prefill chunks) before the session's
     # rounds: a live engine fits its cost on every step it runs, not only on whole trees
     for other in [1, 8, 64] * 4:
-        pol.observe_step(other, other * ctx / 1000.0, verify_ms(shape, other, experts_fn(shape, other)) / 1e3)
+        pol.observe_step(other, other * ctx / 1000.0, verify_ms(shape, other, experts_fn(shape, other)) / 1e3,
+                         trees=0, plain=other)
     grant, ms, tokens, rows = cap, 0.0, 0, 0
     for rd in rounds:
         parents, labels, path = rd["parents"], rd.get("sources"), rd["path"]

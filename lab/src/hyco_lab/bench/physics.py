@@ -93,14 +93,17 @@ def mtp_round_ms(shape: GpuShape, k: int, experts_fn, masked_lm: bool = True) ->
     return verify_ms(shape, 1 + k, experts_fn(shape, 1 + k)) + k * head_step_ms(shape, masked_lm)
 
 
-def handicap_ms(shape: GpuShape, ctx: float = 1024.0) -> float:
-    """HyCo's per-step GPU handicaps (tree metadata, piecewise graphs, tree rows' attention read again)."""
+def handicap_ms(shape: GpuShape, ctx: float = 1024.0, chain: bool = False) -> float:
+    """HyCo's per-step GPU handicaps (tree metadata, piecewise graphs, tree rows' attention read again). A
+    chain keeps vLLM's own attention (``tree_plan.masked_trees``): it pays the piecewise graphs only."""
+    if chain:
+        return shape.piecewise_ms_per_layer * shape.layers
     reread = ctx * shape.kv_kb_per_token / 1e6 / shape.bandwidth_tbs / shape.tree_attn_efficiency
     return shape.tree_meta_ms + shape.piecewise_ms_per_layer * shape.layers + reread
 
 
-def hyco_round_ms(shape: GpuShape, rows: float, experts_fn, ctx: float = 1024.0) -> float:
-    return verify_ms(shape, rows, experts_fn(shape, rows)) + handicap_ms(shape, ctx)
+def hyco_round_ms(shape: GpuShape, rows: float, experts_fn, ctx: float = 1024.0, chain: bool = False) -> float:
+    return verify_ms(shape, rows, experts_fn(shape, rows)) + handicap_ms(shape, ctx, chain)
 
 
 # -- replaying the budget policy on logged trees at batch 1 -------------------------------------------
@@ -122,12 +125,12 @@ def replay(rounds: Sequence[dict], shape: GpuShape, experts_fn, *, policy: str =
     ``adaptive`` (``vllm_hyco.spec_decode.budget.BudgetPolicy`` with its cost model fitted on the modelled
     step times, as a GPU engine fits its measured ones; the grant limits the next tree to a prefix).
     Returns ms per token, MAT and mean rows verified."""
-    from vllm_hyco.spec_decode.budget import BudgetPolicy
+    from vllm_hyco.spec_decode.budget import BudgetPolicy, chain_prefix
 
     pol = BudgetPolicy(cap, "adaptive" if policy == "adaptive" else "static", min_steps=16)
     # the engine's other steps (plain decode of ordinary requests, prefill chunks) before the session's
     # rounds: a live engine fits its cost on every step it runs, not only on whole trees
-    for other in [1, 8, 64] * 4:
+    for other in [1, 8, 64] * 6:  # 18 steps: the model is ready (min_steps 16) before the first round
         pol.observe_step(other, other * ctx / 1000.0, verify_ms(shape, other, experts_fn(shape, other)) / 1e3,
                          trees=0, plain=other)
     grant, ms, tokens, rows = cap, 0.0, 0, 0
@@ -137,8 +140,9 @@ def replay(rounds: Sequence[dict], shape: GpuShape, experts_fn, *, policy: str =
         parents_k, labels_k = parents[: k + 1], None if labels is None else labels[: k + 1]
         plan = pol.plan("s", parents_k, labels_k, ctx=int(ctx), sharing=1)
         k = plan.nodes
-        step = hyco_round_ms(shape, k + 1, experts_fn, ctx)
-        pol.observe_step(k + 1, (k + 1) * ctx / 1000.0, step / 1e3)
+        chain = k <= chain_prefix(parents)
+        step = hyco_round_ms(shape, k + 1, experts_fn, ctx, chain)
+        pol.observe_step(k + 1, (k + 1) * ctx / 1000.0, step / 1e3, trees=1, branching=int(not chain))
         kept = [r for r in itertools.takewhile(lambda r: r <= k, path)]
         pol.observe_round("s", parents[: k + 1], None if labels is None else labels[: k + 1], kept,
                           plan.predicted)

@@ -235,6 +235,22 @@ def test_bad_input_gets_typed_errors_and_the_session_keeps_working(llm, hy):
     hy.close(s2.sid)
 
 
+def _first_rounds(hy, prompts, trees) -> list[tuple[list[int], torch.Tensor]]:
+    """Open a session per prompt, verify its tree (all in one step), return (committed, logits) per session."""
+    hs = [hy.open(prompt_token_ids=p, temperature=0.0, max_tokens=12, ignore_eos=True) for p in prompts]
+    vs = hy.submit_many([(h.sid, 0, toks, pars) for h, (toks, pars) in zip(hs, trees)])
+    out = [(v.committed, v.stats["logits"]) for v in vs]
+    for h in hs:
+        hy.close(h.sid)
+    return out
+
+
+def _same_rounds(a, b, refs) -> None:
+    for (ca, la), (cb, lb), ref in zip(a, b, refs):
+        torch.testing.assert_close(lb, la, **tol("logits_engine_vs_prefill", torch.float32))
+        assert ca == cb and ca == ref[:len(ca)]
+
+
 def test_padded_and_per_tree_cpu_attention_give_the_same_rounds(llm, hy, monkeypatch):
     """The CPU override's two paths (``VLLM_HYCO_CPU_TREE_ATTN``: one padded attention per layer for the
     step's trees, or one per tree and layer) give the same logits and commits on a 3-tree step that
@@ -247,14 +263,8 @@ def test_padded_and_per_tree_cpu_attention_give_the_same_rounds(llm, hy, monkeyp
     got = {}
     for mode in ("loop", "padded"):
         monkeypatch.setenv("VLLM_HYCO_CPU_TREE_ATTN", mode)
-        hs = [hy.open(prompt_token_ids=p, temperature=0.0, max_tokens=12, ignore_eos=True) for p in prompts]
-        vs = hy.submit_many([(h.sid, 0, toks, pars) for h, (toks, pars) in zip(hs, trees)])
-        got[mode] = [(v.committed, v.stats["logits"]) for v in vs]
-        for h in hs:
-            hy.close(h.sid)
-    for (ca, la), (cb, lb), ref in zip(got["loop"], got["padded"], refs):
-        torch.testing.assert_close(lb, la, **tol("logits_engine_vs_prefill", torch.float32))
-        assert ca == cb and ca == ref[:len(ca)]
+        got[mode] = _first_rounds(hy, prompts, trees)
+    _same_rounds(got["loop"], got["padded"], refs)
     # it runs before the poisoned-expert test below: the first requests after that test got NaN logits
     # (plain and HyCo alike), a state it leaves behind (docs/engine.md "Not done yet")
 
@@ -284,15 +294,9 @@ def test_chain_trees_keep_the_stock_attention_and_the_same_rounds(llm, hy, monke
     monkeypatch.setattr(tree_plan, "masked_trees", spy)
     for mode in ("tree", "stock"):
         monkeypatch.setenv("VLLM_HYCO_CHAIN_ATTN", mode)
-        hs = [hy.open(prompt_token_ids=p, temperature=0.0, max_tokens=12, ignore_eos=True) for p in prompts]
-        vs = hy.submit_many([(h.sid, 0, toks, pars) for h, (toks, pars) in zip(hs, trees)])
-        got[mode] = [(v.committed, v.stats["logits"]) for v in vs]
-        for h in hs:
-            hy.close(h.sid)
+        got[mode] = _first_rounds(hy, prompts, trees)
     assert len(masked["tree"]) == 3 and len(masked["stock"]) == 1  # only the branching tree is recomputed
-    for (ca, la), (cb, lb), ref in zip(got["tree"], got["stock"], refs):
-        torch.testing.assert_close(lb, la, **tol("logits_engine_vs_prefill", torch.float32))
-        assert ca == cb and ca == ref[:len(ca)]
+    _same_rounds(got["tree"], got["stock"], refs)
     assert len(got["stock"][0][0]) == 6 and len(got["stock"][1][0]) == 2  # all 5 + bonus; 1 + bonus
 
 

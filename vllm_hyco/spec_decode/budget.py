@@ -294,7 +294,7 @@ class StepCostModel:
 
     def predict(self, rows: float, kctx: float = 0.0, trees: int = 1, branching: int = 0, plain: int = 0) -> float:
         """Predicted seconds of a step (the fit itself, unclipped: at one request a step, the fixed and
-        per-request terms are known only as their sum, and clipping one of them would bias it)."""
+        per-tree terms are known only as their sum, and clipping one of them would bias it)."""
         x = self._x(rows, kctx, max(int(trees), 0), max(int(branching), 0), max(int(plain), 0))
         return max(float(x @ self.theta), 0.0)
 

@@ -51,10 +51,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from vllm_hyco import envs
 from vllm_hyco.errors import SessionError, TreeValidationError
 from vllm_hyco.handoff.tree_contract import DEFAULT_NODE_BUDGET, check_draft_q, validate_tree
-from vllm_hyco.spec_decode.budget import BudgetPolicy, chain_prefix
+from vllm_hyco.spec_decode.budget import BudgetPolicy
+from vllm_hyco.vllm_adapter import tree_plan
 from vllm_hyco.vllm_adapter.session import RoundTree, Session, SessionRegistry, SessionState
 
 
@@ -477,8 +477,7 @@ class HycoSchedulerMixin:
                 t.labels = None if t.labels is None else t.labels[:k]
                 request.spec_token_ids = t.tokens[1:]
             # the step's cost model counts the trees that pay the tree-attention override (not chains)
-            branching = chain_prefix(t.parents) < len(t.parents) - 1 or envs.VLLM_HYCO_CHAIN_ATTN != "stock"
-            self.__dict__.setdefault("_hyco_branching", {})[s.req_id] = branching
+            self.__dict__.setdefault("_hyco_branching", {})[s.req_id] = tree_plan.recomputed(t.parents)
 
     def _hyco_budget_verdict(self, s: Session, verdict: dict[str, Any]) -> None:
         """Learn from the round (acceptance by depth and label) and grant the next round's nodes."""

@@ -34,6 +34,7 @@ import torch
 
 from vllm_hyco import envs
 from vllm_hyco.handoff import tree_contract
+from vllm_hyco.spec_decode.budget import chain_prefix
 
 
 @dataclass
@@ -73,10 +74,9 @@ class TreeRows:
 
     @property
     def is_chain(self) -> bool:
-        """Every row is the child of the row before it (the last row is at depth ``num_rows - 1``, so its
-        ancestors are all the other rows). A chain's mask is the causal one and its positions are
-        sequential, so vLLM's own attention already computes its rows exactly (:func:`masked_trees`)."""
-        return int(self.depths[-1]) == self.num_rows - 1
+        """Every row is the child of the row before it. A chain's mask is the causal one and its positions
+        are sequential, so vLLM's own attention already computes its rows exactly (:func:`recomputed`)."""
+        return chain_prefix(self.parents) == self.num_rows - 1
 
 
 @dataclass
@@ -209,10 +209,15 @@ _ACTIVE: dict = {"trees": None, "masked": None, "device": "cpu", "step": None, "
 def set_active_trees(trees: list[TreeRows] | None, device: torch.device | str = "cpu") -> None:
     """Publish this step's trees (None or [] clears); everything runs in the worker process."""
     trees = trees or None
-    masked = trees
-    if trees and envs.VLLM_HYCO_CHAIN_ATTN == "stock":
-        masked = [tr for tr in trees if not tr.is_chain] or None
+    masked = ([tr for tr in trees if recomputed(tr.parents)] or None) if trees else None
     _ACTIVE.update(trees=trees, masked=masked, device=device, step=None, written=set(), cache={})
+
+
+def recomputed(parents) -> bool:
+    """The attention overrides recompute this tree's rows: it is not a chain, or ``VLLM_HYCO_CHAIN_ATTN``
+    is ``tree``. The worker's :func:`masked_trees` and the scheduler's step-cost model (its ``branching``
+    term) both ask this."""
+    return envs.VLLM_HYCO_CHAIN_ATTN != "stock" or chain_prefix(parents) < len(parents) - 1
 
 
 def step_cached(key, build):

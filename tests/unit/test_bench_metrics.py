@@ -178,3 +178,27 @@ def test_gpu_replay_of_logged_trees():
     assert static4["mat"] == static32["mat"] == 3.0 and static4["rows"] == 5 and static32["rows"] == 33
     assert static4["g_ms"] < static32["g_ms"]
     assert adaptive["g_ms"] < static32["g_ms"] and adaptive["rows"] < 33  # it learns the tail does not pay
+
+
+def test_gpu_replay_serves_the_sessions_on_one_warm_engine():
+    from hyco_lab.bench import physics as P
+
+    chain = {"parents": [-1] + list(range(32)), "sources": [0] + [1] * 4 + [3] * 28, "path": [1, 2]}
+    s = P.GpuShape()
+    fresh = P.replay([chain] * 3, s, P.independent_experts, policy="adaptive", cap=32)
+    engine = P.replay_engine(s, P.independent_experts, policy="adaptive", cap=32)
+    P.replay([chain] * 40, s, P.independent_experts, policy="adaptive", cap=32, engine=engine, sid="a")
+    warm = P.replay([chain] * 3, s, P.independent_experts, policy="adaptive", cap=32, engine=engine, sid="b")
+    assert warm["rows"] < fresh["rows"]  # the engine-wide estimate already knows the tail does not pay
+    assert "a" not in engine.acceptance.sessions  # a finished session is forgotten
+
+    def rec(concurrency, run):
+        req = {"rounds": [{"round": r, "tree": chain} for r in range(4)]}
+        return {"config": "hyco-exact-prob-s32", "concurrency": concurrency, "run": run, "requests": [req]}
+
+    sweep = [{"config": "cloud-mtp-prob", "concurrency": c, "mat": m, "rounds": n}
+             for c, m, n in ((1, 3.0, 10), (16, 4.0, 30))]
+    out = P.batch1([rec(1, 101), rec(16, 116), rec(1, -1)], sweep)
+    assert out["sessions"] == 2  # every measured session, at any level; warm-up requests left out
+    cloud = next(r for r in out["rows"] if r["config"] == "cloud-mtp-prob")
+    assert cloud["mat"] == pytest.approx(3.75)  # MAT over the levels, weighted by rounds

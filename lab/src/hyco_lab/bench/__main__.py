@@ -60,6 +60,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "batching; the phones' wall times exclude the waits (hyco_lab.bench.phones.RoundGate); "
                         "the sweep's HyCo servers then all gather steps (step_gather on, static budgets too)")
     p.add_argument("--sweep-runs", type=int, default=None, help="runs per sweep level (default: --runs)")
+    p.add_argument("--sweep-min-requests", type=int, default=8,
+                   help="requests each sweep level decodes at least (its phones or requests take them in turn): "
+                        "a level of one phone decoding one request per run measured a few dozen rounds")
     p.add_argument("--sweep-warmup", type=int, default=4,
                    help="unmeasured one-phone requests on each sweep server before its levels (first-use "
                         "costs; an adaptive server's cost model fits on them, as a serving one has)")
@@ -318,8 +321,9 @@ class Bench:
                     self.one_pass(srv, cfg, -1 - w, self.prompts[i:i + 1],
                                   self.ids()[i:i + 1] if cfg.kind == "phone" else None, 1)
                 for n in levels:
-                    prompts = [self.prompts[i % len(self.prompts)] for i in range(n)]
-                    ids = [self.ids()[i % len(self.prompts)] for i in range(n)] if cfg.kind == "phone" else None
+                    m = max(n, self.args.sweep_min_requests)
+                    prompts = [self.prompts[i % len(self.prompts)] for i in range(m)]
+                    ids = [self.ids()[i % len(self.prompts)] for i in range(m)] if cfg.kind == "phone" else None
                     for run in range(runs):
                         rec = self.one_pass(srv, cfg, 100 * (run + 1) + n, prompts, ids, n)
                         out.append(M.run_metrics(rec) | {"sweep_run": run})

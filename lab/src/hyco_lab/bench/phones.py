@@ -232,7 +232,8 @@ def round_records(session, result) -> list[RoundRecord]:
                                device_ms=session.bench_device_ms.get(st.round, 0.0), draft_ms=st.draft_ms,
                                wait_ms=st.wait_ms, bytes_up=st.bytes_up, bytes_down=st.bytes_down,
                                path_sources=sources, drafted_sources=drafted, proactive_hit=st.proactive_hit,
-                               proactive_ms=st.proactive_ms, tree=_tree_record(session, st.round)))
+                               proactive_ms=st.proactive_ms, tree=_tree_record(session, st.round),
+                               budget=st.budget))
     return out
 
 

@@ -118,38 +118,49 @@ def committed_on_prefix(path: Sequence[int], k: int) -> int:
     return n + 1
 
 
+def replay_engine(shape: GpuShape, experts_fn, *, policy: str = "adaptive", cap: int = 32,
+                  ctx: float = 1024.0):
+    """A modelled GPU engine's budget policy, its cost model fitted on the engine's other steps first (plain
+    decode batches and prefill chunks of 1-64 rows, 21 steps: the model is ready before the first round,
+    as a serving engine's is)."""
+    from vllm_hyco.spec_decode.budget import BudgetPolicy
+
+    pol = BudgetPolicy(cap, "adaptive" if policy == "adaptive" else "static", min_steps=16)
+    for other in [1, 2, 4, 8, 16, 32, 64] * 3:
+        pol.observe_step(other, other * ctx / 1000.0, verify_ms(shape, other, experts_fn(shape, other)) / 1e3,
+                         trees=0, plain=other)
+    return pol
+
+
 def replay(rounds: Sequence[dict], shape: GpuShape, experts_fn, *, policy: str = "adaptive", cap: int = 32,
-           ctx: float = 1024.0) -> dict:
+           ctx: float = 1024.0, engine=None, sid: str = "s") -> dict:
     """GPU-modelled g of one session's logged whole trees (``{"parents", "sources", "path"}`` per round,
     value-ordered, as a static-32 run logs them) under ``policy``: ``static`` (the first ``cap`` nodes) or
     ``adaptive`` (``vllm_hyco.spec_decode.budget.BudgetPolicy`` with its cost model fitted on the modelled
     step times, as a GPU engine fits its measured ones; the grant limits the next tree to a prefix).
-    Returns ms per token, MAT and mean rows verified."""
-    from vllm_hyco.spec_decode.budget import BudgetPolicy, chain_prefix
+    ``engine``: the policy of an engine that served earlier sessions (:func:`replay_engine`; None: a fresh
+    one). Returns ms per token, MAT and mean rows verified."""
+    from vllm_hyco.spec_decode.budget import chain_prefix
 
-    pol = BudgetPolicy(cap, "adaptive" if policy == "adaptive" else "static", min_steps=16)
-    # the engine's other steps (plain decode of ordinary requests, prefill chunks) before the session's
-    # rounds: a live engine fits its cost on every step it runs, not only on whole trees
-    for other in [1, 8, 64] * 6:  # 18 steps: the model is ready (min_steps 16) before the first round
-        pol.observe_step(other, other * ctx / 1000.0, verify_ms(shape, other, experts_fn(shape, other)) / 1e3,
-                         trees=0, plain=other)
+    pol = engine if engine is not None else replay_engine(shape, experts_fn, policy=policy, cap=cap, ctx=ctx)
     grant, ms, tokens, rows = cap, 0.0, 0, 0
     for rd in rounds:
         parents, labels, path = rd["parents"], rd.get("sources"), rd["path"]
         k = min(len(parents) - 1, grant if policy == "adaptive" else cap)
         parents_k, labels_k = parents[: k + 1], None if labels is None else labels[: k + 1]
-        plan = pol.plan("s", parents_k, labels_k, ctx=int(ctx), sharing=1)
+        plan = pol.plan(sid, parents_k, labels_k, ctx=int(ctx), sharing=1)
         k = plan.nodes
         chain = k <= chain_prefix(parents)
         step = hyco_round_ms(shape, k + 1, experts_fn, ctx, chain)
         pol.observe_step(k + 1, (k + 1) * ctx / 1000.0, step / 1e3, trees=1, branching=int(not chain))
         kept = [r for r in itertools.takewhile(lambda r: r <= k, path)]
-        pol.observe_round("s", parents[: k + 1], None if labels is None else labels[: k + 1], kept,
+        pol.observe_round(sid, parents[: k + 1], None if labels is None else labels[: k + 1], kept,
                           plan.predicted)
         grant = pol.next_budget(plan)
         ms += step
         tokens += committed_on_prefix(path, k)
         rows += k + 1
+    pol.forget(sid)
     n = max(len(rounds), 1)
     return {"g_ms": round(ms / max(tokens, 1), 4), "mat": round(tokens / n, 3), "rows": round(rows / n, 2)}
 
@@ -267,11 +278,13 @@ if __name__ == "__main__":
 
 def batch1(records: Sequence[dict], sweep: Sequence[dict], overlap: dict | None = None, *,
            source: str | None = None, caps: Sequence[int] = (4, 8, 16, 32)) -> dict:
-    """GPU-modelled g at batch 1, both expert assumptions: the logged whole trees of ``source`` at one phone
-    (every run's rounds after round 0) replayed under static budgets ``caps`` and the adaptive policy
-    (:func:`replay`), against Cloud+MTP's measured MAT at one request with its own head steps. ``source``
-    None: the sweep's whole trees of sampled drafts (``hyco-exact-prob-s32``) when it ran, else those of
-    greedy drafts (``hyco-exact-s32``)."""
+    """GPU-modelled g at batch 1, both expert assumptions: the logged whole trees of ``source`` (every
+    measured session of the sweep, at any level: a static phone sends the same trees whatever the load,
+    and the verifier's samples do not depend on it) replayed one session after another on one modelled
+    engine (:func:`replay_engine`, as a server at batch 1 serves them) under static budgets ``caps`` and
+    the adaptive policy (:func:`replay`), against Cloud+MTP's measured MAT over the same levels with its own
+    head steps. ``source`` None: the sweep's whole trees of sampled drafts (``hyco-exact-prob-s32``) when
+    it ran, else those of greedy drafts (``hyco-exact-s32``)."""
     if source is None:
         ran = {rec.get("config") for rec in records}
         source = "hyco-exact-prob-s32" if "hyco-exact-prob-s32" in ran else "hyco-exact-s32"
@@ -281,7 +294,7 @@ def batch1(records: Sequence[dict], sweep: Sequence[dict], overlap: dict | None 
         fns["overlap"] = table_experts({int(k): v for k, v in overlap["rows"].items()})
     sessions = []
     for rec in records:
-        if rec.get("config") != source or rec.get("concurrency") != 1 or rec.get("run", -1) < 0:
+        if rec.get("config") != source or rec.get("run", -1) < 0 or rec.get("concurrency") is None:
             continue
         for req in rec.get("requests", []):
             rounds = [r["tree"] for r in req.get("rounds", []) if r.get("tree") and r.get("round", 0) > 0]
@@ -290,9 +303,10 @@ def batch1(records: Sequence[dict], sweep: Sequence[dict], overlap: dict | None 
     rows: list[dict] = []
     for name, fn in fns.items():
         for policy, cap in [("static", c) for c in caps] + [("adaptive", max(caps))]:
+            engine = replay_engine(shape, fn, policy=policy, cap=cap)
             ms = tokens = nrounds = nrows = 0.0
-            for rounds in sessions:
-                r = replay(rounds, shape, fn, policy=policy, cap=cap)
+            for i, rounds in enumerate(sessions):
+                r = replay(rounds, shape, fn, policy=policy, cap=cap, engine=engine, sid=str(i))
                 n = len(rounds)
                 tok = r["mat"] * n
                 ms += r["g_ms"] * tok
@@ -304,9 +318,9 @@ def batch1(records: Sequence[dict], sweep: Sequence[dict], overlap: dict | None 
                              "experts": name, "g_ms": round(ms / tokens, 4), "mat": round(tokens / nrounds, 3),
                              "rows": round(nrows / nrounds, 2)})
         for cfg in ("cloud-mtp", "cloud-mtp-prob"):
-            mats = [m["mat"] for m in sweep if m.get("config") == cfg and m.get("concurrency") == 1 and m.get("mat")]
-            if mats:
-                mat = sum(mats) / len(mats)
+            runs = [m for m in sweep if m.get("config") == cfg and m.get("mat") and m.get("rounds")]
+            if runs:
+                mat = sum(m["mat"] * m["rounds"] for m in runs) / sum(m["rounds"] for m in runs)
                 rows.append({"config": cfg, "experts": name, "g_ms": round(mtp_round_ms(shape, 4, fn) / mat, 4),
                              "mat": round(mat, 3), "rows": 5.0})
     return {"rows": rows, "sessions": len(sessions), "source": source, "shape": shape_dict(shape),

@@ -100,6 +100,30 @@ def test_report_files(tmp_path):
     assert paths["saving_vs_speed"].stat().st_size > 1000 and paths["mat"].stat().st_size > 1000
 
 
+def test_report_rebuild_keeps_every_sweep_run_and_what_records_do_not_hold(tmp_path):
+    """The sweep numbers its passes 100 * (run + 1) + level, so its second run shares numbers with the
+    distance-from-plain passes (200 +): a rebuild takes the passes the sweep listed, and keeps the sections
+    that are not recomputed from the records (the GPU replay, the ordinary-request latency)."""
+    passes = []
+    for run in range(2):
+        rec = _phone_run("hyco", 100 * (run + 1) + 4, 1)
+        rec.concurrency = 4
+        passes.append(rec)
+    per_run = [metrics.run_metrics(_phone_run("hyco", 0, 1))]
+    sweep = [metrics.run_metrics(r) | {"sweep_run": i} for i, r in enumerate(passes)]
+    results = report.build_results(per_run, {"machine": "test"}, sweep)
+    results["gpu_batch1"] = {"rows": [{"config": "hyco-exact adaptive", "experts": "independent", "g_ms": 0.4,
+                                       "mat": 3.5, "rows": 5.0}], "source": "x", "sessions": 2}
+    results["ordinary_mixed"] = [{"server": "hyco", "phones": 16, "requests": 3, "tpot_ms_mean": 20.0,
+                                  "tpot_ms_p90": 25.0, "errors": 0, "background_errors": 0}]
+    report.write_report(tmp_path, results)
+    (tmp_path / "records.json").write_text(json.dumps([_phone_run("hyco", 0, 1).to_dict()]
+                                                      + [r.to_dict() for r in passes]))
+    again = json.loads(report.rebuild(tmp_path)["json"].read_text())
+    assert sorted((m["run"], m["sweep_run"]) for m in again["sweep"]) == [(104, 0), (204, 1)]
+    assert again["gpu_batch1"] == results["gpu_batch1"] and again["ordinary_mixed"] == results["ordinary_mixed"]
+
+
 def test_config_selection():
     assert [c.name for c in configs.select("cloud-mtp,hyco")] == ["cloud-mtp", "hyco"]
     assert len(configs.select("all")) == len(configs.DEFAULT)

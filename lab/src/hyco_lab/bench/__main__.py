@@ -341,6 +341,12 @@ class Bench:
             spec = cfg.server_spec(str(self.fx / "assistant"), max_sessions=phones + len(self.prompts))
             with self.server(spec, max_num_seqs=phones + len(self.prompts)) as srv:
                 self.one_pass(srv, cfg, -1, self.prompts[:1], self.ids()[:1] if cfg.kind == "phone" else None, 1)
+                # the same ordinary requests alone on this server first: what the phones' load adds to them
+                # (on a HyCo server they decode a token a step, on an MTP server vLLM's MTP drafts for them)
+                alone, _ = asyncio.run(run_cloud(srv.url, "ordinary", 902, self.prompts, self.sampling,
+                                                 concurrency=1, link=self.link, seed0=901_000))
+                tpot_alone = [(r.wall_ms - r.ttft_ms) / (r.tokens - 1) for r in alone
+                              if r.error is None and r.ttft_ms is not None and r.tokens > 1]
                 load = [self.prompts[i % len(self.prompts)] for i in range(phones)]
                 ids = [self.ids()[i % len(self.prompts)] for i in range(phones)] if cfg.kind == "phone" else None
 
@@ -356,13 +362,24 @@ class Bench:
                                    link=self.link, seed0=901_000)
                     return await asyncio.gather(bg, fg)
 
+                before, wall0, cpu0 = srv.timing(), time.perf_counter(), time.process_time()
                 (_bg, _), (recs, _) = asyncio.run(both())
+                wall, client_cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+                eng = M_delta(before, srv.timing())
                 tpot = [(r.wall_ms - r.ttft_ms) / (r.tokens - 1) for r in recs
                         if r.error is None and r.ttft_ms is not None and r.tokens > 1]
+                steps = eng.get("steps") or 0
                 out.append({"server": name, "phones": phones, "requests": len(recs),
                             "tpot_ms_mean": round(sum(tpot) / len(tpot), 2) if tpot else None,
+                            "tpot_alone_ms_mean": round(sum(tpot_alone) / len(tpot_alone), 2) if tpot_alone else None,
                             "tpot_ms_p90": M.percentile(tpot, 90), "errors": sum(r.error is not None for r in recs),
-                            "background_errors": sum(r.error is not None for r in _bg)})
+                            "background_errors": sum(r.error is not None for r in _bg),
+                            # where the wall time went: the engine's CPU per step, and the CPU of this
+                            # process (the simulated phones' drafting, the clients) on the same cores
+                            "engine_steps": steps,
+                            "engine_cpu_ms_per_step": round(1e3 * eng.get("core_cpu_s", 0.0) / steps, 2) if steps else None,
+                            "wall_ms_per_step": round(1e3 * wall / steps, 2) if steps else None,
+                            "bench_cpu_share": round(client_cpu / wall, 3) if wall > 0 else None})
                 _log(f"  ordinary beside {phones} on {name}: {out[-1]}")
         return out
 

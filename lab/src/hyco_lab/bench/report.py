@@ -166,9 +166,10 @@ def _gpu_batch1_md(results: dict[str, Any]) -> list[str]:
     if not g.get("rows"):
         return []
     out = ["## GPU-modelled g at batch 1 (H200 model, `hyco_lab.bench.physics`)", "",
-           (f"The logged whole trees of `{g['source']}` at one phone ({g['sessions']} sessions) replayed under each "
-            "budget (adaptive: the server's policy with its cost model fitted on the modelled step times); "
-            "Cloud+MTP: its verify forward of 5 rows plus 4 head steps over its measured MAT at one request. "
+           (f"The logged whole trees of `{g['source']}` ({g['sessions']} sessions of the sweep, every level) replayed "
+            "one session after another on one modelled engine at batch 1, under each budget (adaptive: the "
+            "server's policy with its cost model fitted on the modelled step times); Cloud+MTP: its verify "
+            "forward of 5 rows plus 4 head steps over its MAT measured at the same levels. "
             "Experts per layer: independent routing, or the overlap measured on a router of the real shape."), "",
            "| configuration | experts | g ms/token | MAT | rows/round |", "|---|---|---|---|---|"]
     for r in g["rows"]:
@@ -181,12 +182,19 @@ def _mixed_md(results: dict[str, Any]) -> list[str]:
     if not rows:
         return []
     out = ["## Ordinary requests beside phones: per-token latency (TPOT, ms)", "",
-           "| server | phones (or Cloud+MTP requests) | ordinary requests | TPOT mean | TPOT p90 | errors |",
-           "|---|---|---|---|---|---|"]
+           "| server | phones (or Cloud+MTP requests) | ordinary requests | TPOT alone | TPOT mean | TPOT p90 "
+           "| engine CPU ms/step | wall ms/step | bench CPU share | errors |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for m in rows:
-        out.append(f"| {m['server']} | {m['phones']} | {m['requests']} | {m['tpot_ms_mean']} | "
-                   f"{m['tpot_ms_p90']} | {m['errors']} / {m['background_errors']} |")
-    return out + [""]
+        out.append(f"| {m['server']} | {m['phones']} | {m['requests']} | {m.get('tpot_alone_ms_mean', '–')} | "
+                   f"{m['tpot_ms_mean']} | "
+                   f"{m['tpot_ms_p90']} | {m.get('engine_cpu_ms_per_step', '–')} | {m.get('wall_ms_per_step', '–')} | "
+                   f"{m.get('bench_cpu_share', '–')} | {m['errors']} / {m['background_errors']} |")
+    return out + ["", "TPOT alone: the same ordinary requests on the same server with no other load (an MTP "
+                  "server drafts for them with vLLM's MTP; a HyCo server decodes them a token a step). "
+                  "Engine CPU ms/step: the engine core's CPU per step during the pass; wall ms/step: the pass's "
+                  "wall time per engine step; bench CPU share: the bench process's CPU (the simulated phones' "
+                  "drafting, the clients) over the pass's wall time, on the server's cores.", ""]
 
 
 def _ordinary_md(results: dict[str, Any]) -> list[str]:
@@ -337,7 +345,11 @@ def rebuild(out_dir: str | Path, env_updates: dict[str, Any] | None = None) -> d
     runs = [RunRecord.from_dict(r) for r in json.loads((out / "records.json").read_text())
             if not r["config"].startswith("ordinary")]
     per_run = [run_metrics(r) for r in runs if 0 <= r.run < 100]
-    sweep = [run_metrics(r) for r in runs if 100 <= r.run < 200]  # 200+: distance-from-plain passes
+    # the sweep's passes are numbered 100 * (run + 1) + level, so they share numbers from 200 on with the
+    # distance-from-plain passes: take the ones the sweep listed
+    listed = {(m["config"], m["run"], m["concurrency"]): m.get("sweep_run") for m in old.get("sweep") or ()}
+    sweep = [run_metrics(r) | {"sweep_run": listed[(r.config, r.run, r.concurrency)]} for r in runs
+             if (r.config, r.run, r.concurrency) in listed]
     env = {**old["env"], **(env_updates or {})}
     if env.get("fixtures"):
         env.setdefault("phone_notes", phone_notes(Path(env["fixtures"])))
@@ -348,9 +360,9 @@ def rebuild(out_dir: str | Path, env_updates: dict[str, Any] | None = None) -> d
     if env.get("references"):
         results["quality"] = qreport.quality_results(json.loads((out / "records.json").read_text()),
                                                      env["references"])
-    for key in ("replay", "tv"):
-        if old.get(key):
-            results[key] = old[key]
+    for key, value in old.items():  # what the records do not hold (replay, tv, gpu_batch1, ordinary_mixed...)
+        if key not in results and value:
+            results[key] = value
     return write_report(out, results)
 
 

@@ -112,7 +112,7 @@ def test_chains_are_left_to_the_stock_attention(monkeypatch):
 
     trees = [tree("chain", [-1, 0, 1, 2]), tree("root", [-1]), tree("fork", [-1, 0, 0]),
              tree("cut", [-1, 0, 1, 1])]
-    assert [t.is_chain for t in trees] == [True, True, False, False]
+    assert [tree_plan.recomputed(t.parents) for t in trees] == [False, False, True, True]
     try:
         tree_plan.set_active_trees(trees)
         assert [t.req_id for t in tree_plan.masked_trees()] == ["fork", "cut"]

@@ -72,12 +72,6 @@ class TreeRows:
         """[num_rows] int64: t + depth."""
         return self.context_len + self.depths
 
-    @property
-    def is_chain(self) -> bool:
-        """Every row is the child of the row before it. A chain's mask is the causal one and its positions
-        are sequential, so vLLM's own attention already computes its rows exactly (:func:`recomputed`)."""
-        return chain_prefix(self.parents) == self.num_rows - 1
-
 
 @dataclass
 class TreeStep:
@@ -215,7 +209,8 @@ def set_active_trees(trees: list[TreeRows] | None, device: torch.device | str = 
 
 def recomputed(parents) -> bool:
     """The attention overrides recompute this tree's rows: it is not a chain, or ``VLLM_HYCO_CHAIN_ATTN``
-    is ``tree``. The worker's :func:`masked_trees` and the scheduler's step-cost model (its ``branching``
+    is ``tree``. A chain (every row the child of the row before it) has the causal mask and sequential
+    positions, so vLLM's own attention already computes its rows exactly. The worker's :func:`masked_trees` and the scheduler's step-cost model (its ``branching``
     term) both ask this."""
     return envs.VLLM_HYCO_CHAIN_ATTN != "stock" or chain_prefix(parents) < len(parents) - 1
 

@@ -345,8 +345,6 @@ class Bench:
                 # (on a HyCo server they decode a token a step, on an MTP server vLLM's MTP drafts for them)
                 alone, _ = asyncio.run(run_cloud(srv.url, "ordinary", 902, self.prompts, self.sampling,
                                                  concurrency=1, link=self.link, seed0=901_000))
-                tpot_alone = [(r.wall_ms - r.ttft_ms) / (r.tokens - 1) for r in alone
-                              if r.error is None and r.ttft_ms is not None and r.tokens > 1]
                 load = [self.prompts[i % len(self.prompts)] for i in range(phones)]
                 ids = [self.ids()[i % len(self.prompts)] for i in range(phones)] if cfg.kind == "phone" else None
 
@@ -366,8 +364,7 @@ class Bench:
                 (_bg, _), (recs, _) = asyncio.run(both())
                 wall, client_cpu = time.perf_counter() - wall0, time.process_time() - cpu0
                 eng = M_delta(before, srv.timing())
-                tpot = [(r.wall_ms - r.ttft_ms) / (r.tokens - 1) for r in recs
-                        if r.error is None and r.ttft_ms is not None and r.tokens > 1]
+                tpot, tpot_alone = _tpot(recs), _tpot(alone)
                 steps = eng.get("steps") or 0
                 out.append({"server": name, "phones": phones, "requests": len(recs),
                             "tpot_ms_mean": round(sum(tpot) / len(tpot), 2) if tpot else None,
@@ -395,6 +392,12 @@ class Bench:
                             "server_tok_s": m["server_tok_s"], "g_ms": m["g_ms"], "errors": m["errors"]})
                 _log(f"  ordinary on {name}: {out[-1]}")
         return out
+
+
+def _tpot(recs) -> list[float]:
+    """Per-token latency of each finished streaming request: (wall - TTFT) / (tokens - 1) ms."""
+    return [(r.wall_ms - r.ttft_ms) / (r.tokens - 1) for r in recs
+            if r.error is None and r.ttft_ms is not None and r.tokens > 1]
 
 
 def M_delta(a: dict, b: dict) -> dict:

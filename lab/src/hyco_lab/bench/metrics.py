@@ -63,8 +63,8 @@ class RoundRecord:
     proactive_hit: bool | None = None
     proactive_ms: float = 0.0  # CPU-measured proactive drafting during the wait
     tree: dict | None = None  # the tree as sent ({"parents", "sources", "path"}: GPU replay of the budget)
-    budget: int | None = None  # nodes the verdict granted for the next round (so round r + 1 verified
-    # min(its nodes, this) nodes: BudgetPolicy.next_budget)
+    budget: int | None = None  # nodes this round's verdict granted for the next; this round's verified
+    # nodes are min(nodes, budget) (the server grants the nodes it kept when it cut: BudgetPolicy.next_budget)
 
 
 @dataclass

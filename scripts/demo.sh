@@ -25,9 +25,11 @@ fixtures=$("$PY" -c 'import sys; from hyco_lab.fixtures import ensure_fixtures; 
 
 echo "[demo] starting vllm-hyco serve $fixtures/verifier --speculative-config hyco (log: $log)"
 "$HYCO_VENV/bin/vllm-hyco" serve "$fixtures/verifier" --host 127.0.0.1 --port "$port" \
-  --served-model-name hyco-tiny --max-model-len 2048 --max-num-seqs 4 \
+  --served-model-name hyco-tiny --dtype float32 --max-model-len 2048 --max-num-seqs 4 \
   --enforce-eager --distributed-executor-backend uni --speculative-config hyco >"$log" 2>&1 &
 server=$!
+# --dtype float32: vLLM's CPU attention then keeps the KV layout the plugin verified on every x86 host (in
+# bf16 an AMX host selects its 'amx' layout, which the plugin refuses with a clear error; docs/deploy.md)
 stop() { kill -TERM "$server" 2>/dev/null || true; wait "$server" 2>/dev/null || true; }
 trap stop EXIT
 

@@ -94,8 +94,8 @@ def test_trained_pair_loads_and_mtp_is_lossless(vllm_runs):
 def test_builtin_mtp_acceptance_is_in_a_sane_band(vllm_runs):
     acc = vllm_runs[True]["acc"]
     assert acc["rounds"] > 0
-    # measured on these 6 prompts x 32 tokens: 0.970, 0.875, 1.0, 1.0 (33 rounds, MAT 4.52): greedy answers
-    # recite memorised text, which the head predicts
+    # measured on these 6 prompts x 32 tokens: 0.740, 0.973, 0.778, 0.893 (50 rounds, MAT 3.52): greedy
+    # answers follow the verifier's most likely walk, which the head mostly predicts
     assert 0.3 <= acc["conditional"][0] <= 1.0, acc
     assert all(c > 0.1 for c in acc["conditional"][1:]), acc
     assert 1.5 <= acc["mat"] <= 1 + K
@@ -146,11 +146,12 @@ def test_sampled_mtp_runs_on_the_patched_expand_kernel(sampled_run):
 
 
 def test_sampled_mtp_accepts_at_the_trained_rate(sampled_run):
-    """Depth-1 conditional acceptance on the family's 60 held-out prompts x 64 tokens (docs/fixtures.md,
-    ``data/report_family.json``): greedy drafts 0.647, sampled drafts 0.787; on this test's 8 prompts x 32
-    tokens 0.675 (77 rounds) and 0.810 (58 rounds). The unpatched CPU fallback gave about 0.01 (temperature
-    0). The bounds sit 4 binomial standard errors (about 0.05 over these rounds) below both measurements."""
+    """Depth-1 conditional acceptance on the family's 120 held-out prompts x 64 tokens (docs/fixtures.md,
+    ``data/report_family.json``): greedy drafts 0.640, sampled drafts 0.604; on this test's 8 prompts x 32
+    tokens 0.667 (81 rounds) and 0.589 (90 rounds). The unpatched CPU fallback gave about 0.01 (temperature
+    0). The bounds sit about 4 binomial standard errors (about 0.05 over these rounds) below both
+    measurements."""
     acc = sampled_run["acc"]
-    bound = {"greedy": 0.45, "probabilistic": 0.6}[sampled_run["method"]]
+    bound = {"greedy": 0.45, "probabilistic": 0.4}[sampled_run["method"]]
     assert acc["conditional"][0] > bound, acc
     assert acc["mat"] > 1.2, acc

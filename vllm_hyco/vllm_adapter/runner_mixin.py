@@ -66,6 +66,11 @@ class HycoRunnerMixin:
         result = super().initialize_kv_cache(*args, **kwargs)
         if self.device.type == "cuda" and not kwargs.get("is_profiling"):
             self._hyco_state()["warmed"] = tree_step.warm_up(self)
+        elif self.device.type == "cpu" and not kwargs.get("is_profiling"):
+            # Build (and verify) every layer's KV view now, so a CPU KV layout the plugin never verified
+            # (bf16 on an AMX host: isa 'amx') stops the server at startup with HardwareUnsupportedError,
+            # not the engine at the first phone round.
+            tree_step.cache_layers(self)
         return result
 
     # -- inputs -----------------------------------------------------------------------------------

@@ -149,6 +149,26 @@ def test_quality_results_and_report(tmp_path):
     assert [p.name for p in qreport.plot(results, tmp_path)] == ["eps_tradeoff.png"]
 
 
+def test_same_config_noise_compares_runs_of_one_configuration():
+    from hyco_lab.bench import qreport
+
+    refs = {f"q{i}": f"verse number {i} of the book" for i in range(20)}
+    good = dict(refs)
+    half = {q: (r if i % 2 else "alpha beta gamma delta") for i, (q, r) in enumerate(refs.items())}
+    records = [_records("cloud-mtp", good), _records("cloud-mtp", good, run=1), _records("cloud-mtp", half, run=2),
+               _records("hyco-exact", good), _records("hyco", half, run=200)]
+    noise = qreport.same_config_noise(records, refs)
+    assert noise["num_pairs"] == 3  # cloud-mtp's runs 0-1, 0-2, 1-2; one run of hyco-exact; no TV passes
+    by_runs = {tuple(p["runs"]): p for p in noise["pairs"]}
+    assert by_runs[(0, 1)]["rouge_l"]["diff"] == 0.0 and not by_runs[(0, 1)]["rouge_l"]["excludes_zero"]
+    assert by_runs[(0, 2)]["rouge_l"]["diff"] == 0.5 and by_runs[(0, 2)]["rouge_l"]["excludes_zero"]
+    assert noise["summary"]["rouge_l"] == {"max_abs_diff": 0.5, "excluding_zero": 2}
+    md = "\n".join(qreport.markdown({"env": {"prompt_set": "family"}, "quality": qreport.quality_results(records, refs),
+                                     "quality_noise": noise}))
+    assert "Same-configuration noise" in md and "rouge-l 50.0 (2)" in md
+    assert qreport.same_config_noise([_records("cloud-mtp", good)], refs) == {}
+
+
 def test_recall_prompts_are_held_out_requests():
     from hyco_lab.fixtures import corpus
 

@@ -456,6 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     from hyco_lab.bench import qreport
 
     results["quality"] = qreport.quality_results(bench.records, env["references"])
+    results["quality_noise"] = qreport.same_config_noise(bench.records, env["references"])
     if bench.logged:
         results["replay"] = _replay(bench, args)
     if tv:

@@ -58,6 +58,37 @@ def quality_results(records: list[dict], references: dict[str, str], baseline: s
     return out
 
 
+def same_config_noise(records: list[dict], references: dict[str, str], resamples: int = 2000,
+                      seed: int = 0) -> dict[str, Any]:
+    """The quality measures' null: every pair of runs of one configuration (disjoint seeds, so no true
+    difference), one answer per question on each side, compared with the same paired bootstrap as the
+    Δ columns. Per metric: the largest |Δ| over all pairs and how many pairs' intervals exclude zero. A
+    configuration's Δ against Cloud+MTP within that spread is not a finding, whatever its interval says
+    (novel-2 couples questions, so its interval is too narrow). Empty with fewer than two runs."""
+    runs: dict[str, dict[int, dict[str, list[str]]]] = {}
+    for rec in records:
+        if not 0 <= rec["run"] < 100:
+            continue
+        for r in rec["requests"]:
+            if r.get("error") is None and r.get("text") is not None:
+                runs.setdefault(rec["config"], {}).setdefault(rec["run"], {})[r["prompt_id"]] = [r["text"]]
+    metrics = ("rouge_l", "repetition_4", "novel_2")
+    pairs: list[dict[str, Any]] = []
+    for cfg, by_run in runs.items():
+        scored = {run: Q.score_answers(a, references) for run, a in sorted(by_run.items())}
+        ids = sorted(scored)
+        for i, ra in enumerate(ids):
+            for rb in ids[i + 1:]:
+                pairs.append({"config": cfg, "runs": [ra, rb],
+                              **{m: Q.compare(scored[ra], scored[rb], m, resamples=resamples, seed=seed)
+                                 for m in metrics}})
+    if not pairs:
+        return {}
+    summary = {m: {"max_abs_diff": max(abs(p[m]["diff"]) for p in pairs if p[m]["diff"] is not None),
+                   "excluding_zero": sum(bool(p[m]["excludes_zero"]) for p in pairs)} for m in metrics}
+    return {"pairs": pairs, "summary": summary, "num_pairs": len(pairs)}
+
+
 def eps_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per configuration with HyCo's tree (``hybrid``) or the SLM-only tree (``specedge``) that ran,
     exact or at some ε: MAT, g ratio and quality. Greedy drafts only (the paper's trees): a configuration with
@@ -116,6 +147,15 @@ def markdown(results: dict[str, Any]) -> list[str]:
                    f"{_ci(e.get('delta_exact'))} | {_num(e['distinct_1'])} | {_num(e['distinct_2'])} | "
                    f"{_num(e.get('novel_2'))} | {_ci(e.get('delta_novel_2'))} | "
                    f"{_num(e['repetition_4'])} | {_ci(e.get('delta_repetition_4'))} | {e['questions']} |")
+    noise = results.get("quality_noise") or {}
+    if noise.get("summary"):
+        sm = noise["summary"]
+        out += ["", (f"Same-configuration noise (`quality_noise`): {noise['num_pairs']} pairs of runs of one "
+                     "configuration (disjoint seeds, one answer per question each), the same paired bootstrap. "
+                     "Largest |Δ| x100 and pairs whose interval excludes zero: "
+                     + "; ".join(f"{m.replace('_', '-')} {100 * sm[m]['max_abs_diff']:.1f} "
+                                 f"({sm[m]['excluding_zero']})" for m in ("rouge_l", "novel_2", "repetition_4"))
+                     + ". A Δ against Cloud+MTP within that spread is not a finding, whatever its interval says.")]
     rows = eps_rows(results)
     if len(rows) > 2:
         out += ["", "## ε trade-off (paper Figure 3): HyCo's trees and SLM-only trees (SpecEdge-ε)", "",

@@ -358,8 +358,9 @@ def rebuild(out_dir: str | Path, env_updates: dict[str, Any] | None = None) -> d
     from hyco_lab.bench import qreport
 
     if env.get("references"):
-        results["quality"] = qreport.quality_results(json.loads((out / "records.json").read_text()),
-                                                     env["references"])
+        records = json.loads((out / "records.json").read_text())
+        results["quality"] = qreport.quality_results(records, env["references"])
+        results["quality_noise"] = qreport.same_config_noise(records, env["references"])
     for key, value in old.items():  # what the records do not hold (replay, tv, gpu_batch1, ordinary_mixed...)
         if key not in results and value:
             results[key] = value

@@ -68,7 +68,7 @@ def test_two_pass_tree_is_valid_and_equals_two_plain_slm_runs():
     assert second_pass  # nodes under first-pass SLM nodes: the second pass ran and won places
     ref = _reference()
     assert (tokens, parents) == ref.to_wire()
-    np.testing.assert_allclose(tree.scores, ref.scores, atol=1e-6)
+    np.testing.assert_allclose(tree.scores, ref.scores, atol=1e-5)  # float32 sums in another order (2.5e-6 seen)
     one_pass = HybridDrafter(FixedChain(), _slm(32)).propose(DraftContext(root=ROOT, x_hat=np.zeros(4)), 32)
     assert one_pass.to_wire() != (tokens, parents)
 

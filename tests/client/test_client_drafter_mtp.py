@@ -182,10 +182,6 @@ def test_mtp_int8_rows_and_lut(toy):
     assert f.draft(x_hat).chain[:2] == q.draft(x_hat).chain[:2]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "open bug, found when the order-4 family shipped: with its assistant weights the phone's torch head and "
-    "transformers' Gemma4Assistant agree at step 1 (|dlogit| 6e-6) but not at steps 2-4 given the same input "
-    "z (|dlogit| 1.5, |dh| 0.65); the chain2 weights agree to 5e-6 at every step (docs/phone-build.md)"))
 def test_mtp_on_fixtures_matches_transformers_assistant(fixtures_dir):
     """On the project fixtures: inputs captured from the verifier (transformers, fp32: post-norm h, rotated
     K/V of its last sliding and last full layer), our head loaded from the assistant folder, chain and

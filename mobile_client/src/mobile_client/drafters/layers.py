@@ -15,8 +15,11 @@ import torch.nn as nn
 
 from mobile_client.quant.fakequant import ActQuant
 
-#: masked attention scores are set to exactly this value (bounded so a 16-bit range stays fine)
+#: masked attention scores are set to exactly this value after the live maximum is subtracted (bounded so a
+#: 16-bit range stays fine)
 MASK_FILL = -64.0
+#: pushes masked scores below every live one while the live maximum is taken (exact in fp16 and bf16)
+_MASK_FLOOR = 16384.0
 
 
 class _L2Normalize(torch.autograd.Function):
@@ -61,8 +64,13 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def masked_softmax(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """softmax over the last dim where ``mask`` (0/1 floats, broadcastable) is 1; masked scores: MASK_FILL."""
-    scores = scores * mask + (mask - 1.0) * (-MASK_FILL)
+    """softmax over the last dim where ``mask`` (0/1 floats, broadcastable) is 1; masked scores: MASK_FILL.
+
+    The scores are first shifted so that the largest live one is 0 (softmax does not change). A fixed fill
+    is negligible only next to the live maximum: unshifted, live scores all below -64 (Gemma-4 scales q·k by
+    1, so |q·k| reaches hundreds) would hand most of the weight to the masked columns."""
+    live_max = (scores * mask + (mask - 1.0) * _MASK_FLOOR).amax(dim=-1, keepdim=True)
+    scores = (scores - live_max) * mask + (mask - 1.0) * (-MASK_FILL)
     return torch.softmax(scores, dim=-1)
 
 

@@ -210,8 +210,8 @@ def set_active_trees(trees: list[TreeRows] | None, device: torch.device | str = 
 def recomputed(parents) -> bool:
     """The attention overrides recompute this tree's rows: it is not a chain, or ``VLLM_HYCO_CHAIN_ATTN``
     is ``tree``. A chain (every row the child of the row before it) has the causal mask and sequential
-    positions, so vLLM's own attention already computes its rows exactly. The worker's :func:`masked_trees` and the scheduler's step-cost model (its ``branching``
-    term) both ask this."""
+    positions, so vLLM's own attention already computes its rows exactly. The worker's
+    :func:`masked_trees` and the scheduler's step-cost model (its ``branching`` term) both ask this."""
     return envs.VLLM_HYCO_CHAIN_ATTN != "stock" or chain_prefix(parents) < len(parents) - 1
 
 

@@ -29,17 +29,24 @@ def config_of(name: str) -> BenchConfig | None:
         return None
 
 
+def _main_run_answers(records: list[dict]):
+    """(config, run, prompt_id, text) of every answered request of the main runs (not the warm-up, sweep
+    and TV passes, whose run numbers lie outside 0-99)."""
+    for rec in records:
+        if not 0 <= rec["run"] < 100:
+            continue
+        for r in rec["requests"]:
+            if r.get("error") is None and r.get("text") is not None:
+                yield rec["config"], rec["run"], r["prompt_id"], r["text"]
+
+
 def quality_results(records: list[dict], references: dict[str, str], baseline: str = BASELINE,
                     resamples: int = 2000, seed: int = 0) -> dict[str, dict[str, Any]]:
     """Per configuration: mean ROUGE-L / exact match over questions, diversity over all answers, and
     paired bootstrap intervals of the per-question difference against ``baseline``."""
     answers: dict[str, dict[str, list[str]]] = {}
-    for rec in records:
-        if not 0 <= rec["run"] < 100:
-            continue  # warm-up, sweep and TV passes
-        for r in rec["requests"]:
-            if r.get("error") is None and r.get("text") is not None:
-                answers.setdefault(rec["config"], {}).setdefault(r["prompt_id"], []).append(r["text"])
+    for cfg, _run, qid, text in _main_run_answers(records):
+        answers.setdefault(cfg, {}).setdefault(qid, []).append(text)
     scores = {c: Q.score_answers(a, references) for c, a in answers.items()}
     out: dict[str, dict[str, Any]] = {}
     for cfg, sc in scores.items():
@@ -66,12 +73,8 @@ def same_config_noise(records: list[dict], references: dict[str, str], resamples
     configuration's Δ against Cloud+MTP within that spread is not a finding, whatever its interval says
     (novel-2 couples questions, so its interval is too narrow). Empty with fewer than two runs."""
     runs: dict[str, dict[int, dict[str, list[str]]]] = {}
-    for rec in records:
-        if not 0 <= rec["run"] < 100:
-            continue
-        for r in rec["requests"]:
-            if r.get("error") is None and r.get("text") is not None:
-                runs.setdefault(rec["config"], {}).setdefault(rec["run"], {})[r["prompt_id"]] = [r["text"]]
+    for cfg, run, qid, text in _main_run_answers(records):
+        runs.setdefault(cfg, {}).setdefault(run, {})[qid] = [text]
     metrics = ("rouge_l", "repetition_4", "novel_2")
     pairs: list[dict[str, Any]] = []
     for cfg, by_run in runs.items():

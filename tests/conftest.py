@@ -118,7 +118,11 @@ class _LLMFactory:
     def __call__(self, model, **kwargs):
         from vllm import LLM
 
-        llm = LLM(model=str(model), **{**self.DEFAULTS, **kwargs})
+        try:
+            llm = LLM(model=str(model), **{**self.DEFAULTS, **kwargs})
+        except Exception:
+            self._release()  # an engine that failed to build still set up the distributed env
+            raise
         self.engines.append(llm)
         return llm
 
@@ -127,6 +131,10 @@ class _LLMFactory:
             self.engines.remove(llm)
         llm.llm_engine.engine_core.shutdown()
         del llm
+        self._release()
+
+    @staticmethod
+    def _release() -> None:
         gc.collect()
         try:
             from vllm.distributed import cleanup_dist_env_and_memory

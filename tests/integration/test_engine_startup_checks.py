@@ -8,13 +8,10 @@ host's layout unverified and asserts that building the engine fails with that me
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 
 
-def test_an_unverified_cpu_kv_layout_stops_the_engine_at_startup(fixtures_dir, monkeypatch):
-    from vllm import LLM
+def test_an_unverified_cpu_kv_layout_stops_the_engine_at_startup(fixtures_dir, make_llm, monkeypatch):
     from vllm.platforms import current_platform
 
     from vllm_hyco.vllm_adapter import kv_view
@@ -22,17 +19,6 @@ def test_an_unverified_cpu_kv_layout_stops_the_engine_at_startup(fixtures_dir, m
     if not current_platform.is_cpu():
         pytest.skip("the CPU_ATTN KV view is the CPU build's")
     monkeypatch.setattr(kv_view, "VERIFIED_CPU_ISAS", ())
-    try:
-        with pytest.raises(Exception, match="was never verified by vllm_hyco") as err:
-            LLM(model=str(fixtures_dir / "verifier"), dtype="float32", max_model_len=1024, max_num_seqs=2,
-                enforce_eager=True, distributed_executor_backend="uni", seed=0,
-                speculative_config={"method": "hyco"})
-        assert "--dtype float32" in str(err.value)
-    finally:
-        gc.collect()
-        try:
-            from vllm.distributed import cleanup_dist_env_and_memory
-
-            cleanup_dist_env_and_memory()
-        except Exception:  # noqa: BLE001  (best effort between engines)
-            pass
+    with pytest.raises(Exception, match="was never verified by vllm_hyco") as err:
+        make_llm(fixtures_dir / "verifier", max_num_seqs=2, speculative_config={"method": "hyco"})
+    assert "--dtype float32" in str(err.value)

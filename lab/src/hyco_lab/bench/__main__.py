@@ -32,7 +32,7 @@ from vllm_hyco.errors import ConfigError, HycoError
 #: --tv's default prompts: two held-out family requests whose first answer token is uncertain under the
 #: family's verifier (its top token holds 0.464 and 0.480 of p̃ at T = 1, top-k 64, top-p 0.95: "And" vs
 #: "It", a locate and a repeat request; transformers, fp32; docs/benchmarks.md)
-TV_PROMPTS = ("conf-027", "conf-029")
+TV_PROMPTS = ("conf-379", "conf-277")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

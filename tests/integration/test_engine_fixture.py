@@ -51,13 +51,15 @@ def test_eos_stop_strings_and_length_end_like_plain_vllm(llm):
     ids = [tok(p)["input_ids"] for p in PROMPTS]
     refs = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": i} for i in ids],
                                                 SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)]
-    stop = refs[0].text[10:14]
-    stopped = llm.generate([{"prompt_token_ids": ids[0]}], SamplingParams(temperature=0, max_tokens=32, stop=[stop]),
+    k = max(range(len(refs)), key=lambda j: len(refs[j].text))  # the longest answer holds a stop string
+    assert len(refs[k].text) >= 14, [r.text for r in refs]
+    stop = refs[k].text[10:14]
+    stopped = llm.generate([{"prompt_token_ids": ids[k]}], SamplingParams(temperature=0, max_tokens=32, stop=[stop]),
                            use_tqdm=False)[0].outputs[0]
     hy = HycoEngine(llm)
     rng = random.Random(0)
     for i, ref in zip(ids, refs):
         out, text, reason = _run(hy, i, list(ref.token_ids), rng, max_tokens=32)
         assert (out, text, reason) == (list(ref.token_ids), ref.text, ref.finish_reason)
-    out, text, reason = _run(hy, ids[0], list(refs[0].token_ids), rng, max_tokens=32, stop=[stop])
+    out, text, reason = _run(hy, ids[k], list(refs[k].token_ids), rng, max_tokens=32, stop=[stop])
     assert (text, reason) == (stopped.text, stopped.finish_reason) and reason == "stop"

@@ -53,7 +53,7 @@ def test_models_load_and_generate(fixtures_dir):
     ids = torch.tensor([[2, 10, 20, 30]])
     for name in ("verifier", "slm"):
         model = AutoModelForCausalLM.from_pretrained(str(fixtures_dir / name))
-        out = model.generate(ids, max_new_tokens=4, do_sample=False)
+        out = model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)  # no early end of turn
         assert out.shape == (1, 8)
     assert Gemma4AssistantForCausalLM.from_pretrained(str(fixtures_dir / "assistant")) is not None
 

@@ -19,24 +19,29 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
 from hyco_lab import quality as Q
+from hyco_lab.bench import qreport
 from hyco_lab.bench.__main__ import prompts_by_id
 
 TABLE2_CONFIGS = ("cloud-mtp-prob", "specedge", "hyco-exact", "hyco-exact-prob")
 
 
 def answers(records: list[dict], config: str, runs: tuple[int, ...]) -> dict[str, list[str]]:
-    """question id -> the answers of ``config`` in ``runs`` (failed requests left out)."""
+    """question id -> the answers of ``config`` in ``runs`` (the main runs' answered requests, as Table 2
+    scores them: ``qreport._main_run_answers``)."""
     out: dict[str, list[str]] = {}
-    for rec in records:
-        if rec["config"] == config and rec["run"] in runs:
-            for r in rec["requests"]:
-                if r.get("error") is None and r.get("text") is not None:
-                    out.setdefault(r["prompt_id"], []).append(r["text"])
+    for cfg, run, qid, text in qreport._main_run_answers(records):
+        if cfg == config and run in runs:
+            out.setdefault(qid, []).append(text)
     return out
+
+
+def mean_rouge_l(scores: dict[str, dict[str, float]]) -> float:
+    return round(statistics.fmean(v["rouge_l"] for v in scores.values()), 4)
 
 
 def first_word_count(ans: dict[str, list[str]], kinds: dict[str, str], kind: str, word: str) -> list[int]:
@@ -59,8 +64,7 @@ def main(argv: list[str] | None = None) -> int:
             "cloud-mtp, this run's runs 0-2": answers(d2, "cloud-mtp", (0, 1, 2))}
     arms.update({f"{c} (Table 2)": answers(t2, c, (0, 1, 2)) for c in TABLE2_CONFIGS})
     base_scores = Q.score_answers(base, refs)
-    out = {"baseline": "cloud-mtp, Table 2 runs 0-2", "rouge_l": round(sum(v["rouge_l"] for v in base_scores.values())
-                                                                     / len(base_scores), 4),
+    out = {"baseline": "cloud-mtp, Table 2 runs 0-2", "rouge_l": mean_rouge_l(base_scores),
            "locate_starts_with_It": first_word_count(base, kinds, "locate", "It"), "arms": {}}
     print(f"baseline: Cloud+MTP, Table 2 runs 0-2: ROUGE-L {100 * out['rouge_l']:.1f}, "
           f"locate answers starting 'It' {out['locate_starts_with_It'][0]}/{out['locate_starts_with_It'][1]}")
@@ -69,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         sc = Q.score_answers(ans, refs)
         d = Q.compare(sc, base_scores, "rouge_l")
         its = first_word_count(ans, kinds, "locate", "It")
-        mean = round(sum(v["rouge_l"] for v in sc.values()) / len(sc), 4)
+        mean = mean_rouge_l(sc)
         out["arms"][name] = {"rouge_l": mean, "delta_rouge_l": d, "locate_starts_with_It": its}
         star = " *" if d["excludes_zero"] else ""
         print(f"| {name} | {100 * mean:.1f} | {100 * d['diff']:+.1f} [{100 * d['lo']:+.1f}, {100 * d['hi']:+.1f}]{star} "

@@ -75,15 +75,13 @@ def dataclasses_replace(plan, **kw):
 def test_head_trained_on_head_depth_steps_and_evaluated_at_four(tmp_path, monkeypatch):
     """``head_depth`` sets the draft steps the head is distilled on; the metrics still score all four
     steps vLLM drafts (the shipped head is trained on three, docs/fixtures.md)."""
-    import dataclasses
-
     from hyco_lab.fixtures import train as tr
 
     depths = []
     real = tr.head_losses
     monkeypatch.setattr(tr, "head_losses", lambda *a, **k: depths.append(a[3]) or real(*a, **k))
-    fplan = dataclasses.replace(family.FamilyPlan.quick(), head_depth=2)
-    m = family.train_family(tmp_path / "run", fplan, dataclasses.replace(tr.TrainPlan.quick(), threads=1))
+    fplan = dataclasses_replace(family.FamilyPlan.quick(), head_depth=2)
+    m = family.train_family(tmp_path / "run", fplan, dataclasses_replace(tr.TrainPlan.quick(), threads=1))
     assert depths and set(depths) == {2}
     assert m["plan"]["head_depth"] == 2 and m["family_plan"]["head_depth"] == 2
     assert len(m["head_val"]["greedy_agreement"]) == len(m["head_self_heldout"]["kl"]) == 4

@@ -30,8 +30,8 @@ from vllm_hyco.errors import ConfigError, HycoError
 
 
 #: --tv's default prompts: two held-out family requests whose first answer token is uncertain under the
-#: family's verifier (its top token holds 0.464 and 0.480 of p̃ at T = 1, top-k 64, top-p 0.95: "And" vs
-#: "It", a locate and a repeat request; transformers, fp32; docs/benchmarks.md)
+#: family's verifier (its top token, "It", holds 0.494 and 0.576 of the first token's probability, "And"
+#: next; a locate and a repeat request; transformers, fp32; docs/fixtures.md, "The TV prompts changed")
 TV_PROMPTS = ("conf-379", "conf-277")
 
 

@@ -80,7 +80,7 @@ def main(argv=None) -> int:
 
     from vllm import LLM
 
-    from vllm_hyco.vllm_adapter.api import HycoEngine
+    from vllm_hyco.vllm_adapter.api_server.inprocess import HycoEngine
     from hyco_lab.fixtures import ensure_fixtures
 
     cache = Path(os.environ.get("HYCO_CACHE", Path(__file__).resolve().parents[1] / ".cache"))

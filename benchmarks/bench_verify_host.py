@@ -43,9 +43,11 @@ from harness import env_info, write_json
 from tree_reference import decide_one_tree
 
 from vllm_hyco.handoff.quant import quantize
-from vllm_hyco.vllm_adapter import tree_step
-from vllm_hyco.vllm_adapter.kv_view import BlockMajorKVView
-from vllm_hyco.vllm_adapter.tree_plan import TreeRows
+from vllm_hyco.vllm_adapter.worker import handoff_step, tree_step
+from vllm_hyco.vllm_adapter.worker.kv_view import BlockMajorKVView
+from vllm_hyco.vllm_adapter.worker.layers import KVLayers
+from vllm_hyco.vllm_adapter.worker.state import RunnerState
+from vllm_hyco.vllm_adapter.worker.tree_plan import TreeRows
 
 METHODS = ("cpu", "tolist", "numpy", "item")
 BLOCK = 16
@@ -119,15 +121,15 @@ def build_step(args, dev, sampled: bool):
     scales = {"e": torch.full((hidden,), 0.02, device=dev), "h": torch.full((hidden,), 0.02, device=dev)}
     for kind, (hkv, dim) in LAYERS.items():
         scales[kind] = (torch.full((hkv, dim), 0.05, device=dev), torch.full((hkv, dim), 0.05, device=dev))
-    state = {"scales": scales}
+    # the runner's HyCo state: scales, layers.discover's cache owners and hand-off layers, read once
+    state = RunnerState(config=None, window=1024, scales=scales,
+                        kv_layers=KVLayers(owners=tuple(kinds), handoff={"sliding": "sliding", "full": "full"}))
     embed = torch.randn(64, hidden, generator=gen).to(dev)
     runner = SimpleNamespace(
-        requests=requests, _hyco_state=lambda: state, device=dev,
+        requests=requests, hyco=state, device=dev,
         kv_cache_config=SimpleNamespace(kv_cache_groups=[SimpleNamespace(layer_names=[k]) for k in kinds]),
         compilation_config=SimpleNamespace(static_forward_context=layers),
-        input_batch=SimpleNamespace(block_table=tables), _hyco_window=lambda: 1024,
-        _hyco_handoff_layers=lambda: {"sliding": "sliding", "full": "full"},
-        _hyco_kv_layers=lambda: SimpleNamespace(owners=tuple(kinds)),  # layers.discover's cache owners
+        input_batch=SimpleNamespace(block_table=tables),
         model=SimpleNamespace(embed_input_ids=lambda ids: embed[ids % 64]))
     fresh = {k: torch.randn(q, hkv, 2 * dim, generator=gen).to(torch.bfloat16).to(dev)
              for k, (hkv, dim) in kinds.items()}  # the step's K/V rows as the layers wrote them
@@ -172,7 +174,7 @@ def step_after(s, gen_for):
     st = tree_step.StepTrees.build(s.trees, [tr.q_start for tr in s.trees], s.logits.device)
     dec = tree_step.decide(s.runner, st, s.logits, gen_for)
     tree_step.compact(s.runner, st, dec.verdict)
-    tree_step.handoff(s.runner, st, dec, s.hidden)
+    handoff_step.handoff(s.runner, st, dec, s.hidden)
 
 
 def measure(fn, dev, reps):

@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from vllm_hyco.handoff.limits import DEFAULT_LIMITS  # noqa: E402
-from vllm_hyco.handoff.sizes import FIXTURE_VERIFIER_CONFIG, GEMMA4_26B_A4B_CONFIG, size_report  # noqa: E402
+from vllm_hyco.handoff.sizes import FIXTURE_VERIFIER_CONFIG, size_report  # noqa: E402
+from vllm_hyco.models.gemma4 import GEMMA4_26B_A4B_CONFIG  # noqa: E402
 
 
 def fixture_config(path: str | None) -> tuple[dict, str]:
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     fix_cfg, fix_src = fixture_config(args.fixture_config)
     fix_w = int(fix_cfg.get("text_config", fix_cfg).get("sliding_window", 128))
     models = {
-        "gemma-4-26B-A4B": (GEMMA4_26B_A4B_CONFIG, 1024, "inferred (docs/decisions.md; sizes.py)"),
+        "gemma-4-26B-A4B": (GEMMA4_26B_A4B_CONFIG, 1024, "inferred (docs/decisions.md; vllm_hyco/models/gemma4.py)"),
         "fixture-verifier": (fix_cfg, fix_w, fix_src),
     }
     results = {

@@ -1,6 +1,6 @@
 """The engine's former per-tree decision, kept as a test oracle and as the "before" of benchmarks/bench_verify_host.py.
 
-Until the device-batched path (``vllm_adapter/tree_step.py``) replaced it, the runner decided each tree on
+Until the device-batched path (``vllm_adapter/worker/tree_step.py``) replaced it, the runner decided each tree on
 its own, on the host: the rows' ``[n, V]`` logits copied to the CPU, p̃ built there
 (``sampling_support``), one uniform per row from the session's generator, ``sample_sparse``, then
 ``select_path`` (with the dense p̃ in ε mode). This is that code, minus the runner.

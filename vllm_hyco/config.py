@@ -5,7 +5,7 @@ Users write either the bare word or the JSON form of ``--speculative-config``::
     vllm serve MODEL --speculative-config hyco
     vllm serve MODEL --speculative-config '{"method": "hyco", "epsilon": 0.005, "node_budget": 32}'
 
-Both become one frozen :class:`HycoConfig`. The engine adapter (``vllm_hyco.vllm_adapter.expansion``) turns it
+Both become one frozen :class:`HycoConfig`. The engine adapter (``vllm_hyco.vllm_adapter.api_server.expansion``) turns it
 into vLLM engine arguments and stores ``config.to_dict()`` in ``VllmConfig.additional_config["hyco"]``;
 that dict is part of the pickled VllmConfig, so the engine-core and worker processes read the same
 options back with :meth:`HycoConfig.from_vllm_config`.
@@ -38,8 +38,6 @@ from vllm_hyco.errors import ConfigError, RequestFieldError
 from vllm_hyco.handoff.tree_contract import DEFAULT_NODE_BUDGET
 
 METHOD = "hyco"
-# The operator may lower the node budget, not raise it past the paper's B (n <= 32 nodes plus the root).
-MAX_NODE_BUDGET = DEFAULT_NODE_BUDGET
 BUDGET_POLICIES = ("adaptive", "static")
 STEP_GATHER = ("auto", "on", "off")
 ADDITIONAL_CONFIG_KEY = "hyco"  # VllmConfig.additional_config[ADDITIONAL_CONFIG_KEY] = HycoConfig.to_dict()
@@ -89,7 +87,8 @@ class HycoConfig:
 
     def __post_init__(self):
         _check_epsilon(self.epsilon)
-        _check_int("node_budget", self.node_budget, 1, MAX_NODE_BUDGET)
+        # the operator may lower the node budget, not raise it past the paper's B (32 nodes plus the root)
+        _check_int("node_budget", self.node_budget, 1, DEFAULT_NODE_BUDGET)
         _check_choice("budget_policy", self.budget_policy, BUDGET_POLICIES,
                       "adaptive: verify the prefix of each tree that pays (default); static: the paper's fixed "
                       "node_budget")
@@ -112,11 +111,6 @@ class HycoConfig:
     def exact(self) -> bool:
         """True when verification is lossless (no ε)."""
         return self.epsilon is None
-
-    @property
-    def num_speculative_tokens(self) -> int:
-        """Spec slots vLLM must schedule per round: one per tree node (the root is the bonus token)."""
-        return self.node_budget
 
     # ------------------------------------------------------------------ parsing
     @classmethod

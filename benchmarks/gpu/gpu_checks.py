@@ -19,7 +19,7 @@ Checks (Triton vs the torch twin on the same GPU; tolerances from ``tests/tolera
    KV group, 5 full in another), 32 requests, bit for bit;
 3. ``handoff``: ``gather_quantize_kv`` on both layer types' K and V views, ``quantize_int8`` of h and e
    (hidden 2816), bit for bit;
-4. ``decision``: ``vllm_adapter.tree_step.decide`` at 262,144 tokens vs the per-tree CPU reference
+4. ``decision``: ``vllm_adapter.worker.tree_step.decide`` at 262,144 tokens vs the per-tree CPU reference
    (``tests/tree_reference.py``) on the same uniforms: greedy must agree exactly, sampled rows are counted;
 5. ``step``: the synthetic step timed with CUDA events: 30 layers of tree-rows attention (32 trees x 33
    rows, 4K context), the decision (greedy and top-k 64 / ε), compaction of 30 layers and the int8
@@ -196,7 +196,7 @@ def check_decision() -> dict:
     import bench_verify_host as bv
     from tree_reference import decide_one_tree
 
-    from vllm_hyco.vllm_adapter import tree_step
+    from vllm_hyco.vllm_adapter.worker import handoff_step, tree_step
 
     out = {"ok": True}
     for name, sampled in (("greedy", False), ("sampled", True)):
@@ -239,7 +239,7 @@ def check_step() -> dict:
     """The synthetic step, timed part by part (ms)."""
     import bench_verify_host as bv
 
-    from vllm_hyco.vllm_adapter import tree_step
+    from vllm_hyco.vllm_adapter.worker import handoff_step, tree_step
 
     n_full = max(1, SIZES["layers"] // 6)
     out = {"ok": True}
@@ -258,7 +258,7 @@ def check_step() -> dict:
         dec = tree_step.decide(s.runner, st, s.logits, lambda r, p, g=gens: g[r])
         out[f"decision_ms_{name}"] = dec_ms
         out[f"compaction_ms_{name}"] = _time(lambda s=s, st=st, dec=dec: tree_step.compact(s.runner, st, dec.verdict))
-        out[f"handoff_ms_{name}"] = _time(lambda s=s, st=st, dec=dec: tree_step.handoff(s.runner, st, dec, s.hidden))
+        out[f"handoff_ms_{name}"] = _time(lambda s=s, st=st, dec=dec: handoff_step.handoff(s.runner, st, dec, s.hidden))
         del s, st, dec
     return out
 

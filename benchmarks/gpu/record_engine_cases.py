@@ -31,7 +31,7 @@ for key, value in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("VLL
 
 def install_recorder(calls: list[dict]) -> None:
     """Wrap the twin the CPU attention backend calls; keep its bound arguments and its result."""
-    import vllm_hyco.vllm_adapter.cpu_attention as cpu_attention
+    import vllm_hyco.vllm_adapter.worker.cpu_attention as cpu_attention
 
     real = cpu_attention.tree_attention_dense_ref
     sig = inspect.signature(real)
@@ -51,7 +51,7 @@ def drive_engine(rounds: int, seed: int) -> None:
     from test_engine_sessions import BLOCK, VOCAB, _build_tiny, _reference, _tree
     from vllm import LLM
 
-    from vllm_hyco.vllm_adapter.api import HycoEngine
+    from vllm_hyco.vllm_adapter.api_server.inprocess import HycoEngine
 
     with tempfile.TemporaryDirectory() as tmp:
         path = _build_tiny(Path(tmp))

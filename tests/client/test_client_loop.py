@@ -1,7 +1,7 @@
 """The phone loop (client.py + session.py) over a real aiohttp WebSocket on 127.0.0.1 against a FAKE server.
 
 The fake (``FakeHycoServer``) exists only as the other side of these unit tests, until the real endpoint
-(vllm_hyco/vllm_adapter/endpoint.py + vllm_hyco/vllm_adapter/) lands: it speaks docs/protocol.md's frames through
+(vllm_hyco/vllm_adapter/api_server/endpoint.py + vllm_hyco/vllm_adapter/) lands: it speaks docs/protocol.md's frames through
 ``vllm_hyco.handoff`` (the one wire-format owner), verifies trees with a toy deterministic next-token
 function (greedy exact acceptance), sends dummy-pattern hand-offs of the right spans (the seed chunked when
 it is bigger than its chunk size) and injects faults: dropped connections at chosen points, server_busy,

@@ -46,18 +46,19 @@ def test_bad_max_parked_blocks_named_with_its_range(value):
 
 
 def test_registry_policy_never_falls_back_silently_on_a_bad_config():
-    from vllm_hyco.vllm_adapter.sched_mixin import HycoSchedulerMixin
+    from vllm_hyco.vllm_adapter.engine_core.state import registry_options
 
-    pool = SimpleNamespace(block_pool=SimpleNamespace(num_gpu_blocks=101))
-    good = SimpleNamespace(vllm_config=SimpleNamespace(additional_config={ADDITIONAL_CONFIG_KEY: HycoConfig(
-        session_idle_timeout_s=7, max_parked_blocks=0.5).to_dict()}), kv_cache_manager=pool)
-    assert HycoSchedulerMixin._hyco_registry_kwargs(good) == {"idle_timeout_s": 7, "max_parked_blocks": 50}
-    bad = SimpleNamespace(vllm_config=SimpleNamespace(additional_config={ADDITIONAL_CONFIG_KEY: {
-        "method": "hyco", "max_parked_blocks": -1}}), kv_cache_manager=pool)
+    def options(vllm_config):  # what HycoScheduler.__init__ does with an engine of 101 KV blocks
+        return registry_options(HycoConfig.maybe_from_vllm_config(vllm_config), 101 - 1)
+
+    good = SimpleNamespace(additional_config={ADDITIONAL_CONFIG_KEY: HycoConfig(
+        session_idle_timeout_s=7, max_parked_blocks=0.5).to_dict()})
+    assert options(good) == {"idle_timeout_s": 7, "max_parked_blocks": 50}
+    bad = SimpleNamespace(additional_config={ADDITIONAL_CONFIG_KEY: {"method": "hyco", "max_parked_blocks": -1}})
     with pytest.raises(ConfigError, match="max_parked_blocks"):
-        HycoSchedulerMixin._hyco_registry_kwargs(bad)
-    plain = SimpleNamespace(vllm_config=SimpleNamespace(additional_config={}), kv_cache_manager=pool)
-    assert HycoSchedulerMixin._hyco_registry_kwargs(plain) == {}  # not a HyCo engine: registry defaults
+        options(bad)
+    plain = SimpleNamespace(additional_config={})
+    assert options(plain) == {}  # not a HyCo engine: registry defaults
 
 
 # -- the engine ---------------------------------------------------------------------------------------
@@ -70,7 +71,7 @@ def llm(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hy(llm):
-    from vllm_hyco.vllm_adapter.api import HycoEngine
+    from vllm_hyco.vllm_adapter.api_server.inprocess import HycoEngine
 
     return HycoEngine(llm)
 
@@ -93,7 +94,7 @@ def _prompts(rng, lengths):
 
 
 def test_more_trees_than_batch_slots_get_server_busy_and_resend(llm, hy):
-    from vllm_hyco.vllm_adapter import core_ext
+    from vllm_hyco.engine_contract import TreeSubmission, decode_result
 
     rng = random.Random(3)
     prompts = _prompts(rng, (12, 20, 7, 16, 9))
@@ -131,13 +132,12 @@ def test_more_trees_than_batch_slots_get_server_busy_and_resend(llm, hy):
     # The engine-core method the WebSocket route's client calls answers with the same code from the same
     # guard, in the one error format.
     core = _core(llm)
-    core_ext.install()
     handles = [hy.open(prompt_token_ids=p, temperature=0.0, max_tokens=4, ignore_eos=True)
                for p in prompts[:3]]
-    acks = [core.hyco_submit_tree(h.sid, 0, [h.root], [-1]) for h in handles]
+    acks = [core.hyco_submit_tree(TreeSubmission(h.sid, 0, (h.root,), (-1,)).to_wire()) for h in handles]
     assert [a["num_rows"] for a in acks[:2]] == [1, 1] and acks[2]["hyco_error"]["code"] == "server_busy"
     with pytest.raises(SessionError) as e:
-        core_ext.raise_if_error(acks[2])
+        decode_result("hyco_submit_tree", acks[2])
     assert e.value.code == "server_busy"
     assert len(core.scheduler.running) == SLOTS
     for h in handles:
@@ -146,7 +146,7 @@ def test_more_trees_than_batch_slots_get_server_busy_and_resend(llm, hy):
 
 def test_parked_block_cap_evicts_the_lru_session_which_reopens_with_its_committed_text(llm, hy):
     core = _core(llm)
-    reg = core.scheduler.hyco_sessions
+    reg = core.scheduler.hyco.sessions
     assert reg.max_parked_blocks == CAP  # from --speculative-config, through additional_config
     rng = random.Random(8)
     prompts = _prompts(rng, (90, 90, 90))
@@ -188,13 +188,13 @@ def _sizes(llm, hy) -> dict[str, int]:
     core = _core(llm)
     sched = core.scheduler
     runner = core.model_executor.driver_worker.worker.model_runner
-    reg = sched.hyco_sessions
-    st = runner._hyco_state()
+    reg = sched.hyco.sessions
+    st = runner.hyco
     return {"registry_sids": len(reg._by_sid), "registry_reqs": len(reg._by_req), "live": len(reg),
             "sched_requests": len(sched.requests), "running": len(sched.running),
             "waiting": len(sched.waiting),
-            "runner_requests": len(runner.requests), "runner_gens": len(st["gens"]),
-            "runner_verdicts": len(st["verdicts"]), "runner_trees": int(bool(st["trees"])),
+            "runner_requests": len(runner.requests), "runner_gens": len(st.gens),
+            "runner_verdicts": len(st.verdicts), "runner_trees": int(bool(st.trees)),
             "frontend_states": len(llm.llm_engine.output_processor.request_states),
             "api_outbox": len(hy._outbox), "api_sessions": len(hy._sessions), "api_sids": len(hy._sids),
             "api_in_round": len(hy._in_round),
@@ -223,7 +223,7 @@ def test_ended_sessions_leave_no_state_behind(llm, hy):
     from vllm.sampling_params import RequestOutputKind
 
     core = _core(llm)
-    reg = core.scheduler.hyco_sessions
+    reg = core.scheduler.hyco.sessions
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
     assert hy.run_plain("before", {"prompt_token_ids": [2, 7, 8, 9]}, params)[-1].finished  # earlier tests
     _forget_finished(reg)
@@ -283,7 +283,7 @@ def test_ended_sessions_leave_no_state_behind(llm, hy):
 
 def test_a_sampled_session_ending_on_an_idle_engine_frees_its_generator(llm, hy):
     runner = _core(llm).model_executor.driver_worker.worker.model_runner
-    gens = runner._hyco_state()["gens"]
+    gens = runner.hyco.gens
     s = hy.open(prompt_token_ids=[2, 40, 41, 42, 43], temperature=0.8, seed=5, max_tokens=8, ignore_eos=True)
     hy.submit(s.sid, 0, [s.root], [-1])
     assert s.engine_req_id in gens

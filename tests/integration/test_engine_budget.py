@@ -27,7 +27,7 @@ def llm(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hy(llm):
-    from vllm_hyco.vllm_adapter.api import HycoEngine
+    from vllm_hyco.vllm_adapter.api_server.inprocess import HycoEngine
 
     return HycoEngine(llm)
 
@@ -70,7 +70,7 @@ def _run(hy, prompts, refs, shapes, seed):
 
 
 def test_the_cost_model_is_fitted_on_the_engines_own_steps(llm, hy):
-    pol = _scheduler(llm).hyco_budget_policy
+    pol = _scheduler(llm).hyco.budget
     assert pol.policy == "adaptive" and pol.cap == 32
     before = pol.cost.steps
     prompts = S._prompts(3, seed=21)
@@ -84,7 +84,7 @@ def test_the_cost_model_is_fitted_on_the_engines_own_steps(llm, hy):
 
 def test_cut_trees_reproduce_plain_greedy_and_the_verdict_grants_the_cut(llm, hy):
     sched = _scheduler(llm)
-    pol = sched.hyco_budget_policy
+    pol = sched.hyco.budget
     saved = pol.cost
     pol.cost = _frozen(0.002, 0.001)  # rows are expensive: short prefixes
     try:
@@ -96,13 +96,13 @@ def test_cut_trees_reproduce_plain_greedy_and_the_verdict_grants_the_cut(llm, hy
     live = [v for v in verdicts if not v.finished]
     assert live and all(v.stats["num_rows"] < 33 for v in verdicts)  # every tree was cut
     # the phone is told to draft the cut; after round 0 (the SLM's tree alone, D2) the cap
-    assert all(v.budget == (32 if v.round == 0 else v.stats["num_rows"] - 1) for v in live)
+    assert all(v.node_budget == (32 if v.round == 0 else v.stats["num_rows"] - 1) for v in live)
     assert any(v.round > 0 for v in live)
     assert max(len(v.committed) for v in verdicts) > 1  # cut trees still accept paths
 
 
 def test_static_policy_verifies_whole_trees_and_grants_the_cap(llm, hy):
-    pol = _scheduler(llm).hyco_budget_policy
+    pol = _scheduler(llm).hyco.budget
     saved = pol.cost, pol.policy
     pol.cost, pol.policy = _frozen(0.002, 0.001), "static"
     try:
@@ -112,4 +112,4 @@ def test_static_policy_verifies_whole_trees_and_grants_the_cap(llm, hy):
     finally:
         pol.cost, pol.policy = saved
     assert all(v.stats["num_rows"] == 33 for v in verdicts if not v.finished)
-    assert all(v.budget == 32 for v in verdicts if not v.finished)
+    assert all(v.node_budget == 32 for v in verdicts if not v.finished)

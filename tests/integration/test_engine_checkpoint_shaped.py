@@ -3,7 +3,7 @@
 Both variants (``tests/checkpoint_shaped.py``), one engine each: ``Gemma4ForConditionalGeneration`` with
 its text model under ``language_model.``, a 262,144-token vocabulary, 128 experts top-8, and a variant
 whose last 4 layers own no cache (KV-shared). The hand-off and the compaction must find the layers vLLM
-built (``vllm_adapter/layers.py``), never the names a causal model would have. The first engine serves
+built (``vllm_adapter/worker/layers.py``), never the names a causal model would have. The first engine serves
 the text model only (``language_model_only``); the KV-shared one loads the towers too (one image per
 prompt allowed, ``skip_mm_profiling``: the CPU tests' torchvision stand-in cannot process the profiling
 images), which keeps the same class and prefixes.
@@ -34,7 +34,7 @@ def shaped(request):
     """(llm, HycoEngine, kv_shared): one engine per variant, shut down before the next one starts."""
     from vllm import LLM
 
-    from vllm_hyco.vllm_adapter.api import HycoEngine
+    from vllm_hyco.vllm_adapter.api_server.inprocess import HycoEngine
 
     kv_shared = request.param
     kwargs = dict(LLM_KWARGS)
@@ -62,7 +62,9 @@ def test_layers_are_the_ones_vllm_built(shaped):
     assert sorted(n for g in rgroups for n in g.layer_names) == sorted(attn(i) for i in range(12))
     text = runner.model_config.hf_text_config
     assert (runner.model_config.get_vocab_size(), text.num_experts, text.top_k_experts) == (262_144, 128, 8)
-    kv = runner._hyco_kv_layers()
+    from vllm_hyco.vllm_adapter.worker import tree_step
+
+    kv = tree_step.kv_layers(runner)
     assert list(kv.owners) == owners(kv_shared)
     assert kv.shared == ({attn(i): attn(t) for i, t in SHARED_TARGETS.items()} if kv_shared else {})
     assert kv.handoff == handoff_layers(kv_shared)
@@ -75,8 +77,8 @@ def test_layers_are_the_ones_vllm_built(shaped):
 
 def test_deep_trees_commit_greedy_and_hand_off_at_every_depth(shaped, monkeypatch):
     from vllm_hyco.kernels import quantize_int8_ref
-    from vllm_hyco.vllm_adapter import runner_mixin
-    from vllm_hyco.vllm_adapter.tree_step import handoff_scales
+    from vllm_hyco.vllm_adapter.worker import runner as runner_mixin
+    from vllm_hyco.vllm_adapter.worker.handoff_step import handoff_scales
 
     llm, hy, kv_shared = shaped
     captured: list[set[str]] = []
@@ -102,15 +104,15 @@ def test_deep_trees_commit_greedy_and_hand_off_at_every_depth(shaped, monkeypatc
         root = v.bonus
         h = v.handoff
         num_kv = len(prompt) + len(out) - 1  # positions with K/V: the bonus has none yet
-        assert h["layers"] == want_layers and h["position"] == num_kv - 1 and h["start"] == num_kv - 1 - depth
+        assert h.layers == want_layers and h.position == num_kv - 1 and h.start == num_kv - 1 - depth
         kv = _session_kv(llm, s.engine_req_id, num_kv)
         scales = handoff_scales(_runner(llm))
         for kind, name in want_layers.items():  # int8, quantized on the device from the compacted cache
             k, vv = kv[name]
             ks, vs = scales[kind]
-            assert torch.equal(h[f"{kind}_k"], quantize_int8_ref(k[-(depth + 1):], ks)), (rnd, kind)
-            assert torch.equal(h[f"{kind}_v"], quantize_int8_ref(vv[-(depth + 1):], vs)), (rnd, kind)
-        assert ("seed" in h) == (rnd == 0)
+            assert torch.equal(h.kv[kind].k, quantize_int8_ref(k[-(depth + 1):], ks)), (rnd, kind)
+            assert torch.equal(h.kv[kind].v, quantize_int8_ref(vv[-(depth + 1):], vs)), (rnd, kind)
+        assert (h.seed is not None) == (rnd == 0)
     assert out == ref
     # compaction moved every cache owner's rows: the cache equals a fresh prefill of the committed text
     text = prompt + out

@@ -45,7 +45,7 @@ def _run(hy, prompt_ids, ref_ids, rng, **fields):
 def test_eos_stop_strings_and_length_end_like_plain_vllm(llm):
     from vllm import SamplingParams
 
-    from vllm_hyco.vllm_adapter.api import HycoEngine
+    from vllm_hyco.vllm_adapter.api_server.inprocess import HycoEngine
 
     tok = llm.get_tokenizer()
     ids = [tok(p)["input_ids"] for p in PROMPTS]

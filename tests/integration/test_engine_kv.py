@@ -26,10 +26,10 @@ def llm(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hy(llm):
-    from vllm_hyco.vllm_adapter.api import HycoEngine
+    from vllm_hyco.vllm_adapter.api_server.inprocess import HycoEngine
 
     runner = _runner(llm)
-    runner._hyco_state()["debug_logits"] = True
+    runner.hyco.debug_logits = True
     return HycoEngine(llm)
 
 
@@ -43,7 +43,7 @@ def _runner(llm):
 
 def _session_kv(llm, req_id: str, num_positions: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Every cache-owning layer's K/V at positions [0, num_positions) of a request, via the KV view."""
-    from vllm_hyco.vllm_adapter.kv_view import cpu_kv_view, slots_for_positions
+    from vllm_hyco.vllm_adapter.worker.kv_view import cpu_kv_view, slots_for_positions
 
     core, runner = _core(llm), _runner(llm)
     block_ids = core.scheduler.kv_cache_manager.get_block_ids(req_id)
@@ -116,7 +116,7 @@ def test_handoff_rows_and_seed_match_the_cache(llm, hy):
     """The hand-off leaves the engine as int8, quantized on the device with the model's scales: it equals
     the quantizer's torch twin on the paged cache rows / the embedding, bit for bit."""
     from vllm_hyco.kernels import quantize_int8_ref
-    from vllm_hyco.vllm_adapter.tree_step import handoff_scales
+    from vllm_hyco.vllm_adapter.worker.handoff_step import handoff_scales
 
     rng = random.Random(11)
     prompt = [2] + [rng.randrange(5, VOCAB) for _ in range(44)]  # longer than the window (32)
@@ -132,27 +132,27 @@ def test_handoff_rows_and_seed_match_the_cache(llm, hy):
         h, d = v.handoff, len(v.path_rows)
         scales = handoff_scales(runner)
         num_kv = len(prompt) + len(out) - 1  # positions with K/V: the bonus has none yet
-        assert h["position"] == num_kv - 1 and h["start"] == num_kv - 1 - d
+        assert h.position == num_kv - 1 and h.start == num_kv - 1 - d
         with torch.no_grad():
             e = runner.model.embed_input_ids(torch.tensor([v.bonus]))[0]
-        assert h["e_bonus"].dtype == torch.int8 and torch.equal(h["e_bonus"], quantize_int8_ref(e, scales["e"]))
-        assert h["h"].shape == (64,) and h["h"].dtype == torch.int8
+        assert h.e_bonus.dtype == torch.int8 and torch.equal(h.e_bonus, quantize_int8_ref(e, scales["e"]))
+        assert h.h.shape == (64,) and h.h.dtype == torch.int8
         kv = _session_kv(llm, s.engine_req_id, num_kv)
         for kind in ("full", "sliding"):
-            k, vv = kv[h["layers"][kind]]
+            k, vv = kv[h.layers[kind]]
             ks, vs = scales[kind]
-            assert torch.equal(h[f"{kind}_k"], quantize_int8_ref(k[-(d + 1):], ks))
-            assert torch.equal(h[f"{kind}_v"], quantize_int8_ref(vv[-(d + 1):], vs))
+            assert torch.equal(h.kv[kind].k, quantize_int8_ref(k[-(d + 1):], ks))
+            assert torch.equal(h.kv[kind].v, quantize_int8_ref(vv[-(d + 1):], vs))
         if rnd == 0:  # D2: the first verdict carries the seed, the last W positions, from the paged cache
-            seed = h["seed"]
-            assert (seed["start"], seed["end"]) == (num_kv - 32, num_kv)
+            seed = h.seed
+            assert (seed.start, seed.end) == (num_kv - 32, num_kv)
             for kind in ("full", "sliding"):
-                k, vv = kv[h["layers"][kind]]
+                k, vv = kv[h.layers[kind]]
                 ks, vs = scales[kind]
-                assert torch.equal(seed[f"{kind}_k"], quantize_int8_ref(k[-32:], ks))
-                assert torch.equal(seed[f"{kind}_v"], quantize_int8_ref(vv[-32:], vs))
+                assert torch.equal(seed.kv[kind].k, quantize_int8_ref(k[-32:], ks))
+                assert torch.equal(seed.kv[kind].v, quantize_int8_ref(vv[-32:], vs))
         else:
-            assert "seed" not in h
+            assert h.seed is None
     assert out == ref[:len(out)]
     hy.close(s.sid)
 
@@ -221,7 +221,7 @@ def test_bad_input_gets_typed_errors_and_the_session_keeps_working(llm, hy):
     assert code_of(RequestFieldError, lambda: hy.open(prompt_token_ids=prompt, eps=0.01)) == "unsupported_field"
     assert code_of(SessionError, lambda: hy.open(prompt_token_ids=[2])) == "prompt_too_short"
     # idle timeout: the parked session is finished and its KV freed; the engine keeps serving
-    reg = _core(llm).scheduler.hyco_sessions
+    reg = _core(llm).scheduler.hyco.sessions
     old, reg.idle_timeout_s = reg.idle_timeout_s, 0.0
     try:
         assert s.sid in hy.poll()
@@ -273,7 +273,7 @@ def test_chain_trees_keep_the_stock_attention_and_the_same_rounds(llm, hy, monke
     """A tree that is a chain keeps vLLM's own attention (``VLLM_HYCO_CHAIN_ATTN=stock``): its logits and
     commits equal those of the recomputed rows (``tree``), in a step that mixes chains (one past the
     sliding window, one with a wrong token at depth 2) with a branching tree."""
-    from vllm_hyco.vllm_adapter import tree_plan
+    from vllm_hyco.vllm_adapter.worker import tree_plan
 
     rng = random.Random(12)
     prompts = [[2] + [rng.randrange(5, VOCAB) for _ in range(n)] for n in (5, 45, 60)]
@@ -337,7 +337,7 @@ def test_moe_router_hook_and_poisoned_expert_leave_a_tree_round_finite(llm, hy):
             assert rows.shape == (33, 2)
             finite = bool(torch.isfinite(v.stats["logits"]).all())
             if forced:
-                assert not (rows == 0).any() and finite and torch.isfinite(v.handoff["h"]).all()
+                assert not (rows == 0).any() and finite and torch.isfinite(v.handoff.h).all()
             else:  # control: without the forced logit some rows pick the poisoned expert and turn NaN
                 assert (rows == 0).any() and not finite
             root = v.bonus

@@ -30,7 +30,7 @@ def test_sessions_preempted_before_their_round_stay_exact_and_the_engine_keeps_s
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    from vllm_hyco.vllm_adapter.api import HycoEngine
+    from vllm_hyco.vllm_adapter.api_server.inprocess import HycoEngine
 
     sched = llm.llm_engine.engine_core.engine_core.scheduler
     rng = random.Random(1)
@@ -42,7 +42,7 @@ def test_sessions_preempted_before_their_round_stay_exact_and_the_engine_keeps_s
     real_preempt = sched._preempt_request
 
     def spy(request, *args, **kwargs):
-        s = sched.hyco_sessions.by_req(request.request_id)
+        s = sched.hyco.sessions.by_req(request.request_id)
         preempted.append((request.request_id, s.state.value if s is not None else None))
         return real_preempt(request, *args, **kwargs)
 

@@ -24,7 +24,7 @@ def llm(tmp_path_factory):
 def test_chunked_prefill_and_prefix_cached_sessions_share_seed_and_verdicts(llm):
     from vllm import SamplingParams
 
-    from vllm_hyco.vllm_adapter.api import HycoEngine
+    from vllm_hyco.vllm_adapter.api_server.inprocess import HycoEngine
 
     rng = random.Random(21)
     prompt = [2] + [rng.randrange(5, VOCAB) for _ in range(149)]  # 150 tokens: 3 chunks of <= 64
@@ -44,11 +44,12 @@ def test_chunked_prefill_and_prefix_cached_sessions_share_seed_and_verdicts(llm)
         va, vb = hy.submit_many([(a.sid, rnd, toks, pars), (b.sid, rnd, toks, pars)])
         assert va.committed == vb.committed == ref[len(outs[a.sid]):len(outs[a.sid]) + len(va.committed)]
         if rnd == 0:
-            sa, sb = va.handoff["seed"], vb.handoff["seed"]
-            assert (sa["start"], sa["end"]) == (sb["start"], sb["end"]) == (len(prompt) + len(va.committed) - 33,
-                                                                           len(prompt) + len(va.committed) - 1)
-            for key in ("full_k", "full_v", "sliding_k", "sliding_v"):
-                torch.testing.assert_close(sa[key], sb[key], **tol("kv_engine_vs_prefill", torch.float32))
+            sa, sb = va.handoff.seed, vb.handoff.seed
+            assert (sa.start, sa.end) == (sb.start, sb.end) == (len(prompt) + len(va.committed) - 33,
+                                                               len(prompt) + len(va.committed) - 1)
+            for kind in ("full", "sliding"):
+                for x, y in ((sa.kv[kind].k, sb.kv[kind].k), (sa.kv[kind].v, sb.kv[kind].v)):
+                    torch.testing.assert_close(x, y, **tol("kv_engine_vs_prefill", torch.float32))
         for v in (va, vb):
             outs[v.sid] += v.committed
             roots[v.sid] = v.bonus
@@ -61,7 +62,7 @@ def test_trees_cut_short_by_the_token_budget_still_verify(llm):
     """Two 33-row trees in one step of a 64-token budget: the second gets 31 rows, still a valid tree."""
     from vllm import SamplingParams
 
-    from vllm_hyco.vllm_adapter.api import HycoEngine
+    from vllm_hyco.vllm_adapter.api_server.inprocess import HycoEngine
 
     rng = random.Random(33)
     prompts = [[2] + [rng.randrange(5, VOCAB) for _ in range(20)] for _ in range(2)]
@@ -87,7 +88,7 @@ def test_a_fully_cached_prompt_still_opens_a_session(llm):
     """129 tokens: everything but the root (128 = 2 x 64) is a prefix-cache hit for the second session."""
     from vllm import SamplingParams
 
-    from vllm_hyco.vllm_adapter.api import HycoEngine
+    from vllm_hyco.vllm_adapter.api_server.inprocess import HycoEngine
 
     rng = random.Random(129)
     prompt = [2] + [rng.randrange(5, VOCAB) for _ in range(128)]
@@ -113,7 +114,7 @@ def test_parked_sessions_yield_their_kv_to_a_waiting_request(small_llm):
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    from vllm_hyco.vllm_adapter.api import HycoEngine
+    from vllm_hyco.vllm_adapter.api_server.inprocess import HycoEngine
     from vllm_hyco.errors import SessionError
 
     rng = random.Random(5)

@@ -14,7 +14,7 @@ import pytest
 def test_an_unverified_cpu_kv_layout_stops_the_engine_at_startup(fixtures_dir, make_llm, monkeypatch):
     from vllm.platforms import current_platform
 
-    from vllm_hyco.vllm_adapter import kv_view
+    from vllm_hyco.vllm_adapter.worker import kv_view
 
     if not current_platform.is_cpu():
         pytest.skip("the CPU_ATTN KV view is the CPU build's")

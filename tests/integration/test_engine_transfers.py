@@ -67,7 +67,7 @@ def _tree(root: int, rng: random.Random, n: int = 33) -> tuple[list[int], list[i
 
 
 def test_tree_steps_move_no_vocabulary_sized_tensor_to_the_host(llm):
-    from vllm_hyco.vllm_adapter.api import HycoEngine
+    from vllm_hyco.vllm_adapter.api_server.inprocess import HycoEngine
 
     hy = HycoEngine(llm)
     rng = random.Random(5)
@@ -83,14 +83,14 @@ def test_tree_steps_move_no_vocabulary_sized_tensor_to_the_host(llm):
             trees = [(s.sid, rnd, *_tree(roots[s.sid], rng)) for s in sessions]
             for v in hy.submit_many(trees):
                 roots[v.sid] = v.bonus
-                assert v.handoff["full_k"].dtype == torch.int8
+                assert v.handoff.kv["full"].k.dtype == torch.int8
     # control: the tests-only debug copy of the rows' logits is a vocabulary-sized transfer, and is seen
     runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
-    runner._hyco_state()["debug_logits"] = True
+    runner.hyco.debug_logits = True
     with TransferRecorder() as control:
         s = sessions[0]
         hy.submit(s.sid, 3, *_tree(roots[s.sid], rng))
-    runner._hyco_state()["debug_logits"] = False
+    runner.hyco.debug_logits = False
     assert control.vocab_sized(VOCAB)
     for s in sessions:
         hy.close(s.sid)

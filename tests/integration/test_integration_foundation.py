@@ -65,7 +65,7 @@ def test_hyco_engine_equals_plain_greedy_and_runs_no_head(fixtures_dir, referenc
     assert not vc.scheduler_config.async_scheduling
     assert HycoConfig.from_vllm_config(vc) == HycoConfig()
     core = llm.llm_engine.engine_core.engine_core  # in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0)
-    assert type(core.scheduler).__name__ == "HycoScheduler" and core.scheduler.hyco_config == HycoConfig()
+    assert type(core.scheduler).__name__ == "HycoScheduler" and core.scheduler.hyco.config == HycoConfig()
     runner = core.model_executor.driver_worker.worker.model_runner
     assert type(runner).__name__ == "HycoCPUModelRunner"
     assert _greedy(llm) == reference

@@ -12,7 +12,7 @@ K/V, non-contiguous blocks, a context across block boundaries and past the slidi
 The step's K/V rows are written at their sequential slots through ``BlockMajorKVView.scatter`` (where
 vLLM's writer puts them before attention), so the paged paths read them from the cache and the CPU
 override's path takes them fresh. Also: the view's gather/scatter round trip, and compaction on the
-block-major layout (``vllm_adapter.tree_step.compact``, the engine's, and ``kernels.compact_kv``) against a
+block-major layout (``vllm_adapter.worker.tree_step.compact``, the engine's, and ``kernels.compact_kv``) against a
 dense per-position reference. No vLLM import: the device machine (torch + Triton only) runs this file.
 """
 
@@ -37,9 +37,11 @@ from vllm_hyco.kernels import (
 )
 from vllm_hyco.kernels.tree_attention import first_visible_key
 from vllm_hyco.kernels.tree_rows import block_major_views, paged_tree_rows_attention, tree_rows_attention
-from vllm_hyco.vllm_adapter import tree_step
-from vllm_hyco.vllm_adapter.kv_view import BlockMajorKVView, slots_for_positions
-from vllm_hyco.vllm_adapter.tree_plan import TreeRows, TreeStep
+from vllm_hyco.vllm_adapter.worker import handoff_step, tree_step
+from vllm_hyco.vllm_adapter.worker.layers import KVLayers
+from vllm_hyco.vllm_adapter.worker.state import RunnerState
+from vllm_hyco.vllm_adapter.worker.kv_view import BlockMajorKVView, slots_for_positions
+from vllm_hyco.vllm_adapter.worker.tree_plan import TreeRows, TreeStep
 
 
 class PagedRequests:
@@ -90,7 +92,7 @@ class PagedRequests:
             1 / math.sqrt(self.dim), window, softcap, backend=backend)
 
     def cpu_override(self, r, window, softcap):
-        """The CPU_ATTN override's computation (vllm_adapter/cpu_attention.py), on this layout."""
+        """The CPU_ATTN override's computation (vllm_adapter/worker/cpu_attention.py), on this layout."""
         t = self.context_lens[r]
         lo = 0 if not window else max(0, t - window + 1)
         k_pre, v_pre = self.view.gather(self.kv, self.slots(r, torch.arange(lo, t)))
@@ -224,22 +226,23 @@ def test_block_major_view_refuses_quantized_caches():
 
 
 def _runner(groups: dict, t: int, n: int, window: int | None = None, scales: dict | None = None):
-    """What ``vllm_adapter.tree_step`` reads from vLLM's runner, for one tree at batch row 0 (q_start 0):
+    """What ``vllm_adapter.worker.tree_step`` / ``handoff_step`` read from vLLM's runner (and its HyCo state,
+    ``worker/state.py``), for one tree at batch row 0 (q_start 0):
     one KV group per layer, its slot mapping holding the sequential slots of positions t .. t + n - 1."""
     layers = {name: SimpleNamespace(kv_cache=g.kv, kv_cache_dtype="auto") for name, g in groups.items()}
     tables = [SimpleNamespace(slot_mapping=SimpleNamespace(gpu=g.slots(0, torch.arange(t, t + n))),
                               block_table=SimpleNamespace(gpu=g.block_tables.to(DEVICE)), block_size=g.bs)
               for g in groups.values()]
-    state = {"scales": scales}
+    # layers.discover's cache owners and hand-off layers, as the runner reads them once
+    state = RunnerState(config=None, window=window or 0, scales=scales,
+                        kv_layers=KVLayers(owners=tuple(groups), handoff={k: k for k in groups}))
     hidden = next(iter(groups.values())).dim
     return SimpleNamespace(
-        _hyco_state=lambda: state, device=torch.device(DEVICE),
+        hyco=state, device=torch.device(DEVICE),
         vllm_config=SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1)),  # one TP rank
         kv_cache_config=SimpleNamespace(kv_cache_groups=[SimpleNamespace(layer_names=[k]) for k in groups]),
         compilation_config=SimpleNamespace(static_forward_context=layers),
-        input_batch=SimpleNamespace(block_table=tables), _hyco_window=lambda: window,
-        _hyco_handoff_layers=lambda: {k: k for k in groups},
-        _hyco_kv_layers=lambda: SimpleNamespace(owners=tuple(groups)),  # layers.discover's cache owners
+        input_batch=SimpleNamespace(block_table=tables),
         model=SimpleNamespace(embed_input_ids=lambda ids: ids.float().unsqueeze(1).expand(-1, hidden)))
 
 
@@ -291,7 +294,7 @@ def test_compaction_on_block_major_layout_equals_dense_reference(path_rows):
 
 
 def test_handoff_gather_after_compaction_is_the_committed_rows_in_int8():
-    """``tree_step.handoff`` after ``tree_step.compact``: the root + path rows and round 0's seed (the last W
+    """``handoff_step.handoff`` after ``tree_step.compact``: the root + path rows and round 0's seed (the last W
     committed positions) of both hand-off layers, read from the paged cache and quantized on the device,
     equal the int8 of the dense committed rows; h and e(bonus) are quantized with their scales."""
     from vllm_hyco.kernels import quantize_int8_ref
@@ -316,18 +319,18 @@ def test_handoff_gather_after_compaction_is_the_committed_rows_in_int8():
     step, verdict = _compact(runner, tr, path_rows)
     hidden = torch.randn(n, 64, generator=gen).to(DEVICE)
     dec = tree_step.StepDecision(verdict=verdict, path_rows=[path_rows], bonus=[5], hits=[0], samples=[[]])
-    (h,) = tree_step.handoff(runner, step, dec, hidden)
+    (h,) = handoff_step.handoff(runner, step, dec, hidden)
     committed = t + 1 + len(path_rows)
-    assert (h["position"], h["start"]) == (committed - 1, t)
-    assert torch.equal(h["h"], quantize_int8_ref(hidden[path_rows[-1]], scales["h"]).cpu())
-    assert torch.equal(h["e_bonus"], quantize_int8_ref(torch.full((64,), 5.0, device=DEVICE), scales["e"]).cpu())
-    seed = h["seed"]
-    assert (seed["start"], seed["end"]) == (committed - window, committed)
+    assert (h.position, h.start) == (committed - 1, t)
+    assert torch.equal(h.h, quantize_int8_ref(hidden[path_rows[-1]], scales["h"]).cpu())
+    assert torch.equal(h.e_bonus, quantize_int8_ref(torch.full((64,), 5.0, device=DEVICE), scales["e"]).cpu())
+    seed = h.seed
+    assert (seed.start, seed.end) == (committed - window, committed)
     for kind in layers:
         ks, vs = scales[kind]
-        for got, want, sc in ((h[f"{kind}_k"], dense[kind][0][t:], ks), (h[f"{kind}_v"], dense[kind][1][t:], vs),
-                              (seed[f"{kind}_k"], dense[kind][0][committed - window:], ks),
-                              (seed[f"{kind}_v"], dense[kind][1][committed - window:], vs)):
+        for got, want, sc in ((h.kv[kind].k, dense[kind][0][t:], ks), (h.kv[kind].v, dense[kind][1][t:], vs),
+                              (seed.kv[kind].k, dense[kind][0][committed - window:], ks),
+                              (seed.kv[kind].v, dense[kind][1][committed - window:], vs)):
             assert got.device.type == "cpu" and got.dtype == torch.int8
             assert torch.equal(got, quantize_int8_ref(want, sc).cpu())
 

@@ -10,7 +10,7 @@ DOC = (ROOT / "docs" / "architecture.md").read_text()
 
 
 def _named(rel: str) -> bool:
-    """A module is named by its path relative to its package (``vllm_adapter/bridge.py``) or by a
+    """A module is named by its path relative to its package (``vllm_adapter/api_server/engine_client.py``) or by a
     ``folder/*.py`` row."""
     folder = rel.rsplit("/", 1)[0] if "/" in rel else ""
     return f"`{rel}`" in DOC or re.search(rf"[ `,]{re.escape(rel)}`", DOC) is not None or (

@@ -195,13 +195,14 @@ def test_policy_logs_predictions_for_the_reliability_table():
 def test_the_budget_and_the_cost_fit_are_prometheus_metrics():
     from prometheus_client import REGISTRY
 
+    from vllm_hyco.engine_contract import BudgetInfo, CostFit
     from vllm_hyco.serving import metrics
 
     m = metrics.get()
     before = REGISTRY.get_sample_value("vllm_hyco_node_budget_count") or 0.0
     pol = BudgetPolicy(32)
     pol.cost = fitted(0.004, 0.0002)
-    info = {"nodes_verified": 5, **pol.cost.snapshot()}
+    info = BudgetInfo(pol.policy, pol.cap, nodes_sent=8, nodes_verified=5, cost=CostFit.from_snapshot(pol.cost.snapshot()))
     m.node_budget(info, 6)
     assert REGISTRY.get_sample_value("vllm_hyco_node_budget_count") == before + 1
     assert REGISTRY.get_sample_value("vllm_hyco_verified_nodes_bucket", {"le": "8.0"}) >= 1

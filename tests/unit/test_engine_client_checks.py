@@ -1,4 +1,4 @@
-"""The engine client's request checks (vllm_hyco/vllm_adapter/bridge.py), without an engine: every client
+"""The engine client's request checks (vllm_hyco/vllm_adapter/api_server/engine_client.py), without an engine: every client
 mistake in a `start` body is a typed error with a client code naming the field (the code the OpenAI
 routes' 4xx would carry), never an untyped exception that would reach the phone as ``internal_error``;
 both callers (the phone route and the in-process harness) share the one list of sampling fields."""
@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from vllm_hyco.errors import ERROR_CODES, FrameError, RequestFieldError
-from vllm_hyco.vllm_adapter import api, bridge
+from vllm_hyco.vllm_adapter.api_server import inprocess as api, engine_client as bridge
 
 BASE = {"model": "tiny", "prompt": "x", "max_tokens": 8, "temperature": 0.0}
 CASES = [

@@ -1,4 +1,4 @@
-"""The GPU tree-attention backend (vllm_adapter/gpu_attention.py), our side of it, on the CPU build.
+"""The GPU tree-attention backend (vllm_adapter/worker/gpu_attention.py), our side of it, on the CPU build.
 
 vLLM 0.32's Triton backend classes import on the CPU build, so the subclass is built here on CPU tensors.
 The stock Triton forward and KV writer cannot run without a GPU; they are replaced by stubs (the forward
@@ -27,10 +27,10 @@ from vllm.v1.attention.backend import AttentionCGSupport
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
 
-from vllm_hyco.vllm_adapter import gpu_attention, tree_plan
-from vllm_hyco.vllm_adapter.expansion import expand_engine_args
-from vllm_hyco.vllm_adapter.kv_view import BlockMajorKVView, slots_for_positions
-from vllm_hyco.vllm_adapter.tree_plan import TreeRows
+from vllm_hyco.vllm_adapter.worker import gpu_attention, tree_plan
+from vllm_hyco.vllm_adapter.api_server.expansion import expand_engine_args
+from vllm_hyco.vllm_adapter.worker.kv_view import BlockMajorKVView, slots_for_positions
+from vllm_hyco.vllm_adapter.worker.tree_plan import TreeRows
 from vllm_hyco.errors import ConfigError, HardwareUnsupportedError
 from vllm_hyco.kernels import tree_attention_dense_ref
 
@@ -194,7 +194,7 @@ def test_expansion_selects_tree_attention_on_gpu_only():
 
 
 def test_gpu_worker_refuses_the_v2_runner():
-    from vllm_hyco.vllm_adapter.worker import HycoWorker
+    from vllm_hyco.vllm_adapter.worker.gpu_worker import HycoWorker
 
     with pytest.raises(HardwareUnsupportedError, match="V1 GPU model runner"):
         HycoWorker._make_model_runner(SimpleNamespace(use_v2_model_runner=True))

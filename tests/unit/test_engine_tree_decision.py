@@ -13,8 +13,8 @@ import pytest
 import torch
 from tree_reference import decide_one_tree
 
-from vllm_hyco.vllm_adapter import tree_step
-from vllm_hyco.vllm_adapter.tree_plan import TreeRows
+from vllm_hyco.vllm_adapter.worker import tree_step
+from vllm_hyco.vllm_adapter.worker.tree_plan import TreeRows
 
 V = 300
 

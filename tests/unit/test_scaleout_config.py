@@ -10,7 +10,7 @@ import pytest
 
 from vllm_hyco.config import HycoConfig
 from vllm_hyco.errors import ConfigError
-from vllm_hyco.vllm_adapter.expansion import REFUSALS, expand_engine_args
+from vllm_hyco.vllm_adapter.api_server.expansion import REFUSALS, expand_engine_args
 
 
 def _args(**overrides):

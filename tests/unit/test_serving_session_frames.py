@@ -19,7 +19,9 @@ from vllm_hyco.handoff.server_frames import SessionFrame, VerdictFrame
 from vllm_hyco.handoff.session_id import route_key
 from vllm_hyco.serving.handoffs import ServerModel
 from vllm_hyco.serving.service import HycoService, WireError
-from vllm_hyco.vllm_adapter.bridge import EngineSession, RoundResult
+from vllm_hyco.engine_contract import Handoff, HandoffSeed, KVRows, RoundVerdict, TreeVerdict
+from vllm_hyco.serving.engine_port import RoundResult
+from vllm_hyco.vllm_adapter.api_server.engine_client import EngineSession
 
 PROMPT = [1, 2, 3, 4, 5]
 
@@ -39,20 +41,19 @@ class FakeBridge:
         self.closed += 1
 
     def _rows(self, n):
-        out = {}
-        for layer in self.spec.layers:
-            shape = (n, layer.kv_heads, layer.head_dim)
-            out[f"{layer.kind}_k"] = out[f"{layer.kind}_v"] = np.zeros(shape, np.int8)  # the engine sends int8
-        return out
+        zeros = {layer.kind: np.zeros((n, layer.kv_heads, layer.head_dim), np.int8) for layer in self.spec.layers}
+        return {kind: KVRows(z, z) for kind, z in zeros.items()}  # the engine sends int8
 
-    async def round(self, es, round_, tokens, parents, labels=None, values=None, draft_q=None):
+    async def round(self, es, tree):
+        round_ = tree.round
         position = len(PROMPT) - 1 + round_  # the root's position (no node is ever accepted)
-        h = {"e_bonus": np.ones(self.spec.hidden_size, np.int8), "h": None, "position": position,
-             "start": position, **self._rows(1)}
-        if round_ == 0:
-            h["seed"] = {"start": 0, **self._rows(position + 1)}
-        raw = {"path_rows": [], "bonus": 100 + round_, "committed": [100 + round_], "handoff": h}
-        return RoundResult(raw, [100 + round_], f"<{100 + round_}>", None)
+        seed = HandoffSeed(0, position + 1, self._rows(position + 1)) if round_ == 0 else None
+        h = Handoff(position=position, start=position, e_bonus=np.ones(self.spec.hidden_size, np.int8), h=None,
+                    layers={}, kv=self._rows(1), seed=seed)
+        tree_verdict = TreeVerdict(round=round_, path_rows=(), bonus=100 + round_, hits=0, num_rows=len(tree.tokens),
+                                   root_pos=position, samples=(), handoff=h, host_s=0.0)
+        verdict = RoundVerdict(tree_verdict, committed=(100 + round_,), finish_reason=None, budget=32)
+        return RoundResult(verdict, [100 + round_], f"<{100 + round_}>", None)
 
 
 def service():

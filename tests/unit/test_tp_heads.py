@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from vllm_hyco.kernels import quantize_int8
-from vllm_hyco.vllm_adapter.tp_heads import HeadShard, gather_heads
+from vllm_hyco.vllm_adapter.worker.tp_heads import HeadShard, gather_heads
 
 
 def _simulate(pieces_full: list[torch.Tensor], tp: int) -> tuple[list[torch.Tensor], int]:

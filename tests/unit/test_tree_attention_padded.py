@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from vllm_hyco.kernels.tree_attention import tree_attention_dense_ref, tree_attention_padded
-from vllm_hyco.vllm_adapter.tree_plan import PaddedTrees, TreeRows
+from vllm_hyco.vllm_adapter.worker.tree_plan import PaddedTrees, TreeRows
 
 BLOCK = 16
 HQ, HKV, D = 4, 2, 8
@@ -103,7 +103,7 @@ def test_padded_attention_rejects_disagreeing_shapes():
 def test_chains_are_left_to_the_stock_attention(monkeypatch):
     """``masked_trees`` drops the chains (causal mask, sequential positions) unless
     ``VLLM_HYCO_CHAIN_ATTN=tree``; ``active_trees`` keeps every tree (decision, compaction, hand-off)."""
-    from vllm_hyco.vllm_adapter import tree_plan
+    from vllm_hyco.vllm_adapter.worker import tree_plan
 
     def tree(req_id, parents):
         n = len(parents)

@@ -16,7 +16,7 @@ import pytest
 from vllm_hyco.errors import TreeValidationError
 from vllm_hyco.handoff.tree_contract import (
     DEFAULT_NODE_BUDGET,
-    MAX_TREE_NODES,
+    MAX_NODE_BUDGET,
     MAX_TREE_ROWS,
     NodeLabel,
     ancestor_mask,
@@ -78,7 +78,7 @@ def test_labels_are_the_wire_values():
 
 def test_limits():
     assert DEFAULT_NODE_BUDGET == 32
-    assert MAX_TREE_ROWS == 64 and MAX_TREE_NODES == 63
+    assert MAX_TREE_ROWS == 64 and MAX_NODE_BUDGET == 63
 
 
 def test_every_default_budget_is_the_contracts():
@@ -165,7 +165,7 @@ def test_every_prefix_of_a_tree_is_a_tree(seed):
     fields are the prefix of the whole tree's."""
     rng = random.Random(1000 + seed)
     tokens, parents = random_tree(rng.randrange(1, MAX_TREE_ROWS + 1), rng)
-    validate_tree(tokens, parents, vocab_size=V, budget=MAX_TREE_NODES)
+    validate_tree(tokens, parents, vocab_size=V, budget=MAX_NODE_BUDGET)
     full_d, full_m, full_a = depths(parents), ancestor_mask(parents), ancestor_matrix(parents)
     for k in range(1, len(parents) + 1):
         validate_tree(tokens[:k], parents[:k], vocab_size=V, budget=k - 1)
@@ -274,7 +274,7 @@ def test_valid_trees_of_every_input_form():
                   labels=np.array([0, 2], np.uint8))
     validate_tree([np.int64(7), np.int32(8)], [-1, 0], vocab_size=V)
     tokens = list(range(MAX_TREE_ROWS))
-    validate_tree(tokens, [-1] + tokens[:-1], vocab_size=V, budget=MAX_TREE_NODES)
+    validate_tree(tokens, [-1] + tokens[:-1], vocab_size=V, budget=MAX_NODE_BUDGET)
 
 
 def test_random_corruptions_are_rejected_with_their_code():

@@ -1,4 +1,4 @@
-"""Layer discovery from what vLLM built (``vllm_adapter/layers.py``) and the start-up refusals of the
+"""Layer discovery from what vLLM built (``vllm_adapter/worker/layers.py``) and the start-up refusals of the
 configurations where the KV-capture hook cannot run (``vllm_adapter/expansion.check_capture``).
 
 The forward contexts below mirror what vLLM 0.32 builds for the checkpoint-shaped fixture
@@ -14,8 +14,9 @@ import pytest
 from checkpoint_shaped import SHARED_TARGETS, attn, handoff_layers, owners
 
 from vllm_hyco.errors import ConfigError, KVCaptureError
-from vllm_hyco.vllm_adapter.expansion import expand_engine_args
-from vllm_hyco.vllm_adapter.layers import check_captured, discover
+from vllm_hyco.models.gemma4 import GEMMA4
+from vllm_hyco.vllm_adapter.api_server.expansion import expand_engine_args
+from vllm_hyco.vllm_adapter.worker.layers import check_captured, discover
 
 
 def _context(kv_shared: bool) -> dict[str, object]:
@@ -28,12 +29,21 @@ def _context(kv_shared: bool) -> dict[str, object]:
     return ctx
 
 
+def _handoff_ids(kv_shared: bool) -> dict[str, int]:
+    """The Gemma 4 seam's hand-off layers of the checkpoint-shaped layout (12 layers, full at 5 and 11)."""
+    cfg = {"model_type": "gemma4_text", "hidden_size": 64, "num_key_value_heads": 2, "head_dim": 32,
+           "sliding_window": 1024, "num_kv_shared_layers": len(SHARED_TARGETS) if kv_shared else 0,
+           "layer_types": ["full_attention" if i in (5, 11) else "sliding_attention" for i in range(12)]}
+    return {layer.kind: layer.layer_id for layer in GEMMA4.handoff_layers(cfg)}
+
+
 @pytest.mark.parametrize("kv_shared", [False, True])
 def test_discover_owners_shared_and_handoff_layers(kv_shared):
     groups = [SimpleNamespace(layer_names=owners(kv_shared)[:3]), SimpleNamespace(layer_names=owners(kv_shared)[3:])]
-    kv = discover(_context(kv_shared), groups)
+    kv = discover(_context(kv_shared), groups, handoff=_handoff_ids(kv_shared))
     # the runner's copy of the groups also lists the KV-shared layers (in their target's group)
-    assert discover(_context(kv_shared), [*groups, SimpleNamespace(layer_names=list(kv.shared))]) == kv
+    assert discover(_context(kv_shared), [*groups, SimpleNamespace(layer_names=list(kv.shared))],
+                    handoff=_handoff_ids(kv_shared)) == kv
     assert list(kv.owners) == owners(kv_shared)
     assert kv.handoff == handoff_layers(kv_shared)
     assert kv.shared == ({attn(i): attn(t) for i, t in SHARED_TARGETS.items()} if kv_shared else {})
@@ -44,9 +54,14 @@ def test_discover_orders_by_layer_index_and_reads_triton_windows():
     ctx = {f"model.layers.{i}.self_attn.attn": SimpleNamespace(
         impl=SimpleNamespace(sliding_window=(-1, -1) if i == 10 else (127, 0)), kv_cache=None)
         for i in (10, 2, 9)}
-    kv = discover(ctx)
+    kv = discover(ctx, handoff={"full": 10, "sliding": 9})
     assert kv.owners == tuple(f"model.layers.{i}.self_attn.attn" for i in (2, 9, 10))
     assert kv.handoff == {"full": "model.layers.10.self_attn.attn", "sliding": "model.layers.9.self_attn.attn"}
+    # the kinds read from the windows must be the seam's: a layer of the other kind is refused by name
+    with pytest.raises(ConfigError, match="hand-off layer 9 runs sliding attention"):
+        discover(ctx, handoff={"full": 9})
+    with pytest.raises(ConfigError, match="hand-off layer 4 is not among"):
+        discover(ctx, handoff={"sliding": 4})
 
 
 def test_discover_refuses_what_it_cannot_trust():

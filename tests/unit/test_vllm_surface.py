@@ -1,102 +1,37 @@
 """The vLLM surface HyCo hooks into still exists, with the signatures HyCo was written against.
 
-Every method HyCo overrides (found by introspecting HyCo's subclasses of vLLM classes) and every recorded
-Patch target (the registry of ``vllm_hyco/vllm_adapter/patches/__init__.py``) must exist in the installed
-vLLM with the parameters listed in ``EXPECTED``. A vLLM upgrade that renames, removes or re-signs one of
-them fails here, in the unit tier, before any engine starts. A new override or patch fails too until it
-has its row in ``EXPECTED`` (the table is the reviewed list of the surface). Imports vLLM classes; starts
-no engine.
+Every method HyCo overrides (found by introspecting HyCo's subclasses of vLLM classes), every recorded Patch
+target (the registry of ``vllm_hyco/vllm_adapter/patches/__init__.py``, and the lab's step profiler's
+``hyco_lab.bench.stepcost.PROFILE_PATCHES``) and every private name HyCo reads must exist in the installed
+vLLM with the parameters listed in ``vllm_hyco/vllm_adapter/surface.py`` (``SIGNATURES``, the reviewed list of
+the surface). A vLLM upgrade that renames, removes or re-signs one of them fails here, in the unit tier,
+before any engine starts; a new override or patch fails too until it has its row. And no private vLLM name
+appears in the adapter outside ``surface.py`` but as a pinned override or patch. Imports vLLM classes;
+starts no engine.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib
 import inspect
 import pkgutil
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("vllm")
 
 from vllm_hyco.vllm_adapter import patches as patches_pkg  # noqa: E402
+from vllm_hyco.vllm_adapter import surface  # noqa: E402
 from vllm_hyco.vllm_adapter.patches import Patch  # noqa: E402
 
+ADAPTER = Path(surface.__file__).parent
 # HyCo's subclasses of vLLM classes live in these adapter modules.
-SUBCLASS_MODULES = ("scheduler", "cpu_worker", "worker", "cpu_attention", "gpu_attention")
-
-# "module:Class.attr" of the vLLM class that defines it -> its parameters as HyCo expects them
-# ("self, a, *args, b=, **kw": names, kinds; "=" marks a default). None: a plain class attribute.
-EXPECTED: dict[str, str | None] = {
-    # scheduler (sched_mixin.py, scheduler.py)
-    "vllm.v1.core.sched.scheduler:Scheduler.__init__":
-        "self, vllm_config, kv_cache_config, structured_output_manager, block_size, hash_block_size=, "
-        "mm_registry=, include_finished_set=, log_stats=",
-    "vllm.v1.core.sched.scheduler:Scheduler.add_request": "self, request",
-    "vllm.v1.core.sched.scheduler:Scheduler._reserve_prefill_lookahead":
-        "self, request, num_computed_tokens, num_new_tokens",
-    "vllm.v1.core.sched.scheduler:Scheduler._get_local_prefix_cache_hit": "self, request",
-    "vllm.v1.core.sched.scheduler:Scheduler.schedule": "self, throttle_prefills=",
-    "vllm.v1.core.sched.scheduler:Scheduler.update_from_output": "self, scheduler_output, model_runner_output",
-    "vllm.v1.core.sched.scheduler:Scheduler.update_draft_token_ids": "self, draft_token_ids",
-    "vllm.v1.core.sched.scheduler:Scheduler.finish_requests": "self, request_ids, finished_status",
-    "vllm.v1.core.sched.scheduler:Scheduler.has_requests": "self",  # gather_mixin.py (step gathering)
-    # runners (runner_mixin.py, cpu_worker.py, worker.py)
-    "vllm.v1.worker.gpu_model_runner:GPUModelRunner.__init__": "self, vllm_config, device",
-    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._update_states": "self, scheduler_output",
-    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._prepare_inputs": "self, scheduler_output, num_scheduled_tokens",
-    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._sample": "self, logits, spec_decode_metadata",
-    "vllm.v1.worker.gpu_model_runner:GPUModelRunner.sample_tokens": "self, grammar_output",
-    "vllm.v1.worker.gpu_model_runner:GPUModelRunner.load_model": "self, load_dummy_weights=, *, model=",
-    "vllm.v1.worker.gpu_model_runner:GPUModelRunner.initialize_kv_cache":
-        "self, kv_cache_config, is_profiling=, kv_cache_allocation_context=",
-    "vllm.v1.worker.cpu_model_runner:CPUModelRunner.__init__": "self, vllm_config, device",
-    "vllm.v1.worker.cpu_model_runner:CPUModelRunner.initialize_kv_cache":
-        "self, kv_cache_config, is_profiling=, kv_cache_allocation_context=",
-    # engine core, wrapped by the step timing (patches/step_timing.py)
-    "vllm.v1.engine.core:EngineCore.step": "self",
-    "vllm.v1.engine.core:EngineCore.step_with_batch_queue": "self",
-    "vllm.v1.engine.core:EngineCore.post_step": "self, model_executed",
-    # workers (cpu_worker.py, worker.py)
-    "vllm.v1.worker.cpu_worker:CPUWorker.init_device": "self",
-    "vllm.v1.worker.gpu_worker:Worker.__init__":
-        "self, vllm_config, local_rank, rank, distributed_init_method, is_driver_worker=",
-    "vllm.v1.worker.gpu_worker:Worker._make_model_runner": "self",
-    # attention backends (cpu_attention.py, gpu_attention.py)
-    "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl.forward":
-        "self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=, output_block_scale=",
-    "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl.do_kv_cache_update":
-        "self, layer, key, value, kv_cache, slot_mapping",
-    "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackend.get_impl_cls": "",
-    "vllm.v1.attention.backends.triton_attn:TritonAttentionImpl.forward":
-        "self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=, output_block_scale=",
-    "vllm.v1.attention.backends.triton_attn:TritonAttentionImpl.do_kv_cache_update":
-        "self, layer, key, value, kv_cache, slot_mapping",
-    "vllm.v1.attention.backends.triton_attn:TritonAttentionMetadataBuilder._cudagraph_support": None,
-    "vllm.v1.attention.backends.triton_attn:TritonAttentionBackend.get_name": "",
-    "vllm.v1.attention.backends.triton_attn:TritonAttentionBackend.get_impl_cls": "",
-    "vllm.v1.attention.backends.triton_attn:TritonAttentionBackend.get_builder_cls": "",
-    # recorded patches (patches/*.py); a Patch with adds=True needs no row (its name must be free instead)
-    "vllm.engine.arg_utils:EngineArgs.add_cli_args": "parser",
-    "vllm.engine.arg_utils:EngineArgs.create_engine_config": "self, usage_context=, headless=",
-    "vllm.utils.cpu_triton_utils._expand_kernel_impl":
-        "output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=",
-    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._bookkeeping_sync":
-        "self, scheduler_output, sampler_output, logits, hidden_states, num_scheduled_tokens",
-    "importlib.metadata.version": "distribution_name",
-    "vllm.v1.worker.gpu_worker:Worker.execute_model": "self, scheduler_output",
-    "vllm.v1.worker.gpu_worker:Worker.sample_tokens": "self, grammar_output",
-    "vllm.v1.worker.gpu_worker:Worker.take_draft_token_ids": "self",
-    # step_timing wraps CPUWorker's own overrides only; in 0.32 it inherits the three from Worker
-    "vllm.v1.worker.cpu_worker:CPUWorker.execute_model": "self, scheduler_output",
-    "vllm.v1.worker.cpu_worker:CPUWorker.sample_tokens": "self, grammar_output",
-    "vllm.v1.worker.cpu_worker:CPUWorker.take_draft_token_ids": "self",
-}
-# Adapter modules outside patches/ that may hold Patch objects (the engine-core extensions).
-PATCHING_MODULES = ("core_ext",)
-# Targets that exist only in vLLM's CPU build (skipped, not failed, on another platform).
-CPU_ONLY_MODULES = ("vllm.utils.cpu_triton_utils", "vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner",
-                    "vllm.v1.attention.backends.cpu_attn", "vllm_hyco.vllm_adapter.cpu_worker",
-                    "vllm_hyco.vllm_adapter.cpu_attention")
+SUBCLASS_MODULES = ("engine_core.scheduler", "worker.cpu_worker", "worker.gpu_worker", "worker.cpu_attention",
+                    "worker.gpu_attention")
+EXPECTED = surface.SIGNATURES
+CPU_ONLY_MODULES = surface.CPU_ONLY_MODULES
 
 
 def _params(obj) -> str:
@@ -167,7 +102,7 @@ def registered_patches() -> list[Patch]:
     """Every Patch object of the registry (module attributes ``PATCH``/``PATCHES`` and friends)."""
     out: list[Patch] = []
     names = [f"{patches_pkg.__name__}.{info.name}" for info in pkgutil.iter_modules(patches_pkg.__path__)]
-    names += [f"vllm_hyco.vllm_adapter.{m}" for m in PATCHING_MODULES]
+    names.append("hyco_lab.bench.stepcost")  # the lab's step profiler patches vLLM classes too
     for name in names:
         try:
             mod = importlib.import_module(name)
@@ -234,8 +169,13 @@ def test_overrides_take_the_parameters_vllm_passes():
     assert not problems, "\n".join(problems)
 
 
+def _upstream(p: Patch) -> bool:
+    """A patch of vLLM (or of what vLLM calls), not of HyCo's own modules (the profiler wraps both)."""
+    return not p.target.startswith(("vllm_hyco", "hyco_lab"))
+
+
 def test_every_recorded_patch_target_exists_with_the_expected_signature():
-    patches = registered_patches()
+    patches = [p for p in registered_patches() if _upstream(p)]
     assert len(patches) >= 6, "the patch registry looks empty"
     problems: list[str] = []
     for p in patches:
@@ -258,7 +198,7 @@ def test_every_recorded_patch_target_exists_with_the_expected_signature():
 
 def test_expected_table_has_no_stale_rows():
     """Every row of EXPECTED is an override or a patch target today (a removed hook removes its row)."""
-    live = set(overrides()) | {_key(p) for p in registered_patches()}
+    live = set(overrides()) | {_key(p) for p in registered_patches()} | set(surface.PRIVATE_READS)
     if not _on_cpu():
         live |= {k for k in EXPECTED if _module_of(k) in CPU_ONLY_MODULES}
     assert set(EXPECTED) <= live, sorted(set(EXPECTED) - live)
@@ -269,3 +209,107 @@ def test_the_check_catches_a_changed_signature():
     assert _check("vllm.v1.core.sched.scheduler:Scheduler.add_request", None)
     assert _check("no.such:Thing.method", lambda self: None)
     assert not _check("vllm.v1.core.sched.scheduler:Scheduler.add_request", lambda self, request: None)
+
+
+def _resolve(key: str):
+    module, _, attr = key.partition(":") if ":" in key else (key.rsplit(".", 1)[0], "", key.rsplit(".", 1)[1])
+    obj = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def test_private_reads_exist():
+    problems = [k for k in surface.PRIVATE_READS if _resolve(k) is None]
+    assert not problems, f"gone from the installed vLLM: {problems}"
+    assert set(surface.PRIVATE_READS) <= set(EXPECTED)
+
+
+@pytest.mark.parametrize("patch", [p for p in registered_patches() if p.target.startswith(("vllm", "importlib"))],
+                         ids=_key)
+def test_every_patch_applies_and_reverts(patch):
+    """apply() changes its target, revert() puts back exactly what was there (a dummy-free check on the real
+    vLLM class or module; a patch the plugin already applied is re-applied afterwards)."""
+    try:
+        owner = patch._owner()
+    except ImportError:
+        if patch.target.partition(":")[0] in CPU_ONLY_MODULES and not _on_cpu():
+            pytest.skip("CPU-build target")
+        raise
+    if not patch.adds and isinstance(owner, type) and patch.attr not in owner.__dict__:
+        pytest.skip("the class inherits it: step_timing.install wraps only a class's own definition")
+    missing = object()
+
+    def current():
+        return owner.__dict__.get(patch.attr, missing) if isinstance(owner, type) else getattr(owner, patch.attr, missing)
+
+    was_applied = patch.applied
+    if was_applied:
+        patch.revert()
+    before = current()
+    try:
+        patch.apply()
+        assert current() is not before and current() is not missing
+        patch.apply()  # idempotent
+        patch.revert()
+        assert current() is before
+    finally:
+        if was_applied:
+            patch.apply()
+
+
+def _adapter_names() -> dict[str, set[str]]:
+    """Underscore names the adapter uses (attribute accesses, method names, getattr strings) -> modules."""
+    found: dict[str, set[str]] = {}
+    for path in ADAPTER.rglob("*.py"):
+        rel = str(path.relative_to(ADAPTER))
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Attribute):
+                names.append(node.attr)
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                names.append(node.name)
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                names.append(node.value)
+            for n in names:
+                if n.startswith("_") and not n.startswith("__") and n.isidentifier():
+                    found.setdefault(n, set()).add(rel)
+    return found
+
+
+def _vllm_owners() -> list[object]:
+    """The vLLM classes and modules the adapter touches: every owner named in the surface table."""
+    owners = []
+    for key in EXPECTED:
+        module = key.split(":")[0] if ":" in key else key.rsplit(".", 1)[0]
+        if not module.startswith("vllm"):
+            continue
+        try:
+            obj = importlib.import_module(module)
+        except ImportError:
+            continue
+        if ":" in key:
+            obj = getattr(obj, key.split(":")[1].split(".")[0], None)
+        if obj is not None and obj not in owners:
+            owners.append(obj)
+    from vllm.v1.request import Request
+
+    return [*owners, Request]
+
+
+def test_private_vllm_names_appear_only_in_surface_or_as_pinned_hooks():
+    """A private name of a vLLM class or module the adapter touches appears in the adapter only as a row of
+    the surface table (an override or a patch, which that table pins), and a name HyCo only reads
+    (``surface.PRIVATE_READS``) only in ``surface.py``."""
+    pinned = {k.rsplit(".", 1)[1] for k in EXPECTED}
+    reads = {k.rsplit(".", 1)[1] for k in surface.PRIVATE_READS}
+    owners = _vllm_owners()
+    problems = []
+    for name, modules in sorted(_adapter_names().items()):
+        if not any(hasattr(o, name) for o in owners):
+            continue  # HyCo's own name
+        if name not in pinned:
+            problems.append(f"{name} ({', '.join(sorted(modules))}): a private vLLM name without a row in surface.py")
+        elif name in reads and modules - {"surface.py"}:
+            problems.append(f"{name}: read outside surface.py ({', '.join(sorted(modules - {'surface.py'}))})")
+    assert not problems, "\n".join(problems)

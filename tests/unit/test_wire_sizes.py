@@ -3,9 +3,9 @@
 import pytest
 
 from vllm_hyco.handoff.limits import AIOHTTP_DEFAULT_MAX_MSG
+from vllm_hyco.models.gemma4 import GEMMA4_26B_A4B_CONFIG
 from vllm_hyco.handoff.sizes import (
     FIXTURE_VERIFIER_CONFIG,
-    GEMMA4_26B_A4B_CONFIG,
     handoff_bytes,
     layers_from_hf_config,
     paper_handoff_bytes,

@@ -15,7 +15,9 @@ tabulates them.
 
 from __future__ import annotations
 
-from vllm_hyco.errors import ConfigError
+from collections.abc import Mapping
+from typing import Any
+
 from vllm_hyco.handoff.chunks import split_handoff
 from vllm_hyco.handoff.client_frames import TreeFrame
 from vllm_hyco.handoff.frames import encode_frame
@@ -23,27 +25,9 @@ from vllm_hyco.handoff.limits import DEFAULT_LIMITS, WireLimits
 from vllm_hyco.handoff.schema import FINGERPRINT_BYTES, HandoffPayload, HandoffSpec, LayerSpec, encode_handoff
 from vllm_hyco.handoff.server_frames import SessionFrame, VerdictFrame, openai_chunk
 from vllm_hyco.handoff.session_id import RANDOM_HEX_CHARS
+from vllm_hyco.models import family_of
 
 PAPER_HEADER_BYTES = 44
-
-# Gemma 4 26B-A4B. No config file is available offline: docs/decisions.md ("Gemma 4 26B-A4B") gives hidden 2,816,
-# 30 layers (5 sliding : 1 full), window 1,024, full layers head dim 512 with unified K/V; the KV head
-# counts (8 sliding, 2 global) are inferred: they are the split for which both layers' K and V make the
-# paper's 6,144 values per position (8*256*2 + 2*512*2), and transformers' Gemma-4 EP plan comment
-# says num_global_key_value_heads=2 for google/gemma-4-26B-A4B-it.
-GEMMA4_26B_A4B_CONFIG = {
-    "model_type": "gemma4_text",
-    "hidden_size": 2816,
-    "num_hidden_layers": 30,
-    "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(30)],
-    "num_key_value_heads": 8,
-    "num_global_key_value_heads": 2,
-    "head_dim": 256,
-    "global_head_dim": 512,
-    "sliding_window": 1024,
-    "attention_k_eq_v": True,
-    "vocab_size": 262144,
-}
 
 # The tiny verifier of hyco_lab.fixtures (FixtureOptions defaults; a test keeps the two equal).
 FIXTURE_VERIFIER_CONFIG = {
@@ -61,48 +45,13 @@ FIXTURE_VERIFIER_CONFIG = {
 }
 
 
-def layers_from_hf_config(cfg: dict) -> tuple[int, tuple[LayerSpec, ...]]:
-    """(hidden, hand-off layers) of a Gemma-4 text config: its last sliding and last full layer, by id.
-
-    With ``num_kv_shared_layers`` the trailing layers own no KV (they read the last earlier layer of their
-    type), so the hand-off layers are the last ones of each type before them: the layers whose cache the
-    engine captures (``vllm_adapter/layers.py``) and vLLM's Gemma 4 MTP head reads.
-
-    Per-layer head counts and dims come from ``per_layer_config`` when the config has one (what
-    transformers 5.x writes to config.json), else full layers of a k_eq_v model use
-    ``num_global_key_value_heads`` and ``global_head_dim`` (the hub's keys). Both K and V are sent (see
-    schema.py on has_v).
-    """
-    cfg = cfg.get("text_config", cfg)
-    try:
-        types = list(cfg["layer_types"])
-        types = types[:len(types) - int(cfg.get("num_kv_shared_layers") or 0)]
-        hidden = int(cfg["hidden_size"])
-        k_eq_v = bool(cfg.get("attention_k_eq_v", False))
-        layers = []
-        for kind, key in (("sliding", "sliding_attention"), ("full", "full_attention")):
-            lid = len(types) - 1 - types[::-1].index(key)
-            heads, dim = _layer_dims(cfg, lid, kind == "full" and k_eq_v)
-            window = int(cfg["sliding_window"]) if kind == "sliding" else 0
-            layers.append(LayerSpec(lid, kind, heads, dim, window, k_eq_v=kind == "full" and k_eq_v))
-    except (KeyError, ValueError, TypeError, AttributeError) as e:
-        raise ConfigError(f"not a Gemma-4 text config with sliding and full layers: {e!r}") from e
-    return hidden, tuple(sorted(layers, key=lambda layer: layer.layer_id))
-
-
-def _layer_dims(cfg: dict, lid: int, global_kv: bool) -> tuple[int, int]:
-    per_layer = cfg.get("per_layer_config")
-    if per_layer is not None:
-        # transformers writes zero-padded keys ("05" in a 12-layer model)
-        over = next((v for k, v in per_layer.items() if int(k) == lid), {})
-        return (
-            int(over.get("num_key_value_heads", cfg["num_key_value_heads"])),
-            int(over.get("head_dim", cfg["head_dim"])),
-        )
-    if global_kv:
-        heads = cfg.get("num_global_key_value_heads") or cfg["num_key_value_heads"]
-        return int(heads), int(cfg.get("global_head_dim", 512))
-    return int(cfg["num_key_value_heads"]), int(cfg["head_dim"])
+def layers_from_hf_config(cfg: Mapping[str, Any]) -> tuple[int, tuple[LayerSpec, ...]]:
+    """(hidden, hand-off layers) of a verifier's config, by the rule of its model family
+    (``vllm_hyco.models``: for Gemma 4 its last sliding and last full cache-owning layer)."""
+    family = family_of(cfg)
+    layers = tuple(LayerSpec(h.layer_id, h.kind, h.kv_heads, h.head_dim, h.window, k_eq_v=h.k_eq_v)
+                   for h in family.handoff_layers(cfg))
+    return family.hidden_size(cfg), layers
 
 
 def spec_from_hf_config(

@@ -2,7 +2,7 @@
 
 numpy + stdlib only (no torch, no vLLM). The wire frames (``client_frames``), the server core
 (``vllm_hyco.spec_decode.tree``), the kernels' launchers, the engine's tree plan
-(``vllm_hyco.vllm_adapter.tree_plan``) and the phone (``mobile_client.tree``) all import it; torch callers
+(``vllm_hyco.vllm_adapter.worker.tree_plan``) and the phone (``mobile_client.tree``) all import it; torch callers
 convert at their edge (``torch.from_numpy``).
 
 A tree has ``n + 1`` rows in insertion order. Row 0 is the root (the last committed token, x_{t+1} in the
@@ -47,10 +47,13 @@ import numpy as np
 
 from vllm_hyco.errors import TreeValidationError
 
-DEFAULT_NODE_BUDGET = 32  # B: drafted nodes per tree, root excluded (the paper's setting)
+# The node budget: drafted nodes per tree, root excluded. One name (``node_budget``) end to end: the operator's
+# ``HycoConfig.node_budget`` (at most DEFAULT_NODE_BUDGET), each round's grant, the phone's cap
+# (``ClientCapabilities.node_budget``, the wire's ``max_nodes``); :func:`grant_node_budget` is the one clamp.
+DEFAULT_NODE_BUDGET = 32  # B: the paper's setting, the default and the most an operator may grant
 # The ancestor bitmask is one int64 per row, so a tree has at most 64 rows (bit 63 is the sign bit).
 MAX_TREE_ROWS = 64
-MAX_TREE_NODES = MAX_TREE_ROWS - 1  # the largest node budget a tree can hold (the root takes a row)
+MAX_NODE_BUDGET = MAX_TREE_ROWS - 1  # the largest node budget a tree can hold (the root takes a row)
 
 
 class NodeLabel(IntEnum):
@@ -146,7 +149,7 @@ def ancestor_mask(parents: Sequence[int] | np.ndarray) -> np.ndarray:
     if len(par) > MAX_TREE_ROWS:
         raise TreeValidationError(
             f"tree has {len(par)} rows but an int64 ancestor mask holds at most {MAX_TREE_ROWS}; "
-            f"trim it to {MAX_TREE_NODES} nodes",
+            f"trim it to {MAX_NODE_BUDGET} nodes",
             code="tree_too_large",
         )
     masks = [1]
@@ -292,6 +295,16 @@ def _check_labels(labels: list[int]) -> None:
             )
 
 
+def grant_node_budget(*caps: int) -> int:
+    """The node budget a round may use: the smallest of ``caps`` (a grant, the operator's ``node_budget``,
+    the phone's own cap), never below 1.
+
+    >>> grant_node_budget(12, 32, 16), grant_node_budget(0, 32)
+    (12, 1)
+    """
+    return max(1, min(int(c) for c in caps))
+
+
 def validate_tree(
     tokens: Sequence[int] | np.ndarray,
     parents: Sequence[int] | np.ndarray,
@@ -302,7 +315,7 @@ def validate_tree(
 ) -> None:
     """Raise ``TreeValidationError`` (with a rule-specific ``.code``) unless the tree is well formed.
 
-    Codes: ``bad_budget`` (budget outside [0, MAX_TREE_NODES]), ``bad_shape``/``bad_dtype`` (not a 1-D int
+    Codes: ``bad_budget`` (budget outside [0, MAX_NODE_BUDGET]), ``bad_shape``/``bad_dtype`` (not a 1-D int
     sequence), ``length_mismatch``, ``tree_empty``, ``tree_too_large``, ``bad_root_parent``,
     ``parent_out_of_range``, ``parent_not_before_child``, ``token_out_of_vocab``, ``duplicate_sibling``,
     ``bad_label``.
@@ -313,9 +326,9 @@ def validate_tree(
     ...
     vllm_hyco.errors.TreeValidationError: rows 1 and 2 are both children of row 0 with token 11; ...
     """
-    if not 0 <= budget <= MAX_TREE_NODES:
+    if not 0 <= budget <= MAX_NODE_BUDGET:
         raise TreeValidationError(
-            f"node budget {budget} is outside [0, {MAX_TREE_NODES}]; a tree holds at most "
+            f"node budget {budget} is outside [0, {MAX_NODE_BUDGET}]; a tree holds at most "
             f"{MAX_TREE_ROWS} rows, the root included",
             code="bad_budget",
         )

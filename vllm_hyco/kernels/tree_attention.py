@@ -231,7 +231,7 @@ def tree_attention_padded(
     Shape: q [T, R, num_q_heads, D]; the prefix keys k/v_prefix [T, L, num_kv_heads, D] and the tree rows'
     own k/v_tree [T, R, num_kv_heads, D] (kept apart: concatenating them copied more than the attention
     computed); bias [T, R, L + R] float, 0 where a row sees a key and -inf elsewhere, every row seeing at
-    least one key (``vllm_adapter.tree_plan.PaddedTrees`` builds it from :func:`visibility_mask`). Per
+    least one key (``vllm_adapter.worker.tree_plan.PaddedTrees`` builds it from :func:`visibility_mask`). Per
     tree it computes what :func:`tree_attention_dense_ref` computes.
 
     >>> q = torch.randn(2, 3, 2, 16); kp = torch.randn(2, 5, 1, 16); kt = torch.randn(2, 3, 1, 16)

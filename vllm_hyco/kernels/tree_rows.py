@@ -1,6 +1,6 @@
 """Tree rows over a paged block-major cache: the engine-agnostic half of the GPU tree-attention backend.
 
-The GPU engine (``vllm_hyco/vllm_adapter/gpu_attention.py``) runs vLLM's stock Triton attention for every row of
+The GPU engine (``vllm_hyco/vllm_adapter/worker/gpu_attention.py``) runs vLLM's stock Triton attention for every row of
 a step, then recomputes the rows of each tree request here. This module takes only tensors and host ints,
 no vLLM object, so the device machine (torch + Triton, no vLLM) can test exactly what the engine calls:
 

@@ -5,7 +5,7 @@ Modules: ``connection`` (one WebSocket), ``service`` (sessions: start, trees, ve
 vLLM adapter's client implements it), ``handoffs`` (scales, spec, payloads, the W ring), ``auth`` (the API
 key at the handshake), ``metrics`` (Prometheus). Engine-agnostic: nothing here imports vLLM or
 ``vllm_hyco.vllm_adapter`` (an import-linter contract in pyproject.toml); the adapter's endpoint
-(:mod:`vllm_hyco.vllm_adapter.endpoint`) builds the engine client and passes it in.
+(:mod:`vllm_hyco.vllm_adapter.api_server.endpoint`) builds the engine client and passes it in.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """What the phone route needs from an engine: the port the vLLM adapter's engine client implements.
 
 ``vllm_hyco.serving`` is engine-agnostic (an import-linter contract in pyproject.toml keeps it so): it
-never imports vLLM nor ``vllm_hyco.vllm_adapter``. The adapter builds its engine client
-(:class:`vllm_hyco.vllm_adapter.bridge.EngineBridge` today) and passes it in
-(:func:`vllm_hyco.serving.create_service`); these protocols are the whole of what the route uses.
+never imports vLLM nor ``vllm_hyco.vllm_adapter``. The adapter's endpoint builds its engine client
+(``vllm_hyco.vllm_adapter.api_server.engine_client.EngineBridge``) and passes it in
+(:func:`vllm_hyco.serving.create_service`); :class:`EngineClient` is the whole of what the route uses, and
+the engine's objects are the engine contract's (``vllm_hyco.engine_contract``).
 
 Errors: ``open`` and ``round`` raise :class:`vllm_hyco.errors.HycoError` subclasses whose ``code`` is the
 engine's (``server_busy``, ``session_finished``, ``session_timeout``, ``too_many_sessions``...).
@@ -11,13 +12,16 @@ engine's (``server_busy``, ``session_finished``, ``session_timeout``, ``too_many
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol
+
+from vllm_hyco.engine_contract import EngineStats, RoundVerdict, TreeSubmission
 
 
 class EngineSession(Protocol):
     """One session held by the engine (a long-lived request)."""
 
-    sid: str  # hex, the engine's session key
+    sid: str  # hex, the engine's session key (``TreeSubmission.sid``)
     req_id: str
     prompt_ids: list[int]
     root: int  # round 0's root: the prompt's last token
@@ -25,11 +29,12 @@ class EngineSession(Protocol):
     finished: bool
 
 
-class RoundResult(Protocol):
-    """One verified round: the engine's raw verdict and what the frontend committed."""
+@dataclass(frozen=True)
+class RoundResult:
+    """One verified round: the engine's verdict and what vLLM's frontend committed and detokenized."""
 
-    raw: dict[str, Any]  # path_rows, bonus, committed, handoff, num_rows, hits, ...
-    token_ids: list[int]
+    verdict: RoundVerdict
+    token_ids: list[int]  # what the frontend reports committed this round (stop strings applied)
     text: str
     finish_reason: str | None
 
@@ -41,11 +46,10 @@ class EngineClient(Protocol):
     max_model_len: int
     vocab_size: int
 
-    async def open(self, endpoint: str, request: dict, eps: float | None) -> EngineSession: ...
+    async def open(self, endpoint: str, request: dict[str, Any], eps: float | None) -> EngineSession: ...
 
-    async def round(self, s: EngineSession, round_: int, tokens: list[int], parents: list[int]) -> RoundResult:
-        ...
+    async def round(self, s: Any, tree: TreeSubmission) -> RoundResult: ...
 
-    async def close(self, s: EngineSession) -> None: ...
+    async def close(self, s: Any) -> None: ...
 
-    async def stats(self) -> dict[str, int]: ...
+    async def stats(self) -> EngineStats: ...

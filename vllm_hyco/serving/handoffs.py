@@ -1,8 +1,8 @@
 """The server's hand-off side: the model's HandoffSpec and scales, and wire payloads from engine verdicts.
 
-The engine's raw verdict (``vllm_hyco.vllm_adapter``, docs/engine.md) carries int8 arrays, quantized on the
-engine's device with this module's scales (``vllm_adapter/tree_step.py`` loads them with
-:meth:`ServerModel.load`): ``e_bonus`` and ``h`` ``[hidden]``, ``{kind}_k``/``{kind}_v``
+The engine's hand-off (``vllm_hyco.engine_contract.Handoff``, docs/engine.md) carries int8 arrays,
+quantized on the engine's device with this module's scales (``vllm_adapter/worker/tree_step.py`` loads them
+with :meth:`ServerModel.load`): ``e_bonus`` and ``h`` ``[hidden]``, per hand-off layer kind K and V rows
 ``[d + 1, kv_heads, head_dim]`` for positions ``start .. position`` (the root and the accepted path), and
 in round 0 a ``seed`` with the last W positions. The wire hand-off (docs/protocol.md section 5) covers ``[a, t')`` with ``t' = position + 1``.
 
@@ -19,27 +19,29 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from vllm_hyco.engine_contract import Handoff, KVRows
 from vllm_hyco.errors import HandoffSchemaError
 from vllm_hyco.handoff.quant import HandoffScales, load_scales
 from vllm_hyco.handoff.schema import HandoffHeader, HandoffPayload, HandoffSpec, LayerSpec
 from vllm_hyco.handoff.sizes import layers_from_hf_config
+from vllm_hyco.models import family_of
 
 logger = logging.getLogger("vllm.hyco")
 SCALES_FILE = "handoff_scales.npz"
 FLAT_RANGE = 8.0
 
 
-def _int8(x, name: str) -> np.ndarray:
-    """The engine's int8 array (``core_ext.plain`` dict, tensor or array); anything else is a server bug."""
-    if isinstance(x, dict) and "__nd__" in x:  # vllm_adapter.core_ext.plain
-        x = np.frombuffer(x["data"], dtype=x["__nd__"]).reshape(x["shape"])
-    elif hasattr(x, "detach"):
+def _int8(x: Any, name: str) -> np.ndarray:
+    """The engine's int8 array (a numpy array after the engine contract's decode, or a tensor in-process);
+    anything else is a server bug."""
+    if hasattr(x, "detach"):
         x = x.detach().cpu().numpy()
     x = np.asarray(x)
     if x.dtype != np.int8:
@@ -85,16 +87,16 @@ class ServerModel:
         if path is None:
             logger.warning("HyCo: no %s next to %s; hand-offs use flat scales (+-%s), phones draft SLM-only "
                            "trees", SCALES_FILE, model_dir, FLAT_RANGE)
-        text = cfg.get("text_config", cfg)
-        w = int(window or text.get("sliding_window") or 1024)
+        w = family_of(cfg).handoff_window(cfg, window)
         return cls(HandoffSpec.from_scales(cfg, layers, scales), scales, w, path is None)
 
-    def quantize_rows(self, raw: dict[str, Any]) -> list[tuple[np.ndarray, np.ndarray | None]]:
-        """Per header layer: int8 (K, V) ``[P, kv_heads, head_dim]``, the engine's ``{kind}_k/v``."""
+    def quantize_rows(self, kv: Mapping[str, KVRows]) -> list[tuple[np.ndarray, np.ndarray | None]]:
+        """Per header layer: int8 (K, V) ``[P, kv_heads, head_dim]``, the engine's rows of that layer kind."""
         out = []
         for layer in self.spec.layers:
-            k = _int8(raw[f"{layer.kind}_k"], f"{layer.kind}_k")
-            v = _int8(raw[f"{layer.kind}_v"], f"{layer.kind}_v") if layer.has_v else None
+            rows = kv[layer.kind]
+            k = _int8(rows.k, f"{layer.kind}_k")
+            v = _int8(rows.v, f"{layer.kind}_v") if layer.has_v else None
             out.append((k, v))
         return out
 
@@ -103,11 +105,10 @@ class ServerModel:
         header = HandoffHeader(self.spec, span_start, root_position)
         return HandoffPayload(header, int(bonus), e_q, h_q, tuple(k for k, _ in rows), tuple(v for _, v in rows))
 
-    def quantize_eh(self, raw: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    def quantize_eh(self, handoff: Handoff) -> tuple[np.ndarray, np.ndarray]:
         """int8 e(bonus) and h, the engine's (h zeros when the engine had no hidden state)."""
-        e = _int8(raw["e_bonus"], "e_bonus")
-        h = raw.get("h")
-        h = _int8(h, "h") if h is not None else np.zeros(self.spec.hidden_size, np.int8)
+        e = _int8(handoff.e_bonus, "e_bonus")
+        h = _int8(handoff.h, "h") if handoff.h is not None else np.zeros(self.spec.hidden_size, np.int8)
         return e, h
 
 

@@ -27,6 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_hyco.engine_contract import BudgetInfo
+
 SOURCES = {0: "root", 1: "chain", 2: "runner_up", 3: "slm", 4: "other"}
 NODE_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32)
 
@@ -46,19 +48,20 @@ class HycoMetrics:
     cost: Any = None
     cost_steps: Any = None
 
-    def node_budget(self, info: dict | None, granted: int) -> None:
+    def node_budget(self, info: BudgetInfo | None, granted: int) -> None:
         """One verdict's budget: the nodes granted, the nodes verified, the cost model's current fit."""
         self.budget.observe(granted)
-        if not info:
+        if info is None:
             return
-        if info.get("nodes_verified") is not None:
-            self.verified.observe(info["nodes_verified"])
-        for term, key in (("fixed", "fixed_ms"), ("per_row", "per_row_ms"), ("per_row_kctx", "per_krow_ctx_ms"),
-                          ("per_tree", "per_tree_ms"),
-                          ("per_branching", "per_branching_ms"), ("per_plain", "per_plain_ms"), ("rmse", "rmse_ms")):
-            if info.get(key) is not None:
-                self.cost.labels(term=term).set(info[key] / 1e3)
-        self.cost_steps.set(info.get("steps", 0))
+        if info.nodes_verified is not None:
+            self.verified.observe(info.nodes_verified)
+        cost = info.cost
+        for term, ms in (("fixed", cost.fixed_ms), ("per_row", cost.per_row_ms), ("per_row_kctx", cost.per_krow_ctx_ms),
+                         ("per_tree", cost.per_tree_ms), ("per_branching", cost.per_branching_ms),
+                         ("per_plain", cost.per_plain_ms), ("rmse", cost.rmse_ms)):
+            if ms is not None:
+                self.cost.labels(term=term).set(ms / 1e3)
+        self.cost_steps.set(cost.steps)
 
     def accepted_path(self, path_rows: list[int], labels: tuple[int, ...] | None) -> None:
         for depth, row in enumerate(path_rows, start=1):

@@ -29,16 +29,17 @@ import uuid
 from typing import Any
 
 from vllm_hyco.config import resolve_session_eps
+from vllm_hyco.engine_contract import Handoff, TreeSubmission
 from vllm_hyco.errors import (EngineError, FrameError, HycoError, RequestFieldError, SessionError, TreeValidationError,
                               WireError)
 from vllm_hyco.handoff.chunks import plan_handoff
 from vllm_hyco.handoff.client_frames import StartFrame, TreeFrame
 from vllm_hyco.handoff.frames import encode_frame
 from vllm_hyco.handoff.limits import DEFAULT_LIMITS, WireLimits
-from vllm_hyco.handoff.schema import HANDOFF_SCHEMA_VERSION
+from vllm_hyco.handoff.schema import HANDOFF_SCHEMA_VERSION, HandoffPayload
 from vllm_hyco.handoff.server_frames import FinalFrame, SessionFrame, VerdictFrame, openai_chunk
 from vllm_hyco.handoff.session_id import DEFAULT_ROUTE_KEY, check_route_key, new_session_id, route_key
-from vllm_hyco.handoff.tree_contract import DEFAULT_NODE_BUDGET, validate_tree
+from vllm_hyco.handoff.tree_contract import DEFAULT_NODE_BUDGET, grant_node_budget, validate_tree
 from vllm_hyco.serving import metrics as _metrics
 from vllm_hyco.serving.engine_port import EngineClient, RoundResult
 from vllm_hyco.serving.handoffs import KvRing, ServerModel
@@ -151,7 +152,7 @@ class HycoService:
                         completion_id=("chatcmpl-" if frame.endpoint == "chat.completions" else "cmpl-")
                         + uuid.uuid4().hex, created=int(time.time()), ring=KvRing(self.model.window),
                         root=es.root, root_position=len(es.prompt_ids) - 1,
-                        budget=min(self.node_budget, caps.max_nodes), owner=owner)
+                        budget=grant_node_budget(self.node_budget, caps.max_nodes), owner=owner)
         self.table.add(s)
         self.metrics.sessions.labels(outcome="opened").inc()
         self.metrics.parked.set(self.table.active())
@@ -205,12 +206,12 @@ class HycoService:
                     self.metrics.parked.set(self.table.active())
                 raise
             s.touch()
+            tree = TreeSubmission(
+                s.engine.sid, t.round, tuple(t.tokens), tuple(t.parents), labels=t.labels,
+                values=None if t.values is None else tuple(int(x) / 255.0 for x in t.values),  # phone values (v2)
+                draft_q=None if t.draft_q is None else {r: (i, w) for r, i, w in t.draft_q.records()})
             try:
-                r = await self.bridge.round(
-                    s.engine, t.round, list(t.tokens), list(t.parents),
-                    None if t.labels is None else [int(x) for x in t.labels],
-                    None if t.values is None else [int(x) / 255.0 for x in t.values],  # phone values (v2)
-                    None if t.draft_q is None else t.draft_q.records())
+                r = await self.bridge.round(s.engine, tree)
             except HycoError as e:  # the engine's refusal, with its code (serving.engine_port)
                 if e.code == "server_busy":
                     self.metrics.rejected.labels(code="server_busy").inc()
@@ -236,24 +237,26 @@ class HycoService:
                         round=round_)
 
     def _verdict_frames(self, s: HeldSession, t: TreeFrame, r: RoundResult) -> list[bytes]:
-        raw, m = r.raw, self.metrics
-        path = [int(x) for x in raw["path_rows"]]
+        verdict, m = r.verdict, self.metrics
+        path = list(verdict.tree.path_rows)
         finished = r.finish_reason is not None
-        committed = [int(x) for x in (r.token_ids or raw.get("committed") or [raw["bonus"]])][: len(path) + 1]
+        committed = [int(x) for x in (r.token_ids or verdict.committed or [verdict.tree.bonus])][: len(path) + 1]
         role = "assistant" if s.endpoint == "chat.completions" and s.rounds == 0 else None
         chunk = openai_chunk(s.kind, s.completion_id, self.bridge.model_name, r.text, r.finish_reason,
                              created=s.created, role=role)
         handoff = ref = None
         chunks: list = []
         if not finished:
-            bonus = int(raw["bonus"])
-            payload = self._handoff(s, t.round, raw["handoff"], bonus)
+            bonus = verdict.tree.bonus
+            if verdict.tree.handoff is None:
+                raise WireError(f"round {t.round}: the engine sent no hand-off", code="internal_error", round=t.round)
+            payload = self._handoff(s, t.round, verdict.tree.handoff, bonus)
             s.last_payload = payload
             handoff, ref, chunks = plan_handoff(payload, t.round, self.limits, s.caps.max_message_bytes)
             s.root, s.root_position = bonus, payload.header.root_position
-            s.budget = max(1, min(int(raw.get("budget", self.node_budget)), self.node_budget, s.caps.max_nodes))
-            m.node_budget(raw.get("budget_info"), s.budget)
-        v = VerdictFrame(t.round, tuple(path), tuple(committed), None if finished else int(raw["bonus"]),
+            s.budget = grant_node_budget(verdict.budget, self.node_budget, s.caps.max_nodes)
+            m.node_budget(verdict.budget_info, s.budget)
+        v = VerdictFrame(t.round, tuple(path), tuple(committed), None if finished else verdict.tree.bonus,
                          handoff, ref, 0 if finished else s.budget, chunk)
         frames = [encode_frame(v), *(encode_frame(c) for c in chunks)]
         s.last_verdict, s.last_frames, s.last_round = v, list(frames), t.round  # a copy: `final` is apart
@@ -276,19 +279,18 @@ class HycoService:
             m.parked.set(self.table.active())
         return frames
 
-    def _handoff(self, s: HeldSession, round_: int, h: dict, bonus: int):
+    def _handoff(self, s: HeldSession, round_: int, h: Handoff, bonus: int) -> HandoffPayload:
         """Round 0: the seed ``[max(0, t' - W), t')``; later rounds: the positions committed this round."""
         model = self.model
         e_q, h_q = model.quantize_eh(h)
-        root_position = int(h["position"]) + 1
-        if round_ == 0 and h.get("seed") is not None:
-            seed = h["seed"]
-            rows = model.quantize_rows(seed)
-            s.ring.extend(int(seed["start"]), rows)
-            return model.payload(int(seed["start"]), root_position, bonus, e_q, h_q, rows)
-        rows = model.quantize_rows(h)
-        s.ring.extend(int(h["start"]), rows)
-        return model.payload(int(h["start"]), root_position, bonus, e_q, h_q, rows)
+        root_position = h.position + 1
+        if round_ == 0 and h.seed is not None:
+            rows = model.quantize_rows(h.seed.kv)
+            s.ring.extend(h.seed.start, rows)
+            return model.payload(h.seed.start, root_position, bonus, e_q, h_q, rows)
+        rows = model.quantize_rows(h.kv)
+        s.ring.extend(h.start, rows)
+        return model.payload(h.start, root_position, bonus, e_q, h_q, rows)
 
     # -- resume -----------------------------------------------------------------------------------------
     async def resume(self, frame: StartFrame, owner: Any) -> tuple[HeldSession, list[bytes]]:

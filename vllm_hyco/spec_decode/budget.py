@@ -51,8 +51,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from vllm_hyco import envs
 from vllm_hyco.errors import TreeValidationError
-from vllm_hyco.handoff.tree_contract import MAX_TREE_NODES, NodeLabel, depths
+from vllm_hyco.handoff.tree_contract import MAX_NODE_BUDGET, NodeLabel, depths
 
 PRIOR_ACCEPT = 0.66  # the paper's per-edge acceptance factor λ (Algorithm 3): the estimate before any round
 PRIOR_STRENGTH = 2.0  # pseudo-observations behind each level's prior
@@ -95,7 +96,7 @@ def _labels(labels: Sequence[int] | None, n: int) -> np.ndarray:
 class AcceptanceModel:
     """Conditional acceptance by (depth, label): one engine-wide table and one per session."""
 
-    def __init__(self, max_depth: int = MAX_TREE_NODES, *, prior: float = PRIOR_ACCEPT,
+    def __init__(self, max_depth: int = MAX_NODE_BUDGET, *, prior: float = PRIOR_ACCEPT,
                  strength: float = PRIOR_STRENGTH, session_half_life: float = SESSION_HALF_LIFE,
                  engine_half_life: float = ENGINE_HALF_LIFE):
         self.max_depth, self.prior, self.strength = max_depth, prior, strength
@@ -326,6 +327,18 @@ def chain_prefix(parents: Sequence[int]) -> int:
     par = np.asarray(parents, dtype=np.int64)
     off = np.flatnonzero(par[1:] != np.arange(len(par) - 1))
     return int(off[0]) if len(off) else len(par) - 1
+
+
+def recomputed(parents: Sequence[int]) -> bool:
+    """The attention overrides recompute this tree's rows: it is not a chain, or ``VLLM_HYCO_CHAIN_ATTN`` is
+    ``tree``. A chain (every row the child of the row before it) has the causal mask and sequential
+    positions, so vLLM's own attention already computes its rows exactly. The worker's tree plan
+    (``masked_trees``) and the scheduler's step-cost model (its ``branching`` term) both ask this.
+
+    >>> recomputed([-1, 0, 1]), recomputed([-1, 0, 0])
+    (False, True)
+    """
+    return envs.VLLM_HYCO_CHAIN_ATTN != "stock" or chain_prefix(parents) < len(parents) - 1
 
 
 def choose_nodes(values: Sequence[float], *, fixed: float, per_row: float, branch: float = 0.0,

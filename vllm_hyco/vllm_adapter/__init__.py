@@ -1,22 +1,27 @@
-"""Everything of HyCo that touches vLLM (0.32), in one folder.
+"""Everything of HyCo that touches vLLM (0.32), laid out by the process it runs in.
 
-No module outside ``vllm_hyco.vllm_adapter`` imports vLLM (an import-linter contract in CI keeps it so):
-the tree core (``vllm_hyco.spec_decode``), the wire (``vllm_hyco.handoff``), the kernels and the phone's
-route logic (``vllm_hyco.serving``) are engine-agnostic. Here live the entry points vLLM loads
-(``plugin``, ``endpoint``), the ``vllm-hyco`` console script (``cli``), the recorded patches of vLLM
-functions (``patches``), the engine-core extension and its client, and the classes that subclass vLLM's.
-``expansion`` turns a HycoConfig into engine arguments; the classes below are imported only by vLLM itself,
-through these dotted paths:
+No module outside ``vllm_hyco.vllm_adapter`` imports vLLM (an import-linter contract in CI keeps it so): the
+tree core (``vllm_hyco.spec_decode``), the wire (``vllm_hyco.handoff``), the kernels, the engine contract
+(``vllm_hyco.engine_contract``), the model seam (``vllm_hyco.models``) and the phone's route logic
+(``vllm_hyco.serving``) are engine-agnostic. vLLM runs a server in three processes (in one, for the tests'
+in-process ``LLM``), and each package here runs in one of them; import-linter keeps the three apart:
 
-| path | what | status |
+| package | process | extends (vLLM 0.32) |
 | --- | --- | --- |
-| ``vllm_hyco.vllm_adapter.proposer.NullProposer`` | ``custom_class`` drafter that drafts nothing | done |
-| ``vllm_hyco.vllm_adapter.scheduler.HycoScheduler`` | sessions, trees -> spec slots, parking between rounds, eviction | CPU-tested |
-| ``vllm_hyco.vllm_adapter.worker.HycoWorker`` / ``HycoModelRunner`` | GPU V1 runner: tree positions, Triton tree attention over ``CUSTOM`` (``gpu_attention``), decision, compaction, hand-off | logic CPU-tested; GPU-unverified (docs/engine.md) |
-| ``vllm_hyco.vllm_adapter.cpu_worker.HycoCPUWorker`` / ``HycoCPUModelRunner`` | the same on vLLM's CPU build (``cpu_attention`` override of ``CPU_ATTN``) | CPU-tested on the real engine |
+| ``api_server`` | the API server (``vllm serve``'s frontend) or the process holding an offline ``LLM`` | ``EngineArgs`` (option expansion, via ``patches``), the OpenAI app (endpoint plugin), the CLI; the engine client of sessions |
+| ``engine_core`` | the engine core | ``Scheduler`` (``HycoScheduler``: sessions, rounds, node budget, step gathering) |
+| ``worker`` | each worker | ``Worker``/``CPUWorker``, ``GPUModelRunner``/``CPUModelRunner``, the CPU_ATTN and Triton attention backends; the tree step, the KV views, the hand-off gather, the null proposer |
+
+Allowed in every process: ``plugin`` (the ``vllm.general_plugins`` entry point vLLM calls in each),
+``patches`` (every change to vLLM's classes, each a recorded ``Patch`` with why / how / upstream /
+removal), ``surface`` (the pinned vLLM surface: private names live only there or as pinned overrides) and
+this module, whose dotted paths below are how the API server's option expansion names the classes vLLM
+builds in the other processes (vLLM imports them by name there).
 """
 
-NULL_PROPOSER = "vllm_hyco.vllm_adapter.proposer.NullProposer"
-SCHEDULER = "vllm_hyco.vllm_adapter.scheduler.HycoScheduler"
-GPU_WORKER = "vllm_hyco.vllm_adapter.worker.HycoWorker"
-CPU_WORKER = "vllm_hyco.vllm_adapter.cpu_worker.HycoCPUWorker"
+NULL_PROPOSER = "vllm_hyco.vllm_adapter.worker.proposer.NullProposer"
+SCHEDULER = "vllm_hyco.vllm_adapter.engine_core.scheduler.HycoScheduler"
+GPU_WORKER = "vllm_hyco.vllm_adapter.worker.gpu_worker.HycoWorker"
+CPU_WORKER = "vllm_hyco.vllm_adapter.worker.cpu_worker.HycoCPUWorker"
+#: ``--speculative-config hyco`` -> engine arguments (``patches/engine_config.py`` calls it in the API server)
+EXPANSION = "vllm_hyco.vllm_adapter.api_server.expansion.expand_engine_args"

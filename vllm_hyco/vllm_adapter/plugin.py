@@ -1,4 +1,5 @@
-"""The ``vllm.general_plugins`` entry point ``hyco`` (adapter, vLLM 0.32).
+"""The ``vllm.general_plugins`` entry point ``hyco`` (every process: vLLM 0.32 loads general plugins in the API
+server, the engine core and each worker).
 
 vLLM calls :func:`register` in every process it starts (API server, engine core, each worker), possibly
 more than once. It is:
@@ -14,7 +15,7 @@ What it installs (see ``vllm_hyco/vllm_adapter/patches``): the ``--speculative-c
 engine-argument expansion and, on the CPU build, the fix of its ``expand_kernel`` fallback (sampled
 speculative decoding, ours and vLLM's own MTP alike) and of its generator rewind for seeded requests whose
 chunked-prefill samples are discarded (``vllm_adapter/patches/cpu_seeded_discard.py``). The HTTP side is the separate
-``vllm.endpoint_plugins`` entry point (``vllm_hyco.vllm_adapter.endpoint``), which vLLM loads only when ``VLLM_PLUGINS``
+``vllm.endpoint_plugins`` entry point (``vllm_hyco.vllm_adapter.api_server.endpoint``), which vLLM loads only when ``VLLM_PLUGINS``
 names ``hyco``.
 """
 
@@ -73,18 +74,15 @@ def register() -> None:
     if _REGISTERED or envs.VLLM_HYCO_DISABLE:
         return
     check_vllm_version()
-    from vllm_hyco.vllm_adapter.patches import cpu_expand_kernel, cpu_seeded_discard, engine_config, speculative_config_arg
+    from vllm_hyco.vllm_adapter.patches import (cpu_expand_kernel, cpu_seeded_discard, engine_config,
+                                                 engine_core_methods, speculative_config_arg, step_timing)
 
     speculative_config_arg.PATCH.apply()
     engine_config.PATCH.apply()
     cpu_expand_kernel.apply_if_present()  # vLLM 0.32 CPU sampled spec decode (fixes plain vLLM too)
     cpu_seeded_discard.apply_if_cpu()  # vLLM 0.32 CPU: seeded requests under chunked prefill (plain vLLM too)
-    from vllm_hyco.vllm_adapter import core_ext
-
-    core_ext.install()  # the engine core's hyco_* methods (the engine client's control channel)
-    if envs.VLLM_HYCO_BENCH_TIMING:  # benchmarks only: engine-side g (vllm_hyco/vllm_adapter/patches/step_timing.py)
-        from vllm_hyco.vllm_adapter.patches import step_timing as timing
-
-        timing.install()
+    engine_core_methods.install()  # the engine core's hyco_* methods (the engine client's control channel)
+    if envs.VLLM_HYCO_BENCH_TIMING:  # benchmarks only: engine-side g (patches/step_timing.py)
+        step_timing.install()
     _REGISTERED = True
     logger.debug("vllm_hyco %s registered", __version__)

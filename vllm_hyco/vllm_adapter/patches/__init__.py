@@ -14,7 +14,7 @@ Registry (vLLM 0.32):
 | ``cpu_seeded_discard.PATCHES`` | ``vllm.v1.worker.gpu_model_runner:GPUModelRunner.sample_tokens`` / ``_bookkeeping_sync`` (CPU platform) | ``plugin.register()`` |
 | ``cpu_version_lookup.PATCH`` | ``importlib.metadata.version`` (for the name ``vllm`` only) | ``vllm-hyco`` CLI |
 | ``step_timing.PATCHES`` | ``vllm.v1.worker.gpu_worker:Worker.execute_model`` / ``sample_tokens`` / ``take_draft_token_ids`` (wrapped), ``Worker.hyco_bench_timing`` (added); ``vllm.v1.worker.cpu_worker:CPUWorker``'s own overrides of the three, if any | ``plugin.register()`` when ``VLLM_HYCO_BENCH_TIMING=1`` (benchmarks only) |
-| ``vllm_adapter.core_ext.PATCHES`` | ``vllm.v1.engine.core:EngineCore.hyco_*`` (six methods **added**, none replaced) | ``plugin.register()``, ``HycoScheduler.__init__`` |
+| ``vllm_adapter.patches.engine_core_methods.PATCHES`` | ``vllm.v1.engine.core:EngineCore.hyco_*`` (six methods **added**, none replaced) | ``plugin.register()``, ``HycoScheduler.__init__`` |
 
 A Patch with ``adds=True`` puts a new attribute on its target (``make`` gets None; nothing is replaced;
 ``revert()`` deletes it). tests/unit/test_vllm_surface.py checks that every target above still exists in the
@@ -75,10 +75,14 @@ class Patch:
             original = func = None
         else:
             original = owner.__dict__[self.attr] if isinstance(owner, type) else getattr(owner, self.attr)
-            func = original.__func__ if isinstance(original, staticmethod) else original
+            func = original.__func__ if isinstance(original, (staticmethod, classmethod)) else original
         self._original = original
         replacement = self.make(func)
-        setattr(owner, self.attr, staticmethod(replacement) if self.static else replacement)
+        if self.static:
+            replacement = staticmethod(replacement)
+        elif isinstance(original, classmethod):  # a classmethod stays one
+            replacement = classmethod(replacement)
+        setattr(owner, self.attr, replacement)
         self._applied = True
 
     def revert(self) -> None:

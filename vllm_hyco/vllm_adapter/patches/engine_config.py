@@ -7,7 +7,9 @@ Why:      ``hyco`` is not a vLLM speculative method. Whatever path the value cam
           it must become ``custom_class`` + NullProposer + HycoScheduler + Hyco worker + synchronous
           scheduling, and unsupported topologies must be refused, before ``VllmConfig`` exists.
 How:      wrap ``EngineArgs.create_engine_config`` (runs once, in the API / LLM process): if the value
-          asks for HyCo, call ``vllm_hyco.vllm_adapter.expansion.expand_engine_args`` on ``self`` and go on. The
+          asks for HyCo, call the API-server side's expansion (``vllm_adapter.EXPANSION``, resolved by its
+          dotted name as vLLM resolves ``scheduler_cls``: the patch, loaded in every process, imports no
+          API-server code) on ``self`` and go on. The
           resulting VllmConfig (with ``additional_config["hyco"]``) is pickled to the engine core and
           workers, which need no translation. A ``vllm serve`` started without the hyco endpoint plugin
           (``VLLM_PLUGINS`` not naming it) is refused here with the exact variable to set.
@@ -22,6 +24,7 @@ from typing import Any, Callable
 
 from vllm_hyco.config import HycoConfig
 from vllm_hyco.errors import ConfigError
+from vllm_hyco.vllm_adapter import EXPANSION
 from vllm_hyco.vllm_adapter.patches import Patch
 
 PLUGIN_NAME = "hyco"
@@ -57,10 +60,9 @@ def _make(original: Callable) -> Callable:
             if _is_api_server(usage_context) and (message := plugins_gate_error()) is not None:
                 raise ConfigError(message)
             from vllm.platforms import current_platform
+            from vllm.utils.import_utils import resolve_obj_by_qualname
 
-            from vllm_hyco.vllm_adapter.expansion import expand_engine_args
-
-            expand_engine_args(self, is_cpu=current_platform.is_cpu())
+            resolve_obj_by_qualname(EXPANSION)(self, is_cpu=current_platform.is_cpu())
         return original(self, *args, **kwargs)
 
     return create_engine_config

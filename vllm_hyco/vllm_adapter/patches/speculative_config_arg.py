@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 from vllm_hyco.config import HycoConfig
 from vllm_hyco.errors import ConfigError
+from vllm_hyco.vllm_adapter import surface
 from vllm_hyco.vllm_adapter.patches import Patch
 
 FLAG = "--speculative-config"
@@ -43,7 +44,7 @@ def hyco_aware_type(original: Callable[[str], Any]) -> Callable[[str], Any]:
 
 
 def install_on(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    for action in parser._actions:
+    for action in surface.parser_actions(parser):
         if FLAG in action.option_strings and not getattr(action.type, "_hyco", False):
             action.type = hyco_aware_type(action.type or str)
     return parser

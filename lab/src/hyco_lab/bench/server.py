@@ -40,7 +40,7 @@ def free_port() -> int:
 
 def cli() -> list[str]:
     script = Path(sys.executable).parent / "vllm-hyco"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "vllm_hyco.vllm_adapter.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "vllm_hyco.vllm_adapter.api_server.cli"]
 
 
 def stop_process(proc: subprocess.Popen) -> None:

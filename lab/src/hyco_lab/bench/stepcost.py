@@ -8,7 +8,8 @@ process so the two engines never share one), on the bench fixtures. HyCo: ``n`` 
 ``nodes`` nodes each round, all in the same step (``HycoEngine.submit_many``); the trees are value-ordered
 chains of the greedy continuation planted at depth 0..3 plus random siblings, so every round commits a few
 tokens. MTP: ``n`` plain requests with vLLM's MTP (K = 4) decode. Each component is timed with process CPU
-time by wrapping it (the wrappers' own cost is inside the totals; a few microseconds a call), per step:
+time by wrapping it with a recorded ``Patch`` (``PROFILE_PATCHES``; the wrappers' own cost is inside the totals; a
+few microseconds a call), per step:
 
 | component | what |
 | --- | --- |
@@ -16,9 +17,9 @@ time by wrapping it (the wrappers' own cost is inside the totals; a few microsec
 | ``forward`` | the runner's ``_model_forward`` (all layers; HyCo's tree attention is inside it) |
 | ``tree_attn`` | HyCo's tree-row recompute in the attention override: the K/V gathers and the attention (per tree with ``loop``, the padded layout and one call per layer with ``padded``; the Python around them is in ``forward``) |
 | ``logits`` | ``compute_logits`` |
-| ``decide`` / ``compact`` / ``handoff`` / ``plan`` | ``tree_step``: the tree decision, KV compaction, int8 hand-off, step index tensors |
+| ``decide`` / ``compact`` / ``handoff`` / ``plan`` | ``worker/tree_step.py``, ``worker/handoff_step.py``: the tree decision, KV compaction, int8 hand-off, step index tensors |
 | ``schedule`` / ``update`` | the scheduler's ``schedule`` / ``update_from_output`` (HyCo's cut included) |
-| ``utility`` | the HyCo utility calls (tree submission, verdict take): once per session per round |
+| ``utility`` | the scheduler's side of the HyCo utility calls (tree submission, verdict take): once per session per round |
 | ``propose`` | MTP: vLLM's draft proposer (K sequential head steps) |
 | ``sample`` | MTP: the rejection sampler; HyCo: ``decide`` |
 
@@ -36,79 +37,87 @@ import random
 import time
 from collections import defaultdict
 
+from vllm_hyco.vllm_adapter.patches import Patch
+
 COMPONENTS = ("step", "forward", "tree_attn", "logits", "plan", "decide", "compact", "handoff", "schedule",
               "update", "utility", "propose", "sample")
 
 
 class Clock:
+    """Process CPU seconds and calls per component; one per profiled process (:data:`CLOCK`)."""
+
     def __init__(self):
         self.cpu = defaultdict(float)
         self.calls = defaultdict(int)
         self.depth = defaultdict(int)
 
-    def wrap(self, owner, attr: str, name: str) -> None:
-        fn = getattr(owner, attr)
-        clock = self
-
-        @functools.wraps(fn)
-        def timed(*a, **k):
-            if clock.depth[name]:  # recursion (a wrapped super() call): count the outer call only
-                return fn(*a, **k)
-            clock.depth[name] += 1
-            c0 = time.process_time()
-            try:
-                return fn(*a, **k)
-            finally:
-                clock.depth[name] -= 1
-                clock.cpu[name] += time.process_time() - c0
-                clock.calls[name] += 1
-
-        setattr(owner, attr, timed)
-
     def snapshot(self) -> dict:
         return {"cpu": dict(self.cpu), "calls": dict(self.calls)}
 
 
-def _install(clock: Clock, hyco: bool) -> None:
-    from vllm.v1.engine.core import EngineCore
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+CLOCK = Clock()
 
-    clock.wrap(EngineCore, "step", "step")
-    clock.wrap(EngineCore, "post_step", "step")
-    clock.wrap(GPUModelRunner, "_model_forward", "forward")
-    from vllm.model_executor.layers.logits_processor import LogitsProcessor
 
-    clock.wrap(LogitsProcessor, "forward", "logits")
-    if hyco:
-        from vllm_hyco.vllm_adapter import core_ext, cpu_attention, tree_step
-        from vllm_hyco.vllm_adapter.scheduler import HycoScheduler
+def _timed(original, name: str):
+    """``original`` with its process CPU time and calls counted under ``name`` (a ``Patch``'s ``make``)."""
 
-        clock.wrap(cpu_attention, "tree_attention_dense_ref", "tree_attn")
-        clock.wrap(cpu_attention, "tree_attention_padded", "tree_attn")
-        from vllm_hyco.vllm_adapter import tree_plan
+    @functools.wraps(original)
+    def timed(*a, **k):
+        if CLOCK.depth[name]:  # recursion (a wrapped super() call): count the outer call only
+            return original(*a, **k)
+        CLOCK.depth[name] += 1
+        c0 = time.process_time()
+        try:
+            return original(*a, **k)
+        finally:
+            CLOCK.depth[name] -= 1
+            CLOCK.cpu[name] += time.process_time() - c0
+            CLOCK.calls[name] += 1
 
-        clock.wrap(tree_plan.PaddedTrees, "build", "tree_attn")
-        from vllm_hyco.vllm_adapter import kv_view
+    return timed
 
-        clock.wrap(kv_view.CpuAttnKVView, "gather", "tree_attn")
-        for attr in ("decide", "compact", "handoff"):
-            clock.wrap(tree_step, attr, attr)
-        clock.wrap(tree_step.StepTrees, "build", "plan")
-        clock.wrap(HycoScheduler, "schedule", "schedule")
-        clock.wrap(HycoScheduler, "update_from_output", "update")
-        for attr in ("hyco_submit_tree", "hyco_take_verdict"):
-            clock.wrap(core_ext, attr, "utility")
-        core_ext.install()  # re-add the (wrapped) methods to EngineCore
-        for p in core_ext.PATCHES:
-            setattr(p._owner(), p.attr, getattr(core_ext, p.attr))
-    else:
-        from vllm.v1.core.sched.scheduler import Scheduler
-        from vllm.v1.sample.rejection_sampler import RejectionSampler
 
-        clock.wrap(GPUModelRunner, "propose_draft_token_ids", "propose")
-        clock.wrap(RejectionSampler, "forward", "sample")
-        clock.wrap(Scheduler, "schedule", "schedule")
-        clock.wrap(Scheduler, "update_from_output", "update")
+def _profile(target: str, attr: str, name: str) -> Patch:
+    return Patch(target, attr, functools.partial(_timed, name=name),
+                 why=f"the step profiler attributes process CPU time to its {name!r} component",
+                 how=f"wrap {attr}: process CPU time and calls around the original (revert() restores it)",
+                 upstream="none (a benchmark-only profiler)", removal="with this profiler")
+
+
+_RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
+_WORKER = "vllm_hyco.vllm_adapter.worker"
+_SCHED = "vllm_hyco.vllm_adapter.engine_core.scheduler:HycoScheduler"
+# Every engine: the step, the forward, the logits. HyCo's: tree attention, the tree step, the scheduler, the
+# utility calls. vLLM's MTP: the proposer, the rejection sampler, the scheduler. (Recorded Patch objects:
+# tests/unit/test_vllm_surface.py checks the vLLM targets against vllm_adapter/surface.py.)
+COMMON_PATCHES = [_profile("vllm.v1.engine.core:EngineCore", "step", "step"),
+                  _profile("vllm.v1.engine.core:EngineCore", "post_step", "step"),
+                  _profile(_RUNNER, "_model_forward", "forward"),
+                  _profile("vllm.model_executor.layers.logits_processor:LogitsProcessor", "forward", "logits")]
+HYCO_PATCHES = [_profile(f"{_WORKER}.cpu_attention", "tree_attention_dense_ref", "tree_attn"),
+                _profile(f"{_WORKER}.cpu_attention", "tree_attention_padded", "tree_attn"),
+                _profile(f"{_WORKER}.tree_plan:PaddedTrees", "build", "tree_attn"),
+                _profile(f"{_WORKER}.kv_view:CpuAttnKVView", "gather", "tree_attn"),
+                _profile(f"{_WORKER}.tree_step", "decide", "decide"),
+                _profile(f"{_WORKER}.tree_step", "compact", "compact"),
+                _profile(f"{_WORKER}.handoff_step", "handoff", "handoff"),
+                _profile(f"{_WORKER}.tree_step:StepTrees", "build", "plan"),
+                _profile(_SCHED, "schedule", "schedule"),
+                _profile(_SCHED, "update_from_output", "update"),
+                _profile(_SCHED, "hyco_submit_tree", "utility"),
+                _profile(_SCHED, "hyco_take_verdict", "utility")]
+MTP_PATCHES = [_profile(_RUNNER, "propose_draft_token_ids", "propose"),
+               _profile("vllm.v1.sample.rejection_sampler:RejectionSampler", "forward", "sample"),
+               _profile("vllm.v1.core.sched.scheduler:Scheduler", "schedule", "schedule"),
+               _profile("vllm.v1.core.sched.scheduler:Scheduler", "update_from_output", "update")]
+PROFILE_PATCHES = COMMON_PATCHES + HYCO_PATCHES + MTP_PATCHES
+
+
+def _install(hyco: bool) -> Clock:
+    """Apply this process's profile (each setup runs in its own child process) and return its clock."""
+    for p in COMMON_PATCHES + (HYCO_PATCHES if hyco else MTP_PATCHES):
+        p.apply()
+    return CLOCK
 
 
 def _prompts(n: int, seed: int = 7) -> list[list[int]]:
@@ -152,13 +161,12 @@ def run_hyco(verifier: str, n: int, nodes: int, steps: int, tree_attn: str, out:
     os.environ["VLLM_HYCO_CHAIN_ATTN"] = chain_attn
     from vllm import LLM, SamplingParams
 
-    clock = Clock()
-    _install(clock, hyco=True)
+    clock = _install(hyco=True)
     llm = LLM(model=verifier, dtype="float32", max_model_len=1024, max_num_seqs=max(n, 1), enforce_eager=True,
               distributed_executor_backend="uni", skip_tokenizer_init=True, seed=0, enable_prefix_caching=False,
               speculative_config={"method": "hyco", "budget_policy": "static", "node_budget": nodes,
                                   "max_sessions": max(n, 1)})
-    from vllm_hyco.vllm_adapter.api import HycoEngine
+    from vllm_hyco.vllm_adapter.api_server.inprocess import HycoEngine
 
     vocab = llm.llm_engine.model_config.get_vocab_size()
     prompts = _prompts(n)
@@ -194,8 +202,7 @@ def run_hyco(verifier: str, n: int, nodes: int, steps: int, tree_attn: str, out:
 def run_mtp(verifier: str, assistant: str, n: int, steps: int, out: dict) -> None:
     from vllm import LLM, SamplingParams
 
-    clock = Clock()
-    _install(clock, hyco=False)
+    clock = _install(hyco=False)
     llm = LLM(model=verifier, dtype="float32", max_model_len=1024, max_num_seqs=max(n, 1), enforce_eager=True,
               distributed_executor_backend="uni", skip_tokenizer_init=True, seed=0, enable_prefix_caching=False,
               speculative_config={"method": "mtp", "model": assistant, "num_speculative_tokens": 4})

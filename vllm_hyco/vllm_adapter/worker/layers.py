@@ -1,6 +1,7 @@
-"""Which attention layers own a KV cache, and which two the hand-off sends: read from what vLLM built.
+"""Which attention layers own a KV cache, and which the hand-off sends: read from what vLLM built (worker
+process, vLLM 0.32).
 
-Matches vLLM 0.32. Layer names are never guessed from the config: the real Gemma 4 checkpoint loads as
+Layer names are never guessed from the config: the real Gemma 4 checkpoint loads as
 ``Gemma4ForConditionalGeneration``, whose text model vLLM builds under ``language_model.``
 (``language_model.model.layers.{i}.self_attn.attn``), while ``Gemma4ForCausalLM`` gives
 ``model.layers.{i}.self_attn.attn``. The source is the runner's
@@ -11,9 +12,10 @@ allocated (``kv_cache_config.kv_cache_groups[*].layer_names``) when they are giv
 * A layer with ``kv_sharing_target_layer_name`` set (Gemma 4's ``num_kv_shared_layers`` trailing
   layers) owns no cache: vLLM never writes K/V for it and it reads its target's cache. Such layers are
   not captured; a hand-off layer that is shared resolves to the layer it reads.
-* The hand-off layers are the last full-attention and the last sliding-window layer of the model (the
-  ones the phone's MTP head reads, like vLLM's own Gemma 4 MTP wiring,
-  ``v1/spec_decode/gemma4.py::_setup_gemma4_kv_sharing``), each resolved to its cache owner.
+* The hand-off layers are the model seam's (``vllm_hyco.models``: for Gemma 4 the last full-attention and the
+  last sliding-window cache owner, the ones its MTP head reads), given by layer id: each must be an
+  attention layer vLLM built, of the kind the seam says (read from the layer's window), and is resolved to
+  its cache owner.
 * :func:`check_captured`: every cache-owning layer must have written the tree rows' K/V in a tree step
   (its ``do_kv_cache_update`` ran: ``tree_plan.layers_written``), else compaction would leave that
   layer's KV at the wrong positions; it raises
@@ -26,7 +28,7 @@ Example (a KV-shared model: layers 2 and 3 read layers 0 and 1)::
     ...        kv_sharing_target_layer_name=t) for i, w, t in
     ...        ((0, 8, None), (1, None, None), (2, 8, "m.layers.0.self_attn.attn"),
     ...         (3, None, "m.layers.1.self_attn.attn"))}
-    >>> kv = discover(ctx)
+    >>> kv = discover(ctx, handoff={"sliding": 0, "full": 1})
     >>> kv.owners, kv.handoff["sliding"], kv.handoff["full"]
     (('m.layers.0.self_attn.attn', 'm.layers.1.self_attn.attn'), 'm.layers.0.self_attn.attn', 'm.layers.1.self_attn.attn')
 """
@@ -75,8 +77,10 @@ def _kind(layer: object) -> str:
     return "sliding" if window and window > 0 else "full"
 
 
-def discover(context: Mapping[str, object], kv_cache_groups: Iterable[object] | None = None) -> KVLayers:
-    """The cache owners, KV-shared layers and hand-off layers of ``context`` (the static forward context).
+def discover(context: Mapping[str, object], kv_cache_groups: Iterable[object] | None = None, *,
+             handoff: Mapping[str, int] | None = None) -> KVLayers:
+    """The cache owners, KV-shared layers and hand-off layers of ``context`` (the static forward context);
+    ``handoff``: the model seam's hand-off layers, kind -> layer id.
 
     ``kv_cache_groups`` (``kv_cache_config.kv_cache_groups``), when given, must hold every owner and
     nothing else but KV-shared layers (the runner's copy lists them in their target's group, the
@@ -102,12 +106,18 @@ def discover(context: Mapping[str, object], kv_cache_groups: Iterable[object] | 
                               f"layer discovery disagrees on (cache owners: {len(owners)}, allocated: "
                               f"{len(allocated)})")
     kinds = {n: _kind(lay) for n, lay in attn}
-    handoff = {}
-    for kind in ("full", "sliding"):
-        last = [n for n, _ in attn if kinds[n] == kind]
-        if last:
-            handoff[kind] = shared.get(last[-1], last[-1])
-    return KVLayers(owners=owners, shared=shared, handoff=handoff, kinds=kinds)
+    by_id = {int(m.group(1)): n for n, _ in attn if (m := _INDEX.search(n))}
+    names = {}
+    for kind, lid in (handoff or {}).items():
+        name = by_id.get(int(lid))
+        if name is None:
+            raise ConfigError(f"the model's {kind} hand-off layer {lid} is not among the {len(attn)} attention layers "
+                              f"vLLM built ({', '.join(sorted(by_id.values())[:3])} ...)")
+        if kinds[name] != kind:
+            raise ConfigError(f"the model's {kind} hand-off layer {lid} runs {kinds[name]} attention in what vLLM "
+                              f"built ({name}); the checkpoint's config and the model seam disagree")
+        names[kind] = shared.get(name, name)
+    return KVLayers(owners=owners, shared=shared, handoff=names, kinds=kinds)
 
 
 def check_captured(captured: Iterable[str], layers: KVLayers, req_id: str) -> None:

@@ -34,22 +34,20 @@ import torch
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
 from vllm_hyco import envs
-from vllm_hyco.vllm_adapter import tree_plan
-from vllm_hyco.vllm_adapter.kv_view import cpu_kv_view, slots_for_positions
+from vllm_hyco.vllm_adapter import surface
+from vllm_hyco.vllm_adapter.worker import tree_plan
+from vllm_hyco.vllm_adapter.worker.kv_view import cpu_kv_view, slots_for_positions
 from vllm_hyco.kernels.tree_attention import tree_attention_dense_ref, tree_attention_padded
 
 
 def install() -> None:
     """Register the override over the static CPU_ATTN member (idempotent; call before model load)."""
-    from vllm.v1.attention import selector
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     path = f"{__name__}.HycoCPUAttentionBackend"
     if AttentionBackendEnum.CPU_ATTN.get_path() != path:
         register_backend(AttentionBackendEnum.CPU_ATTN, path)
-        cached = getattr(selector, "_cached_get_attn_backend", None)
-        if cached is not None and hasattr(cached, "cache_clear"):
-            cached.cache_clear()
+        surface.clear_attn_backend_cache()
 
 
 class HycoCPUAttentionImpl(CPUAttentionBackendImpl):

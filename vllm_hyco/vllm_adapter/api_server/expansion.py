@@ -4,12 +4,13 @@ vLLM has no ``hyco`` speculative method and its method name is a validated Liter
 alias (docs/vllm-notes.md §2) that expands, on the ``EngineArgs`` object before ``VllmConfig`` is built,
 to::
 
-    speculative_config = {"method": "custom_class", "model": NULL_PROPOSER, "num_speculative_tokens": node_budget}
-    scheduler_cls      = "vllm_hyco.vllm_adapter.scheduler.HycoScheduler"
+    speculative_config = {"method": "custom_class", "model": NULL_PROPOSER,
+                          "num_speculative_tokens": speculative_tokens(node_budget)}
+    scheduler_cls      = "vllm_hyco.vllm_adapter.engine_core.scheduler.HycoScheduler"
     worker_cls         = HycoWorker (GPU) or HycoCPUWorker (CPU build)
     async_scheduling   = False
     additional_config["hyco"] = HycoConfig.to_dict()     # reaches engine core and workers (pickled VllmConfig)
-    attention_backend  = "CUSTOM"   (GPU only: HyCo's tree-attention backend, vllm_adapter/gpu_attention.py)
+    attention_backend  = "CUSTOM"   (GPU only: HyCo's tree-attention backend, vllm_adapter/worker/gpu_attention.py)
 
 On GPU the tree rows need HyCo's backend, registered over the static ``CUSTOM`` member by the worker
 (a new enum name could not be unpickled in a spawned engine core). It subclasses vLLM's Triton backend,
@@ -29,7 +30,7 @@ Example::
 
     >>> from types import SimpleNamespace
     >>> args = SimpleNamespace(speculative_config="hyco", tensor_parallel_size=1, pipeline_parallel_size=1,
-    ...     data_parallel_size=1, _api_process_count=1, async_scheduling=None, scheduler_cls=None,
+    ...     data_parallel_size=1, async_scheduling=None, scheduler_cls=None,
     ...     worker_cls="auto", additional_config={})
     >>> cfg = expand_engine_args(args, is_cpu=True)
     >>> args.speculative_config["method"], args.worker_cls.rsplit(".", 1)[-1], args.async_scheduling
@@ -42,8 +43,8 @@ import logging
 from typing import Any
 
 from vllm_hyco.config import ADDITIONAL_CONFIG_KEY, HycoConfig
-from vllm_hyco.vllm_adapter import CPU_WORKER, GPU_WORKER, NULL_PROPOSER, SCHEDULER
 from vllm_hyco.errors import ConfigError
+from vllm_hyco.vllm_adapter import CPU_WORKER, GPU_WORKER, NULL_PROPOSER, SCHEDULER, surface
 
 logger = logging.getLogger("vllm.hyco")  # a child of vLLM's logger: same handler and format
 
@@ -108,11 +109,12 @@ def check_topology(args: Any) -> None:
     for name, flag in (("pipeline_parallel_size", "--pipeline-parallel-size"),
                        ("decode_context_parallel_size", "--decode-context-parallel-size"),
                        ("prefill_context_parallel_size", "--prefill-context-parallel-size"),
-                       ("data_parallel_size", "--data-parallel-size"),
-                       ("_api_process_count", "--api-server-count")):
+                       ("data_parallel_size", "--data-parallel-size")):
         value = getattr(args, name, 1) or 1
         if value > 1:
             raise _refuse(flag, value)
+    if surface.api_process_count(args) > 1:
+        raise _refuse("--api-server-count", surface.api_process_count(args))
     if getattr(args, "async_scheduling", None):
         raise _refuse("--async-scheduling", True)
 
@@ -181,6 +183,17 @@ def _select_tree_attention(args: Any) -> None:
         args.attention_backend = "CUSTOM"
 
 
+def speculative_tokens(node_budget: int) -> int:
+    """vLLM's ``num_speculative_tokens`` for a HyCo engine: one spec slot per tree node (the root is the
+    request's last token, the bonus of the round before). The one place the node budget becomes vLLM's
+    word: vLLM sizes its spec slots, its decode padding and its spec-decode stats by it.
+
+    >>> speculative_tokens(32)
+    32
+    """
+    return node_budget
+
+
 def expand_engine_args(args: Any, *, is_cpu: bool) -> HycoConfig:
     """Validate ``args.speculative_config`` (a HyCo spec), rewrite ``args`` in place, return the config."""
     cfg = HycoConfig.parse(args.speculative_config)
@@ -194,7 +207,7 @@ def expand_engine_args(args: Any, *, is_cpu: bool) -> HycoConfig:
     if worker not in ("auto", CPU_WORKER, GPU_WORKER):
         raise ConfigError(f"--speculative-config hyco brings its own worker; remove --worker-cls {worker}")
     args.speculative_config = {"method": "custom_class", "model": NULL_PROPOSER,
-                               "num_speculative_tokens": cfg.num_speculative_tokens}
+                               "num_speculative_tokens": speculative_tokens(cfg.node_budget)}
     args.scheduler_cls = SCHEDULER
     args.worker_cls = CPU_WORKER if is_cpu else GPU_WORKER
     args.async_scheduling = False

@@ -165,7 +165,7 @@ class HycoEndpointPlugin:
         state.hyco_service = None
         if state.hyco_config is not None:
             from vllm_hyco.serving import create_service
-            from vllm_hyco.vllm_adapter.bridge import EngineBridge
+            from vllm_hyco.vllm_adapter.api_server.engine_client import EngineBridge
 
             mc = engine_client.vllm_config.model_config
             name = mc.served_model_name if isinstance(mc.served_model_name, str) else mc.model

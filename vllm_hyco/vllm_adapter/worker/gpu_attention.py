@@ -10,7 +10,7 @@ is how the hook below is unit-tested without a GPU).
 * What it replaces: the backend class of the **static** enum member ``AttentionBackendEnum.CUSTOM``
   (a new enum name cannot be unpickled in a spawned engine core; docs/vllm-notes.md §5, registration), selected
   by ``attention_config.backend = CUSTOM``, which ``--speculative-config hyco`` sets on GPU
-  (``vllm_adapter/expansion.py``). The classes subclass the Triton ones:
+  (``vllm_adapter/api_server/expansion.py``). The classes subclass the Triton ones:
 
   - ``forward``: the stock Triton forward for the whole batch, then the rows of every tree request
     (published by the runner, ``tree_plan.active_step``) are recomputed in **one launch** of
@@ -20,7 +20,7 @@ is how the hook below is unit-tested without a GPU).
     trees, and the rows of trees that are chains (causal mask: the stock output is exact), run the stock
     path only.
   - ``do_kv_cache_update``: stock write, and a note that the layer was written this step (no copy: the
-    compaction and the hand-off read the paged cache, ``vllm_adapter/tree_step.py``).
+    compaction and the hand-off read the paged cache, ``vllm_adapter/worker/tree_step.py``).
   - the builder declares ``AttentionCGSupport.NEVER``: vLLM then resolves ``FULL_AND_PIECEWISE`` (the
     default) to ``PIECEWISE``, so attention and the KV-cache update (both splitting ops in 0.32) run
     eagerly and the hooks run on every step. A full CUDA graph of a uniform 33-row batch would replay a
@@ -51,8 +51,9 @@ from vllm.v1.attention.backends.triton_attn import (
     TritonAttentionMetadataBuilder,
 )
 
-from vllm_hyco.vllm_adapter import tree_plan
-from vllm_hyco.vllm_adapter.kv_view import BlockMajorKVView
+from vllm_hyco.vllm_adapter import surface
+from vllm_hyco.vllm_adapter.worker import tree_plan
+from vllm_hyco.vllm_adapter.worker.kv_view import BlockMajorKVView
 from vllm_hyco.errors import HardwareUnsupportedError
 from vllm_hyco.kernels.tree_rows import block_major_views, paged_tree_rows_attention
 
@@ -62,15 +63,12 @@ BACKEND_PATH = f"{__name__}.HycoTritonAttentionBackend"
 def install() -> None:
     """Register the backend over the static CUSTOM member (idempotent; call in every process that builds
     attention layers, before the model is built: ``HycoWorker.__init__`` does)."""
-    from vllm.v1.attention import selector
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     custom = AttentionBackendEnum.CUSTOM
     if not custom.is_overridden() or custom.get_path() != BACKEND_PATH:
         register_backend(AttentionBackendEnum.CUSTOM, BACKEND_PATH)
-        cached = getattr(selector, "_cached_get_attn_backend", None)
-        if cached is not None and hasattr(cached, "cache_clear"):
-            cached.cache_clear()
+        surface.clear_attn_backend_cache()
 
 
 def check_tree_backends(layers: Mapping[str, object]) -> None:

@@ -1,17 +1,17 @@
-"""HycoWorker and HycoModelRunner (adapter, vLLM 0.32 GPU ``Worker`` / V1 ``GPUModelRunner``).
+"""HycoWorker and HycoModelRunner (worker process; extend vLLM 0.32's GPU ``Worker`` / V1 ``GPUModelRunner``).
 
 ``custom_class`` forces the V1 runner, so ``_make_model_runner`` (the hook vLLM documents for
 subclasses) returns HycoModelRunner, which carries ``HycoRunnerMixin`` (tree positions, tree decision,
-compaction and hand-off through ``kv_view.BlockMajorKVView``). ``HycoWorker.__init__`` registers the tree
-attention backend over the static ``CUSTOM`` member (``vllm_adapter/gpu_attention.py``) before anything builds
-attention layers; ``--speculative-config hyco`` selects it (``attention_config.backend = CUSTOM``,
-``vllm_adapter/expansion.py``). After the model is loaded the runner checks that every attention layer runs it,
-so a backend override that slipped past the expansion fails at start-up with HardwareUnsupportedError
-rather than verifying trees with a causal mask. Requests without a tree run exactly as in vLLM.
+compaction and hand-off through ``kv_view.BlockMajorKVView``: ``worker/runner.py``). ``HycoWorker.__init__``
+registers the tree attention backend over the static ``CUSTOM`` member (``worker/gpu_attention.py``) before
+anything builds attention layers; ``--speculative-config hyco`` selects it (``attention_config.backend =
+CUSTOM``, ``api_server/expansion.py``). After the model is loaded the runner checks that every attention
+layer runs it, so a backend override that slipped past the expansion fails at start-up with
+HardwareUnsupportedError rather than verifying trees with a causal mask. Requests without a tree run
+exactly as in vLLM.
 
-Overrides: ``Worker.__init__`` (registers the backend) and ``_make_model_runner``; ``GPUModelRunner.__init__``
-(attaches the config) and ``load_model`` (checks the backends), plus HycoRunnerMixin's
-(vllm_hyco/vllm_adapter/runner_mixin.py). tests/unit/test_vllm_surface.py checks them.
+Overrides: ``Worker.__init__`` (registers the backend) and ``_make_model_runner``; ``GPUModelRunner.load_model``
+(checks the backends), plus HycoRunnerMixin's. ``vllm_adapter/surface.py`` pins them.
 
 GPU-unverified: no GPU engine run has happened yet (docs/engine.md, "GPU path").
 """
@@ -21,18 +21,13 @@ from __future__ import annotations
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import Worker
 
-from vllm_hyco.config import HycoConfig
-from vllm_hyco.vllm_adapter import gpu_attention
-from vllm_hyco.vllm_adapter.runner_mixin import HycoRunnerMixin
 from vllm_hyco.errors import HardwareUnsupportedError
+from vllm_hyco.vllm_adapter.worker import gpu_attention
+from vllm_hyco.vllm_adapter.worker.runner import HycoRunnerMixin
 
 
 class HycoModelRunner(HycoRunnerMixin, GPUModelRunner):
-    """V1 GPU runner with the HyCo config attached (``self.hyco_config``)."""
-
-    def __init__(self, vllm_config, device):
-        super().__init__(vllm_config, device)
-        self.hyco_config = HycoConfig.maybe_from_vllm_config(vllm_config)
+    """V1 GPU runner with HyCo's tree step (``self.hyco``)."""
 
     def load_model(self, *args, **kwargs):
         super().load_model(*args, **kwargs)

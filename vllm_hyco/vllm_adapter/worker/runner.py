@@ -1,71 +1,81 @@
-"""HycoRunnerMixin: tree positions, tree attention plan, tree decision, KV compaction, hand-off capture.
+"""HycoRunnerMixin: tree positions, the tree decision, KV compaction and the hand-off in vLLM's model runner
+(worker process; extends vLLM 0.32's V1 ``GPUModelRunner`` / ``CPUModelRunner``).
 
-Matches vLLM 0.32 (V1 ``GPUModelRunner`` / ``CPUModelRunner``). Mix it in front of the runner class:
-``class HycoCPUModelRunner(HycoRunnerMixin, CPUModelRunner)``. It overrides four ``GPUModelRunner`` methods
-(``_update_states``, ``_prepare_inputs``, ``_sample``, ``sample_tokens``; tests/unit/test_vllm_surface.py
-checks they still exist with these signatures), each calling ``super()`` first so non-HyCo requests keep
-vLLM's behaviour:
+Mix it in front of the runner class: ``class HycoCPUModelRunner(HycoRunnerMixin, CPUModelRunner)``. Its HyCo
+state is one object, ``self.hyco`` (``worker/state.py``). Overrides (each calls ``super()`` first so
+requests without a tree keep vLLM's behaviour; ``vllm_adapter/surface.py`` pins them):
 
+* ``__init__``: builds ``self.hyco`` from the engine's HycoConfig and the model seam (the hand-off window).
+* ``initialize_kv_cache``: compiles the tree step's Triton variants (``worker/warmup.py``, GPU), or builds
+  and verifies every layer's KV view (CPU: an unverified KV layout stops the server at startup).
 * ``_update_states``: frees the per-request generators of finished requests (finished ids arrive also in
   steps that schedule no tokens, which skip ``_prepare_inputs``).
-
 * ``_prepare_inputs``: after vLLM computed sequential positions **and the slot mapping from them** (so
   the 33 rows are written to the sequential slots t..t+32), overwrite each tree row's position with
-  ``t + depth`` and publish the step's :class:`TreeRows` to the attention override. Replaces nothing;
-  can go with a runner hook for per-row positions (V2 ``ModelState.prepare_inputs`` has one).
+  ``t + depth`` and publish the step's :class:`~vllm_hyco.vllm_adapter.worker.tree_plan.TreeRows` to the
+  attention override. Can go with a runner hook for per-row positions (V2 ``ModelState.prepare_inputs``).
 * ``_sample``: vLLM's plain sampler runs on one row per request; the rows of tree requests are then
   overwritten with ``[path..., bonus, -1...]`` decided on the same logits, for all trees of the step at
   once on the device (``tree_step``), and the accepted rows' K/V are moved to positions t+1..t+d in every
-  layer that owns a cache (compaction, ``kernels.compact_kv``).
-  vLLM's bookkeeping then appends path + bonus and the scheduler rolls back the rejected rows
-  (``num_computed_tokens -= num_rejected``), which is exactly t' = t + 1 + d. Can go with a pluggable
-  rejection sampler on V1 (V2: ``ModelState.custom_sampler``).
-* ``sample_tokens``: keeps the post-final-norm hidden states of the step for the hand-off and attaches
-  the per-request verdicts to ``ModelRunnerOutput.hyco_verdicts`` (read by the scheduler mixin).
+  layer that owns a cache (compaction). vLLM's bookkeeping then appends path + bonus and the scheduler
+  rolls back the rejected rows (``num_computed_tokens -= num_rejected``), which is exactly t' = t + 1 + d.
+  Can go with a pluggable rejection sampler on V1 (V2: ``ModelState.custom_sampler``).
+* ``sample_tokens``: keeps the post-final-norm hidden states of the step for the hand-off and attaches the
+  per-request verdicts (``engine_contract.TreeVerdict``) to ``ModelRunnerOutput.hyco_verdicts``, which the
+  scheduler reads.
 
-The scheduler passes trees as ``scheduler_output.hyco_trees = {req_id: (round, tokens, parents, eps, draft_q)}``.
+The scheduler passes trees as ``scheduler_output.hyco_trees = {req_id: engine_contract.StepTree}``.
 
 Devices: the same code runs on the CPU runner (attention: ``cpu_attention``, CPU_ATTN override) and on the
-GPU runner (attention: ``gpu_attention``, the Triton backend registered over CUSTOM; a tree on a GPU
-runner whose layers run another backend raises HardwareUnsupportedError). The step's trees are published
-to both through ``tree_plan.set_active_trees``. The decision, compaction and hand-off gather run on the
-runner's device for all trees of the step (``tree_step``); the uniforms come from each session's CPU
-generator (one per row of a sampled tree), the hand-off leaves as int8 quantized on the device, and only
-``O(rows)`` values of the decision are copied to the host. ``initialize_kv_cache`` compiles the tree
-step's Triton variants (``tree_step.warm_up``, GPU only).
+GPU runner (``gpu_attention``, the Triton backend registered over CUSTOM; a tree on a GPU runner whose
+layers run another backend raises HardwareUnsupportedError). The step's trees are published to both
+through ``tree_plan.set_active_trees``. The decision, compaction and hand-off gather run on the runner's
+device for all trees of the step; the uniforms come from each session's CPU generator (one per row of a
+sampled tree), the hand-off leaves as int8 quantized on the device, and only ``O(rows)`` values of the
+decision are copied to the host.
 """
 
 from __future__ import annotations
 
 import hashlib
 import time
+from typing import Any
 
 import torch
 
-from vllm_hyco.vllm_adapter import tree_plan, tree_step
-from vllm_hyco.vllm_adapter.layers import KVLayers, check_captured, discover
-from vllm_hyco.vllm_adapter.tree_plan import TreeRows
+from vllm_hyco.config import HycoConfig
+from vllm_hyco.engine_contract import StepTree, TreeVerdict
+from vllm_hyco.models import family_of
+from vllm_hyco.vllm_adapter.worker import handoff_step, tree_plan, tree_step, warmup
+from vllm_hyco.vllm_adapter.worker.layers import check_captured
+from vllm_hyco.vllm_adapter.worker.state import RunnerState
+from vllm_hyco.vllm_adapter.worker.tree_plan import TreeRows
 
 PLACEHOLDER = -1
 
 
+def runner_state(vllm_config: Any) -> RunnerState:
+    """A runner's HyCo state: the engine's HycoConfig and the hand-off window of the model seam."""
+    cfg = HycoConfig.maybe_from_vllm_config(vllm_config)
+    hf = vllm_config.model_config.hf_config.to_dict()
+    return RunnerState(config=cfg, window=family_of(hf).handoff_window(hf, cfg.window if cfg is not None else None))
+
+
 class HycoRunnerMixin:
-    """Tree handling for the V1 runner; state is created lazily so it also works on a swapped class."""
+    """Tree handling for the V1 runner (see the module docstring)."""
 
-    def _hyco_state(self) -> dict:
-        st = self.__dict__.get("_hyco")
-        if st is None:
-            st = {"trees": None, "verdicts": {}, "hidden": None, "gens": {}}
-            self.__dict__["_hyco"] = st
-        return st
+    hyco: RunnerState
 
-    # -- load -------------------------------------------------------------------------------------
-    def initialize_kv_cache(self, *args, **kwargs):
-        # The tree step's Triton variants are compiled here, once the caches exist (GPU only; see
-        # ``tree_step.warm_up``), not in the first rounds.
+    def __init__(self, vllm_config: Any, device: Any) -> None:
+        super().__init__(vllm_config, device)
+        self.hyco = runner_state(vllm_config)
+
+    # -- load -----------------------------------------------------------------------------------------------
+    def initialize_kv_cache(self, *args: Any, **kwargs: Any) -> Any:
         result = super().initialize_kv_cache(*args, **kwargs)
         if self.device.type == "cuda" and not kwargs.get("is_profiling"):
-            self._hyco_state()["warmed"] = tree_step.warm_up(self)
+            # the tree step's Triton variants are compiled here, once the caches exist, not in the first rounds
+            self.hyco.warmed = warmup.warm_up(self)
         elif self.device.type == "cpu" and not kwargs.get("is_profiling"):
             # Build (and verify) every layer's KV view now, so a CPU KV layout the plugin never verified
             # (bf16 on an AMX host: isa 'amx') stops the server at startup with HardwareUnsupportedError,
@@ -73,24 +83,22 @@ class HycoRunnerMixin:
             tree_step.cache_layers(self)
         return result
 
-    # -- inputs -----------------------------------------------------------------------------------
-    def _update_states(self, scheduler_output):
+    # -- inputs ---------------------------------------------------------------------------------------------
+    def _update_states(self, scheduler_output: Any) -> Any:
         # Finished ids reach the worker also in steps that schedule no tokens (an idle engine), which skip
         # ``_prepare_inputs``: free the per-request generators here so none outlives its session.
         result = super()._update_states(scheduler_output)
-        gens = self._hyco_state()["gens"]
         for req_id in getattr(scheduler_output, "finished_req_ids", ()) or ():
-            gens.pop(req_id, None)
+            self.hyco.gens.pop(req_id, None)
         return result
 
-    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+    def _prepare_inputs(self, scheduler_output: Any, num_scheduled_tokens: Any) -> Any:
         result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
-        st = self._hyco_state()
-        specs = getattr(scheduler_output, "hyco_trees", None) or {}
+        specs: dict[str, StepTree] = getattr(scheduler_output, "hyco_trees", None) or {}
         if specs and self.device.type != "cpu":
             self._hyco_check_gpu_backend()
         trees = []
-        for req_id, (round_, tokens, parents, eps, draft_q) in specs.items():
+        for req_id, spec in specs.items():
             b = self.input_batch.req_id_to_index.get(req_id)
             if b is None:
                 continue
@@ -98,44 +106,44 @@ class HycoRunnerMixin:
             tr = TreeRows.build(req_id=req_id, batch_idx=b, q_start=int(self.query_start_loc.np[b]),
                                 num_rows=int(num_scheduled_tokens[b]),
                                 context_len=int(self.input_batch.num_computed_tokens_cpu[b]),
-                                round=round_, tokens=tokens, parents=parents, eps=eps, draft_q=draft_q)
-            assert tr.num_rows <= len(tokens), "a tree request got more rows than its tree has"
+                                round=spec.round, tokens=list(spec.tokens), parents=list(spec.parents), eps=spec.eps,
+                                draft_q=None if spec.draft_q is None else dict(spec.draft_q))
+            assert tr.num_rows <= len(spec.tokens), "a tree request got more rows than its tree has"
             rows = slice(tr.q_start, tr.q_start + tr.num_rows)
             self.positions[rows] = tr.positions.to(device=self.positions.device, dtype=self.positions.dtype)
             tr.host_s += time.perf_counter() - t0
             trees.append(tr)
-        st["trees"] = trees or None
+        self.hyco.trees = trees or None
         tree_plan.set_active_trees(trees, self.device)
         return result
 
     def _hyco_check_gpu_backend(self) -> None:
         """Trees on a GPU runner need our tree-attention backend on every layer (checked once)."""
-        st = self._hyco_state()
-        if not st.get("gpu_backend_ok"):
-            from vllm_hyco.vllm_adapter import gpu_attention
+        if not self.hyco.gpu_backend_ok:
+            from vllm_hyco.vllm_adapter.worker import gpu_attention
 
             gpu_attention.check_tree_backends(self.vllm_config.compilation_config.static_forward_context)
-            st["gpu_backend_ok"] = True
+            self.hyco.gpu_backend_ok = True
 
-    # -- sampling ---------------------------------------------------------------------------------
-    def sample_tokens(self, grammar_output):
-        st = self._hyco_state()
-        if self.execute_model_state is not None and st["trees"]:
-            st["hidden"] = self.execute_model_state.hidden_states  # [num_tokens, hidden] post final norm
+    # -- sampling -------------------------------------------------------------------------------------------
+    def sample_tokens(self, grammar_output: Any) -> Any:
+        st = self.hyco
+        if self.execute_model_state is not None and st.trees:
+            st.hidden = self.execute_model_state.hidden_states  # [num_tokens, hidden] post final norm
         try:
             output = super().sample_tokens(grammar_output)
         finally:
             tree_plan.set_active_trees(None)
-            st["trees"], st["hidden"] = None, None
-        if st["verdicts"]:
+            st.trees, st.hidden = None, None
+        if st.verdicts:
             target = getattr(output, "model_runner_output", output)
-            target.hyco_verdicts = st["verdicts"]
-            st["verdicts"] = {}
+            target.hyco_verdicts = st.verdicts
+            st.verdicts = {}
         return output
 
-    def _sample(self, logits, spec_decode_metadata):
-        st = self._hyco_state()
-        if not st["trees"]:
+    def _sample(self, logits: torch.Tensor, spec_decode_metadata: Any) -> Any:
+        st = self.hyco
+        if not st.trees:
             if spec_decode_metadata is not None and not any(spec_decode_metadata.num_draft_tokens):
                 # No tree and no draft row in the batch: vLLM would still run its rejection sampler, whose
                 # top-k over zero draft rows crashes the CPU engine (top_k set, top_p unset). With no
@@ -143,9 +151,8 @@ class HycoRunnerMixin:
                 return super()._sample(logits, None)
             return super()._sample(logits, spec_decode_metadata)
         # before anything is compacted: a cache-owning layer whose KV write did not run is a hard error
-        check_captured(tree_plan.layers_written(), self._hyco_kv_layers(),
-                       ", ".join(tr.req_id for tr in st["trees"]))
-        trees = {tr.batch_idx: tr for tr in st["trees"]}
+        check_captured(tree_plan.layers_written(), tree_step.kv_layers(self), ", ".join(tr.req_id for tr in st.trees))
+        trees = {tr.batch_idx: tr for tr in st.trees}
         num_reqs = self.input_batch.num_reqs
         # Row ranges of each request in ``logits``: [lo, hi).
         if spec_decode_metadata is None:
@@ -172,12 +179,12 @@ class HycoRunnerMixin:
             lo, hi = bounds[b]
             assert hi - lo == tr.num_rows, (hi - lo, tr.num_rows)
         t0 = time.perf_counter()
-        order = list(st["trees"])
+        order = list(st.trees)
         # the step's index tensors, built once: logits rows start at bounds[b][0], batch rows at q_start
         step = tree_step.StepTrees.build(order, [bounds[tr.batch_idx][0] for tr in order], logits.device)
         dec = tree_step.decide(self, step, logits, self._hyco_generator)
         tree_step.compact(self, step, dec.verdict)
-        handoffs = tree_step.handoff(self, step, dec, st["hidden"])
+        handoffs = handoff_step.handoff(self, step, dec, st.hidden)
         committed = torch.full((len(order), width), PLACEHOLDER, dtype=torch.int64)
         for i, tr in enumerate(order):
             toks = [tr.tokens[r] for r in dec.path_rows[i]] + [dec.bonus[i]]
@@ -186,19 +193,19 @@ class HycoRunnerMixin:
         out[rows.to(out.device)] = committed.to(device=out.device, dtype=out.dtype)  # one host-to-device copy
         host_s = time.perf_counter() - t0 + sum(tr.host_s for tr in order)
         for i, tr in enumerate(order):
-            path = dec.path_rows[i]
-            verdict = {"round": tr.round, "path_rows": path, "bonus": dec.bonus[i], "hits": dec.hits[i],
-                       "num_rows": tr.num_rows, "root_pos": tr.context_len, "end_row": path[-1] if path else 0,
-                       "samples": dec.samples[i], "handoff": handoffs[i], "host_s": host_s}
-            if st.get("debug_logits"):  # tests only: the rows' logits as the decision saw them
+            logits_rows = None
+            if st.debug_logits:  # tests only: the rows' logits as the decision saw them
                 lo = bounds[tr.batch_idx][0]
-                verdict["logits"] = logits[lo:lo + tr.num_rows].detach().float().cpu().clone()
-            st["verdicts"][tr.req_id] = verdict
+                logits_rows = logits[lo:lo + tr.num_rows].detach().float().cpu().clone()
+            st.verdicts[tr.req_id] = TreeVerdict(
+                round=tr.round, path_rows=tuple(dec.path_rows[i]), bonus=dec.bonus[i], hits=dec.hits[i],
+                num_rows=tr.num_rows, root_pos=tr.context_len, samples=tuple(dec.samples[i]),
+                handoff=handoffs[i], host_s=host_s, logits=logits_rows)
         sampler_output.sampled_token_ids = out
         return sampler_output
 
-    def _hyco_generator(self, req_id: str, params) -> torch.Generator | None:
-        gens = self._hyco_state()["gens"]
+    def _hyco_generator(self, req_id: str, params: Any) -> torch.Generator:
+        gens = self.hyco.gens
         if req_id not in gens:
             spec = (params.extra_args or {}).get("hyco") or {}
             seed = spec.get("seed", params.seed)
@@ -209,22 +216,3 @@ class HycoRunnerMixin:
             gen.manual_seed(int(seed))
             gens[req_id] = gen
         return gens[req_id]
-
-    # -- hand-off ---------------------------------------------------------------------------------
-    def _hyco_window(self) -> int:
-        cfg = getattr(self, "hyco_config", None)
-        window = getattr(cfg, "window", None)
-        return int(window or getattr(self.model_config.hf_text_config, "sliding_window", None) or 1024)
-
-    def _hyco_kv_layers(self) -> KVLayers:
-        """The cache-owning attention layers and the two hand-off layers, as vLLM built them (``layers``)."""
-        st = self._hyco_state()
-        if "kv_layers" not in st:
-            cfg = getattr(self, "kv_cache_config", None)
-            st["kv_layers"] = discover(self.compilation_config.static_forward_context,
-                                       getattr(cfg, "kv_cache_groups", None))
-        return st["kv_layers"]
-
-    def _hyco_handoff_layers(self) -> dict[str, str]:
-        """{'full': layer_name, 'sliding': layer_name}: the last full and last sliding layer's cache owners."""
-        return self._hyco_kv_layers().handoff

@@ -4,7 +4,7 @@ For every HyCo request scheduled with a tree this step, the runner builds one :c
 its rows sit in the flattened batch, the committed context length ``t`` (the root's position), each
 row's depth and its ancestor mask. The attention override reads it to mask tree rows and records, once
 per layer and step, that it wrote the step's K/V (:func:`note_layer_written`; no copy of the rows: the
-compaction and the hand-off read the paged cache, ``vllm_adapter/tree_step.py``).
+compaction and the hand-off read the paged cache, ``vllm_adapter/worker/tree_step.py``).
 
 The runner publishes the step's trees with :func:`set_active_trees` and clears them after sampling. The
 CPU override reads the list (:func:`active_trees`); the GPU backend reads :func:`active_step`, a
@@ -32,9 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_hyco import envs
 from vllm_hyco.handoff import tree_contract
-from vllm_hyco.spec_decode.budget import chain_prefix
+from vllm_hyco.spec_decode.budget import recomputed
 
 
 @dataclass
@@ -205,14 +204,6 @@ def set_active_trees(trees: list[TreeRows] | None, device: torch.device | str = 
     trees = trees or None
     masked = ([tr for tr in trees if recomputed(tr.parents)] or None) if trees else None
     _ACTIVE.update(trees=trees, masked=masked, device=device, step=None, written=set(), cache={})
-
-
-def recomputed(parents) -> bool:
-    """The attention overrides recompute this tree's rows: it is not a chain, or ``VLLM_HYCO_CHAIN_ATTN``
-    is ``tree``. A chain (every row the child of the row before it) has the causal mask and sequential
-    positions, so vLLM's own attention already computes its rows exactly. The worker's
-    :func:`masked_trees` and the scheduler's step-cost model (its ``branching`` term) both ask this."""
-    return envs.VLLM_HYCO_CHAIN_ATTN != "stock" or chain_prefix(parents) < len(parents) - 1
 
 
 def step_cached(key, build):

@@ -1,9 +1,10 @@
-"""The engine client of HyCo sessions (adapter, matches vLLM 0.32 ``AsyncLLM``): the one place that turns a
-request into a session and a tree into a verdict. The phone route (``vllm_hyco.serving``) uses
-:class:`EngineBridge`; the in-process harness of tests and benchmarks (``vllm_adapter/api.py``
-``HycoEngine``) uses the same request checks (:func:`check_fields`, :data:`SAMPLING_FIELDS`,
-:func:`session_params`, ``vllm_hyco.config.resolve_session_eps``) and the same engine-core methods
-(``vllm_adapter/core_ext.py``, one error format).
+"""The engine client of HyCo sessions (API-server process, vLLM 0.32 ``AsyncLLM``): the one place that turns a
+request into a session and a tree into a verdict. It implements the phone route's engine port
+(``vllm_hyco.serving.engine_port.EngineClient``); the in-process harness of tests and benchmarks
+(``vllm_adapter/api_server/inprocess.py`` ``HycoEngine``) uses the same request checks (:func:`check_fields`,
+:data:`SAMPLING_FIELDS`, :func:`session_params`, ``vllm_hyco.config.resolve_session_eps``) and the same
+engine-core methods (``vllm_adapter/patches/engine_core_methods.py``), whose results it decodes into the
+engine contract's types (``vllm_hyco.engine_contract``).
 
 A session is one long-lived request added with ``engine_client.generate`` (``SamplingParams.extra_args
 ["hyco"] = {"sid", "eps", "seed"}``, output kind DELTA); a task pumps its RequestOutputs (committed ids and
@@ -21,8 +22,8 @@ Example (inside the server's event loop)::
 
     bridge = EngineBridge(engine_client, model_name="tiny", max_model_len=1024, vocab_size=4096)
     s = await bridge.open("chat.completions", {"messages": [...], "max_tokens": 64}, eps=None)
-    r = await bridge.round(s, 0, tokens=[s.root, a, b], parents=[-1, 0, 1])
-    r.raw["path_rows"], r.token_ids, r.text, r.finish_reason
+    r = await bridge.round(s, TreeSubmission(s.sid, 0, tokens=(s.root, a, b), parents=(-1, 0, 1)))
+    r.verdict.tree.path_rows, r.token_ids, r.text, r.finish_reason
     await bridge.close(s)
 """
 
@@ -36,8 +37,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_hyco.engine_contract import EngineStats, RoundVerdict, SessionInfo, TreeSubmission, decode_result
 from vllm_hyco.errors import EngineError, FrameError, HycoError, RequestFieldError, SessionError
-from vllm_hyco.vllm_adapter.core_ext import raise_if_error
+from vllm_hyco.serving.engine_port import RoundResult
 
 #: the sampling fields a HyCo session honours (every other generation field changes the tree decision)
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed", "max_tokens", "stop", "ignore_eos", "min_tokens")
@@ -143,14 +145,6 @@ class EngineSession:
     finished: bool = False
 
 
-@dataclass
-class RoundResult:
-    raw: dict[str, Any]  # the engine's verdict (path_rows, bonus, committed, handoff, num_rows, hits, ...)
-    token_ids: list[int]  # what vLLM's frontend reports committed this round
-    text: str
-    finish_reason: str | None
-
-
 class EngineBridge:
     def __init__(self, engine_client: Any, model_name: str, max_model_len: int, vocab_size: int,
                  served_names: tuple[str, ...] = ()):
@@ -158,9 +152,10 @@ class EngineBridge:
         self.vocab_size = vocab_size
         self.served_names = frozenset((model_name, *served_names))
 
-    async def call(self, name: str, *args) -> Any:
-        """One engine-core method; a typed error it returned is raised here with its class and code."""
-        return raise_if_error(await self.client.engine_core.call_utility_async(name, *args))
+    async def call(self, name: str, *args: Any) -> Any:
+        """One engine-core method, its result decoded into the contract's type; a typed error it returned
+        is raised here with its class and code."""
+        return decode_result(name, await self.client.engine_core.call_utility_async(name, *args))
 
     # -- prompts and parameters ------------------------------------------------------------------------
     def prompt_ids(self, endpoint: str, request: dict) -> list[int]:
@@ -222,13 +217,13 @@ class EngineBridge:
         s = EngineSession(sid, f"hyco-{sid}", ids, ids[-1], fields["max_tokens"])
         s.pump = asyncio.create_task(self._pump(s, {"prompt_token_ids": ids}, params))
         info = await self._wait_state(s, ("parked", "finished"))
-        if info is None or info["state"] == "finished":
+        if info is None or info.state == "finished":
             await self.close(s)
             if info is None and s.error is not None:
                 typed = client_error(s.error)
                 if typed is not None:
                     raise typed
-            code = (info or {}).get("finish_code") or "internal_error"
+            code = (info.finish_code if info is not None else None) or "internal_error"
             if code == "too_many_sessions":
                 raise SessionError("the engine holds its maximum number of sessions", code=code)
             raise EngineError(f"the engine ended the session during its prefill ({code}; "
@@ -247,7 +242,7 @@ class EngineBridge:
         finally:
             s.queue.put_nowait(None)
 
-    async def info(self, sid: str) -> dict[str, Any] | None:
+    async def info(self, sid: str) -> SessionInfo | None:
         """The engine's session info, or None when it does not know the sid."""
         try:
             return await self.call("hyco_session_info", sid)
@@ -256,40 +251,40 @@ class EngineBridge:
                 return None
             raise
 
-    async def _wait_state(self, s: EngineSession, states: tuple[str, ...], timeout_s: float = ROUND_TIMEOUT_S):
+    async def _wait_state(self, s: EngineSession, states: tuple[str, ...],
+                          timeout_s: float = ROUND_TIMEOUT_S) -> SessionInfo | None:
         deadline, info = time.monotonic() + timeout_s, None
         while time.monotonic() < deadline:
             info = await self.info(s.sid)
-            if info is not None and info["state"] in states:
+            if info is not None and info.state in states:
                 return info
             if s.pump is not None and s.pump.done() and info is None:
                 return None
             await asyncio.sleep(POLL_S)
         return info
 
-    async def round(self, s: EngineSession, round_: int, tokens: list[int], parents: list[int],
-                    labels: list[int] | None = None, values: list[float] | None = None,
-                    draft_q: list | None = None) -> RoundResult:
-        """Verify one tree; raises the engine's typed refusal (``server_busy``, ``bad_root``, an ended
-        session's code...) or EngineError. ``labels`` and ``values`` (per row, optional) feed the engine's
-        node budget (docs/engine.md). ``draft_q``: ``[[row, ids, weights], ...]`` of the sampled rows."""
-        await self.call("hyco_submit_tree", s.sid, round_, tokens, parents, None, labels, values, draft_q)
+    async def round(self, s: EngineSession, tree: TreeSubmission) -> RoundResult:
+        """Verify one tree of session ``s`` (``tree.sid`` is ``s.sid``); raises the engine's typed refusal
+        (``server_busy``, ``bad_root``, an ended session's code...) or EngineError. The tree's labels and
+        values (per row, optional) feed the engine's node budget (docs/engine.md)."""
+        await self.call("hyco_submit_tree", tree.to_wire())
         ids, text, reason = await self._round_output(s)
-        raw, last = None, None
+        verdict: RoundVerdict | None = None
+        last = None
         for _ in range(200):
             try:
-                raw = await self.call("hyco_take_verdict", s.sid, round_, True)
+                verdict = await self.call("hyco_take_verdict", s.sid, tree.round)
                 break
             except SessionError as e:  # the verdict can trail the round's output by a step
                 if e.code != "no_verdict":
                     raise
                 last = e
                 await asyncio.sleep(POLL_S)
-        if raw is None:
-            raise EngineError(f"no verdict for round {round_}: {last}")
+        if verdict is None:
+            raise EngineError(f"no verdict for round {tree.round}: {last}")
         if reason is not None:
             s.finished = True
-        return RoundResult(raw, ids, text, reason)
+        return RoundResult(verdict, ids, text, reason)
 
     async def _round_output(self, s: EngineSession) -> tuple[list[int], str, str | None]:
         ids: list[int] = []
@@ -329,5 +324,6 @@ class EngineBridge:
         if s.pump is not None and not s.pump.done():
             s.pump.cancel()
 
-    async def stats(self) -> dict[str, int]:
-        return await self.call("hyco_stats")
+    async def stats(self) -> EngineStats:
+        stats: EngineStats = await self.call("hyco_stats")
+        return stats

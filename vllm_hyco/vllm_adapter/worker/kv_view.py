@@ -59,7 +59,7 @@ class CpuAttnKVView:
                 f"CPU_ATTN KV layout for isa={isa!r} was never verified by vllm_hyco (verified: "
                 f"{VERIFIED_CPU_ISAS}); tree verification would read a wrong cache. On an AMX host serve in "
                 f"float32 (--dtype float32: vLLM then uses the 'vec' layout), run on an AVX-512/AVX2 x86 host, "
-                f"or add and verify a KV view for this ISA in vllm_hyco/vllm_adapter/kv_view.py."
+                f"or add and verify a KV view for this ISA in vllm_hyco/vllm_adapter/worker/kv_view.py."
             )
         if kv_cache_dtype != "auto":
             raise HardwareUnsupportedError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported by the KV view yet")

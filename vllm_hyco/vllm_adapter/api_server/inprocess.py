@@ -1,11 +1,13 @@
-"""In-process harness for HyCo sessions, used by tests and benchmarks (matches vLLM 0.32); the server's
-phone route uses the engine client of ``vllm_adapter/bridge.py`` instead.
+"""In-process harness for HyCo sessions, used by tests and benchmarks (the process that holds vLLM's
+``LLMEngine``, vLLM 0.32); the server's phone route uses the engine client of
+``vllm_adapter/api_server/engine_client.py`` instead.
 
 It drives a vLLM ``LLMEngine`` (``LLM(...).llm_engine``) built with the HyCo scheduler/worker, and is a thin
-user of the client's pieces: the same request checks and SamplingParams (``bridge.session_params``, one
-list of allowed fields) and the same engine-core methods (:mod:`vllm_hyco.vllm_adapter.core_ext`, one
-error format; called directly when the core is in-process, through ``call_utility`` otherwise). The
-server runs no MTP head for sessions.
+user of the client's pieces: the same request checks and SamplingParams (``engine_client.session_params``,
+one list of allowed fields) and the same engine-core methods (``vllm_adapter/patches/engine_core_methods.py``)
+with the engine contract's types (``vllm_hyco.engine_contract``): called directly with ``typed=True`` when
+the core is in-process, through ``call_utility`` and ``decode_result`` otherwise. The server runs no MTP
+head for sessions.
 
 Example (greedy, a chain tree that plants the model's own continuation)::
 
@@ -16,7 +18,7 @@ Example (greedy, a chain tree that plants the model's own continuation)::
     eng.submit(s.sid, 1, tokens=[v.bonus, ...], parents=[-1, ...])
     eng.close(s.sid)
 
-Request fields: HyCo sessions accept only ``bridge.SAMPLING_FIELDS``; anything else raises
+Request fields: HyCo sessions accept only ``engine_client.SAMPLING_FIELDS``; anything else raises
 RequestFieldError naming the field (penalties, logprobs, n > 1, min_p, logit_bias, structured output,
 tools... would silently change the tree decision); a value vLLM rejects raises it with ``bad_request``.
 """
@@ -29,12 +31,11 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_hyco.config import resolve_session_eps
+from vllm_hyco.config import HycoConfig, resolve_session_eps
+from vllm_hyco.engine_contract import Handoff, RoundVerdict, SessionInfo, TreeSubmission, decode_result
 from vllm_hyco.errors import HycoError, SessionError
-from vllm_hyco.handoff.client_frames import DraftQ
-from vllm_hyco.handoff.tree_contract import DEFAULT_NODE_BUDGET as DEFAULT_BUDGET
-from vllm_hyco.vllm_adapter.bridge import session_params
-from vllm_hyco.vllm_adapter.core_ext import raise_if_error
+from vllm_hyco.handoff.tree_contract import DEFAULT_NODE_BUDGET, grant_node_budget
+from vllm_hyco.vllm_adapter.api_server.engine_client import session_params
 
 ENDED_CODES = ("session_timeout", "session_evicted", "session_finished", "closed", "aborted", "finished")
 ENDED_MEMORY = 4096  # ended sids remembered (closing one again is a no-op); older ones become unknown
@@ -61,17 +62,17 @@ class Verdict:
     text: str  # detokenized delta of ``committed`` (empty without a tokenizer)
     finished: bool
     finish_reason: str | None
-    handoff: dict[str, Any]  # raw tensors (D1): e_bonus, h, full_k/v, sliding_k/v, position, start
-    budget: int  # node budget granted for the next round (D3)
+    handoff: Handoff | None  # the engine's int8 hand-off (D1); tensors in-process, arrays through msgpack
+    node_budget: int  # the node budget granted for the next round (D3)
     stats: dict[str, Any] = field(default_factory=dict)
 
 
 class HycoEngine:
     """Sessions on one vLLM engine. Not thread-safe: the caller serialises calls (one engine loop)."""
 
-    def __init__(self, llm_or_engine, *, budget: int = DEFAULT_BUDGET, max_steps: int = 10_000):
+    def __init__(self, llm_or_engine: Any, *, node_budget: int = DEFAULT_NODE_BUDGET, max_steps: int = 10_000):
         self.engine = getattr(llm_or_engine, "llm_engine", llm_or_engine)
-        self.budget = budget
+        self.node_budget = node_budget
         self.max_steps = max_steps
         self._outbox: dict[str, list[Any]] = {}  # request id -> RequestOutputs not yet consumed
         self._sessions: dict[str, str] = {}  # sid -> request id (open sessions)
@@ -80,16 +81,23 @@ class HycoEngine:
         self._ended: OrderedDict[str, str] = OrderedDict()  # the last ENDED_MEMORY ended sids -> why
 
     # -- core access ------------------------------------------------------------------------------
-    def _call(self, name: str, *args):
+    def _call(self, name: str, *args: Any) -> Any:
+        """One engine-core method; its result as the engine contract's type, a refusal raised."""
         client = self.engine.engine_core
         core = getattr(client, "engine_core", None)
-        if core is not None:
-            return raise_if_error(getattr(core, name)(*args))
-        return raise_if_error(client.call_utility(name, *args))
+        if core is not None:  # in-process: no transport, the typed object itself
+            return getattr(core, name)(*args, typed=True)
+        return decode_result(name, client.call_utility(name, *args))
+
+    @property
+    def _in_process(self) -> bool:
+        return getattr(self.engine.engine_core, "engine_core", None) is not None
+
+    def _info(self, sid: str) -> SessionInfo:
+        info: SessionInfo = self._call("hyco_session_info", sid)
+        return info
 
     def _server_eps(self) -> float | None:
-        from vllm_hyco.config import HycoConfig
-
         cfg = HycoConfig.maybe_from_vllm_config(self.engine.vllm_config)
         return None if cfg is None else cfg.epsilon
 
@@ -104,7 +112,7 @@ class HycoEngine:
 
     def _finish_code(self, sid: str) -> str:
         try:
-            return self._call("hyco_session_info", sid).get("finish_code") or "session_finished"
+            return self._info(sid).finish_code or "session_finished"
         except SessionError as e:
             return e.code
 
@@ -141,20 +149,18 @@ class HycoEngine:
         self.engine.add_request(req_id, inputs, params)
         self._sessions[sid], self._sids[req_id] = req_id, sid
         self._in_round.add(sid)  # keep the prefill's outputs until the state is known
-        info = self._wait(sid, lambda i: i["state"] != "prefilling")
+        info = self._wait(sid, lambda i: i.state != "prefilling")
         self._in_round.discard(sid)
-        if info["state"] == "finished":
-            self._drop(sid, info["finish_code"] or "session_finished")
-            raise SessionError(f"session {sid!r} finished during prefill ({info['finish_code']})",
-                               code=info["finish_code"] or "session_finished")
-        ids = list(prompt_token_ids) if prompt_token_ids is not None else None
-        root = ids[-1] if ids else self._call("hyco_session_info", sid).get("root", -1)
-        return SessionHandle(sid=sid, req_id=req_id, engine_req_id=info["req_id"], root=root,
-                             root_position=(len(ids) - 1) if ids else -1, prefill_s=time.perf_counter() - start)
+        if info.state == "finished":
+            self._drop(sid, info.finish_code or "session_finished")
+            raise SessionError(f"session {sid!r} finished during prefill ({info.finish_code})",
+                               code=info.finish_code or "session_finished")
+        return SessionHandle(sid=sid, req_id=req_id, engine_req_id=info.req_id, root=info.root,
+                             root_position=info.root_position, prefill_s=time.perf_counter() - start)
 
-    def _wait(self, sid: str, done) -> dict[str, Any]:
+    def _wait(self, sid: str, done: Any) -> SessionInfo:
         for _ in range(self.max_steps):
-            info = self._call("hyco_session_info", sid)
+            info = self._info(sid)
             if done(info):
                 return info
             self._step()
@@ -187,10 +193,9 @@ class HycoEngine:
         for i, (sid, round_, tokens, parents, *rest) in enumerate(trees):
             try:
                 self._check_open(sid)
-                q = rest[1] if len(rest) > 1 else None
-                self._call("hyco_submit_tree", sid, round_, list(tokens), list(parents),
-                           rest[0] if rest else None, None, None,
-                           None if q is None else DraftQ.of(q).records())
+                tree = TreeSubmission(sid, int(round_), tuple(tokens), tuple(parents), eps=rest[0] if rest else None,
+                                      draft_q=rest[1] if len(rest) > 1 else None)
+                self._call("hyco_submit_tree", tree if self._in_process else tree.to_wire())
             except HycoError as e:
                 if isinstance(e, SessionError) and e.code in ENDED_CODES and sid in self._sessions:
                     self._drop(sid, e.code)  # the engine finished it (timeout, eviction...): drop it here too
@@ -201,8 +206,8 @@ class HycoEngine:
             self._in_round.add(sid)
             accepted.append(i)
         for _ in range(self.max_steps):
-            infos = [self._call("hyco_session_info", trees[i][0]) for i in accepted]
-            if all(trees[i][1] in info["pending_verdicts"] or info["state"] == "finished"
+            infos = [self._info(trees[i][0]) for i in accepted]
+            if all(trees[i][1] in info.pending_verdicts or info.state == "finished"
                    for i, info in zip(accepted, infos)):
                 break
             self._step()
@@ -221,7 +226,7 @@ class HycoEngine:
     def _verdict(self, sid: str, round_: int, tokens: list[int], wall: float) -> Verdict:
         self._in_round.discard(sid)
         try:
-            raw = self._call("hyco_take_verdict", sid, round_)
+            verdict: RoundVerdict = self._call("hyco_take_verdict", sid, round_)
         except SessionError as e:  # ended during the round without a verdict
             self._drop(sid, self._finish_code(sid) if e.code == "no_verdict" else e.code)
             raise
@@ -230,16 +235,17 @@ class HycoEngine:
         finished = any(o.finished for o in outs)
         if finished:
             self._drop(sid, "session_finished", abort=False)
-        path_rows = list(raw["path_rows"])
+        t = verdict.tree
+        path_rows = list(t.path_rows)
         return Verdict(
             sid=sid, round=round_, path_rows=path_rows, path_tokens=[tokens[r] for r in path_rows],
-            bonus=int(raw["bonus"]), committed=list(raw.get("committed", [])), text=text, finished=finished,
+            bonus=t.bonus, committed=list(verdict.committed), text=text, finished=finished,
             finish_reason=next((str(o.outputs[0].finish_reason) for o in outs
                                 if o.finished and o.outputs), None),
-            handoff=raw.get("handoff", {}), budget=min(int(raw.get("budget", self.budget)), self.budget),
-            stats={"num_rows": raw["num_rows"], "accepted": len(path_rows), "hits": raw["hits"],
-                   "root_position": raw["root_pos"], "wall_s": wall, "host_s": raw.get("host_s"),
-                   **({"logits": raw["logits"]} if "logits" in raw else {})})
+            handoff=t.handoff, node_budget=grant_node_budget(verdict.budget, self.node_budget),
+            stats={"num_rows": t.num_rows, "accepted": len(path_rows), "hits": t.hits,
+                   "root_position": t.root_pos, "wall_s": wall, "host_s": t.host_s,
+                   **({"logits": t.logits} if t.logits is not None else {})})
 
     def close(self, sid: str) -> bool:
         if sid not in self._sessions and sid in self._ended:

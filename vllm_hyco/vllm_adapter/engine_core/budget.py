@@ -1,0 +1,107 @@
+"""The node budget in the scheduler (engine-core process, vLLM 0.32 ``v1/core/sched/scheduler.py``).
+
+The rule is ``vllm_hyco.spec_decode.budget`` (pure); this module wires it to the scheduler's steps:
+
+* :func:`cut_trees` (from ``schedule``, before vLLM turns trees into spec tokens): every tree submitted
+  since the last step is cut to the prefix that pays, the session's acceptance estimate against the
+  step-cost model; ``budget_policy`` ``static`` verifies whole trees.
+* :func:`step_begin` / :func:`step_end`: the time from ``schedule`` to the end of ``update_from_output``
+  (schedule + execute + update, plus the HyCo utility calls since the last step, :func:`note_utility`)
+  is the step's measured cost, which the cost model is fitted on.
+* :func:`grant`: learns from a round (acceptance by depth and label) and grants the next round's nodes
+  (``RoundVerdict.budget``) with the model's fit (``RoundVerdict.budget_info``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_hyco.engine_contract import BudgetInfo, CostFit, TreeVerdict
+from vllm_hyco.spec_decode.budget import recomputed
+from vllm_hyco.vllm_adapter.engine_core.sessions import Session, SessionState
+from vllm_hyco.vllm_adapter.engine_core.state import Clock, SchedulerState
+from vllm_hyco.vllm_adapter.patches import step_timing
+
+MAX_PENDING_STEPS = 16  # scheduled steps whose update never came (an engine error): dropped beyond this
+
+
+def cut_trees(sched: Any) -> None:
+    """Cut every tree submitted since the last step to the prefix that pays, before vLLM schedules it."""
+    st: SchedulerState = sched.hyco
+    pol, reg = st.budget, st.sessions
+    live = {s.sid for s in reg.live()}
+    for sid in [k for k in pol.acceptance.sessions if k not in live]:
+        pol.forget(sid)
+    for sid in [k for k in st.gather.gap if k not in live]:
+        st.gather.forget(sid)
+    sharing = len(sched.running)  # requests this step will run (an estimate: before vLLM's admission)
+    for s in reg.live():
+        t = s.tree
+        if s.state is not SessionState.VERIFYING or t is None or t.plan is not None:
+            continue
+        request = sched.requests.get(s.req_id)
+        if request is None or request not in sched.running or request.num_computed_tokens != request.num_tokens - 1:
+            continue
+        t.plan = pol.plan(s.sid, t.parents, t.labels, t.values, ctx=request.num_tokens, sharing=sharing)
+        if t.plan.nodes < t.plan.sent:  # a prefix of a tree is a tree (parents come first)
+            k = t.plan.nodes + 1
+            t.tokens, t.parents = t.tokens[:k], t.parents[:k]
+            t.labels = None if t.labels is None else t.labels[:k]
+            request.spec_token_ids = t.tokens[1:]
+        # the step's cost model counts the trees that pay the tree-attention override (not chains)
+        st.clock.branching[s.req_id] = recomputed(t.parents)
+
+
+def grant(st: SchedulerState, s: Session, verdict: TreeVerdict) -> tuple[int, BudgetInfo]:
+    """Learn from the round and return the nodes granted for the next one, with how they were chosen."""
+    pol, t = st.budget, s.tree
+    plan = None if t is None else t.plan
+    if t is not None:
+        n = min(verdict.num_rows, len(t.parents))  # rows actually verified
+        pol.observe_round(s.sid, t.parents[:n], None if t.labels is None else t.labels[:n], verdict.path_rows,
+                          None if plan is None else plan.predicted[:n])
+    granted = pol.next_budget(plan, first_round=t is not None and t.round == 0)
+    info = BudgetInfo(policy=pol.policy, cap=pol.cap, nodes_sent=None if plan is None else plan.sent,
+                      nodes_verified=None if plan is None else plan.nodes,
+                      cost=CostFit.from_snapshot(pol.cost.snapshot()))
+    return granted, info
+
+
+def note_utility(st: SchedulerState, t0: Clock) -> None:
+    """A HyCo utility call (submit, take) counts towards the next step's cost and the engine timer."""
+    wall, cpu, cost = st.clock.since(t0)
+    st.clock.utility_s += cost
+    step_timing.add_core(wall, cpu)
+
+
+def step_begin(st: SchedulerState, scheduler_output: Any, t0: Clock) -> None:
+    started = st.clock.started
+    if len(started) > MAX_PENDING_STEPS:  # outputs never updated (an engine error): drop, do not grow
+        started.clear()
+    started[id(scheduler_output)] = t0
+
+
+def step_end(sched: Any, scheduler_output: Any) -> None:
+    """Feed the step's cost (schedule + execute + update + utility calls) to the cost model."""
+    st: SchedulerState = sched.hyco
+    clock = st.clock
+    t0 = clock.started.pop(id(scheduler_output), None)
+    if t0 is None:
+        return
+    seconds = clock.since(t0)[2] + clock.utility_s
+    clock.utility_s = 0.0
+    rows = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0)
+    if rows <= 0:
+        return
+    kctx, trees, branching = 0.0, 0, 0
+    for req_id, n in scheduler_output.num_scheduled_tokens.items():
+        request = sched.requests.get(req_id)
+        if request is not None:
+            kctx += n * request.num_tokens / 1000.0
+        shape = clock.branching.pop(req_id, None)
+        if shape is not None:
+            trees, branching = trees + 1, branching + int(shape)
+    if len(clock.branching) > 4 * max(sched.max_num_running_reqs, 1):  # trees never scheduled: do not grow
+        clock.branching.clear()
+    plain = len(scheduler_output.num_scheduled_tokens) - trees
+    st.budget.observe_step(rows, kctx, seconds, trees, branching, plain)

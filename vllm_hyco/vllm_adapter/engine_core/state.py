@@ -1,0 +1,89 @@
+"""The scheduler's HyCo state, one named object (engine-core process; vLLM-free).
+
+``HycoScheduler.hyco`` is a :class:`SchedulerState`, built once in ``HycoScheduler.__init__`` from the
+engine's HycoConfig: the sessions (``sessions.SessionRegistry``), the node budget
+(``vllm_hyco.spec_decode.budget.BudgetPolicy``), step gathering (``vllm_hyco.spec_decode.gather.StepGather``),
+the step clock the budget's cost model is fitted on, and the sessions a policy ended whose end vLLM's
+frontend has not been told yet. Nothing of HyCo lives in other attributes of the scheduler.
+
+    >>> st = SchedulerState.create(None, num_kv_blocks=100, max_num_running_reqs=4, on_cpu=True)
+    >>> st.budget.cap, st.sessions.idle_timeout_s, st.gathers
+    (32, 300.0, False)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_hyco.config import HycoConfig
+from vllm_hyco.spec_decode.budget import BudgetPolicy
+from vllm_hyco.spec_decode.gather import StepGather
+from vllm_hyco.vllm_adapter.engine_core.sessions import SessionRegistry
+
+Clock = tuple[float, float]  # (wall, process CPU) seconds
+
+
+def registry_options(cfg: HycoConfig | None, num_kv_blocks: int) -> dict[str, Any]:
+    """The session registry's policy from the engine's HycoConfig (idle timeout, parked-KV cap in blocks);
+    a scheduler without a HyCo config gets the registry's defaults (``{}``). ``num_kv_blocks``: the blocks
+    sessions can hold (vLLM's pool less its null block 0)."""
+    if cfg is None:
+        return {}
+    return {"idle_timeout_s": cfg.session_idle_timeout_s, "max_parked_blocks": cfg.parked_block_cap(num_kv_blocks)}
+
+
+@dataclass
+class StepClock:
+    """A step's measured cost for the node budget's model: schedule + execute + update, plus the HyCo
+    utility calls since the step before. Process CPU time on a CPU engine (robust to other load on a shared
+    box; the worker runs in this process), wall time on an accelerator."""
+
+    on_cpu: bool
+    # id(scheduler_output) -> the clock at its schedule (dropped at its update)
+    started: dict[int, Clock] = field(default_factory=dict)
+    utility_s: float = 0.0  # HyCo utility calls since the last step, on the model's clock
+    # req id -> its tree this step is not a chain (the trees that pay the tree-attention override)
+    branching: dict[str, bool] = field(default_factory=dict)
+
+    @staticmethod
+    def now() -> Clock:
+        return time.perf_counter(), time.process_time()
+
+    def since(self, t0: Clock) -> tuple[float, float, float]:
+        """(wall, cpu, the model's clock) seconds since ``t0``."""
+        wall, cpu = time.perf_counter() - t0[0], time.process_time() - t0[1]
+        return wall, cpu, cpu if self.on_cpu else wall
+
+
+@dataclass
+class SchedulerState:
+    """Everything HyCo keeps in the scheduler (see the module docstring)."""
+
+    config: HycoConfig | None
+    sessions: SessionRegistry
+    budget: BudgetPolicy
+    gather: StepGather
+    clock: StepClock
+    # (client index, request id) of sessions a policy finished: their ABORT output goes out next update
+    ended: list[tuple[int, str]] = field(default_factory=list)
+    wake: Callable[[], None] | None = None  # posts vLLM's no-op WAKEUP to the engine loop (step gathering)
+    wake_wired: bool = False  # the engine core tried to wire ``wake`` (once)
+    wake_at: float = 0.0  # perf_counter deadline of the pending hold's timer
+
+    @classmethod
+    def create(cls, cfg: HycoConfig | None, *, num_kv_blocks: int, max_num_running_reqs: int,
+               on_cpu: bool) -> SchedulerState:
+        cap = cfg.node_budget if cfg is not None else HycoConfig().node_budget
+        policy = cfg.budget_policy if cfg is not None else "adaptive"
+        # steps with more rows than the largest verification step (long prefill chunks) are not fitted
+        budget = BudgetPolicy(cap, policy, max_rows=max_num_running_reqs * (cap + 1))
+        return cls(config=cfg, sessions=SessionRegistry(**registry_options(cfg, num_kv_blocks)), budget=budget,
+                   gather=StepGather(), clock=StepClock(on_cpu=on_cpu))
+
+    @property
+    def gathers(self) -> bool:
+        """Step gathering is on (``HycoConfig.gathers``)."""
+        return self.config is not None and self.config.gathers

@@ -1,0 +1,125 @@
+"""The vLLM surface HyCo depends on, pinned: every vLLM name the adapter overrides, patches or reads that is
+not vLLM's public API (vLLM 0.32; every process may import this module, it imports no vLLM).
+
+:data:`SIGNATURES` is the reviewed list: ``"module:Class.attr"`` (or ``"module.attr"``) of the vLLM object
+that defines it -> its parameters as HyCo expects them (``"self, a, *args, b=, **kw"``: names, kinds, ``=``
+marks a default), or None for an attribute. tests/unit/test_vllm_surface.py checks that every row exists
+in the installed vLLM with that signature, that every override of HyCo's subclasses and every recorded
+``Patch`` (the plugin's and the lab profiler's) has its row, and that no private vLLM name appears in the
+adapter outside this module except as one of these rows: an override of a private method carries its name
+(``def _sample``), and a private attribute that HyCo only reads is read here, through the accessors below.
+A vLLM upgrade that renames, removes or re-signs one of them fails there, in the unit tier, before any
+engine starts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+SIGNATURES: dict[str, str | None] = {
+    # scheduler (engine_core/scheduler.py)
+    "vllm.v1.core.sched.scheduler:Scheduler.__init__":
+        "self, vllm_config, kv_cache_config, structured_output_manager, block_size, hash_block_size=, "
+        "mm_registry=, include_finished_set=, log_stats=",
+    "vllm.v1.core.sched.scheduler:Scheduler.add_request": "self, request",
+    "vllm.v1.core.sched.scheduler:Scheduler._reserve_prefill_lookahead":
+        "self, request, num_computed_tokens, num_new_tokens",
+    "vllm.v1.core.sched.scheduler:Scheduler._get_local_prefix_cache_hit": "self, request",
+    "vllm.v1.core.sched.scheduler:Scheduler.schedule": "self, throttle_prefills=",
+    "vllm.v1.core.sched.scheduler:Scheduler.update_from_output": "self, scheduler_output, model_runner_output",
+    "vllm.v1.core.sched.scheduler:Scheduler.update_draft_token_ids": "self, draft_token_ids",
+    "vllm.v1.core.sched.scheduler:Scheduler.finish_requests": "self, request_ids, finished_status",
+    "vllm.v1.core.sched.scheduler:Scheduler.has_requests": "self",  # step gathering (engine_core/gather.py)
+    # runners (worker/runner.py, worker/cpu_worker.py, worker/gpu_worker.py)
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner.__init__": "self, vllm_config, device",
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._update_states": "self, scheduler_output",
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._prepare_inputs": "self, scheduler_output, num_scheduled_tokens",
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._sample": "self, logits, spec_decode_metadata",
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner.sample_tokens": "self, grammar_output",
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner.load_model": "self, load_dummy_weights=, *, model=",
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner.initialize_kv_cache":
+        "self, kv_cache_config, is_profiling=, kv_cache_allocation_context=",
+    "vllm.v1.worker.cpu_model_runner:CPUModelRunner.__init__": "self, vllm_config, device",
+    "vllm.v1.worker.cpu_model_runner:CPUModelRunner.initialize_kv_cache":
+        "self, kv_cache_config, is_profiling=, kv_cache_allocation_context=",
+    # engine core, wrapped by the step timing (patches/step_timing.py)
+    "vllm.v1.engine.core:EngineCore.step": "self",
+    "vllm.v1.engine.core:EngineCore.step_with_batch_queue": "self",
+    "vllm.v1.engine.core:EngineCore.post_step": "self, model_executed",
+    # workers (worker/cpu_worker.py, worker/gpu_worker.py)
+    "vllm.v1.worker.cpu_worker:CPUWorker.init_device": "self",
+    "vllm.v1.worker.gpu_worker:Worker.__init__":
+        "self, vllm_config, local_rank, rank, distributed_init_method, is_driver_worker=",
+    "vllm.v1.worker.gpu_worker:Worker._make_model_runner": "self",
+    # attention backends (worker/cpu_attention.py, worker/gpu_attention.py)
+    "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl.forward":
+        "self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=, output_block_scale=",
+    "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl.do_kv_cache_update":
+        "self, layer, key, value, kv_cache, slot_mapping",
+    "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackend.get_impl_cls": "",
+    "vllm.v1.attention.backends.triton_attn:TritonAttentionImpl.forward":
+        "self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=, output_block_scale=",
+    "vllm.v1.attention.backends.triton_attn:TritonAttentionImpl.do_kv_cache_update":
+        "self, layer, key, value, kv_cache, slot_mapping",
+    "vllm.v1.attention.backends.triton_attn:TritonAttentionMetadataBuilder._cudagraph_support": None,
+    "vllm.v1.attention.backends.triton_attn:TritonAttentionBackend.get_name": "",
+    "vllm.v1.attention.backends.triton_attn:TritonAttentionBackend.get_impl_cls": "",
+    "vllm.v1.attention.backends.triton_attn:TritonAttentionBackend.get_builder_cls": "",
+    # recorded patches (patches/*.py); a Patch with adds=True needs no row (its name must be free instead)
+    "vllm.engine.arg_utils:EngineArgs.add_cli_args": "parser",
+    "vllm.engine.arg_utils:EngineArgs.create_engine_config": "self, usage_context=, headless=",
+    "vllm.utils.cpu_triton_utils._expand_kernel_impl":
+        "output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=",
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._bookkeeping_sync":
+        "self, scheduler_output, sampler_output, logits, hidden_states, num_scheduled_tokens",
+    "importlib.metadata.version": "distribution_name",
+    "vllm.v1.worker.gpu_worker:Worker.execute_model": "self, scheduler_output",
+    "vllm.v1.worker.gpu_worker:Worker.sample_tokens": "self, grammar_output",
+    "vllm.v1.worker.gpu_worker:Worker.take_draft_token_ids": "self",
+    # step_timing wraps CPUWorker's own overrides only; in 0.32 it inherits the three from Worker
+    "vllm.v1.worker.cpu_worker:CPUWorker.execute_model": "self, scheduler_output",
+    "vllm.v1.worker.cpu_worker:CPUWorker.sample_tokens": "self, grammar_output",
+    "vllm.v1.worker.cpu_worker:CPUWorker.take_draft_token_ids": "self",
+    # the lab's step profiler (hyco_lab.bench.stepcost.PROFILE_PATCHES, benchmarks only; the scheduler's and
+    # the engine core's step are rows above)
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._model_forward":
+        "self, input_ids=, positions=, intermediate_tensors=, inputs_embeds=, **model_kwargs",
+    "vllm.model_executor.layers.logits_processor:LogitsProcessor.forward":
+        "self, lm_head, hidden_states, embedding_bias=, skip_gather=",
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner.propose_draft_token_ids":
+        "self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states, sample_hidden_states, "
+        "aux_hidden_states, spec_decode_metadata, common_attn_metadata, slot_mappings",
+    "vllm.v1.sample.rejection_sampler:RejectionSampler.forward": "self, metadata, draft_probs, logits, sampling_metadata",
+    # private names read through the accessors below (no override, no patch)
+    "vllm.engine.arg_utils:EngineArgs._api_process_count": None,
+    "vllm.v1.attention.selector._cached_get_attn_backend": None,
+}
+
+#: the rows above that HyCo only reads, through this module's accessors (nowhere else in the adapter)
+PRIVATE_READS = ("vllm.engine.arg_utils:EngineArgs._api_process_count",
+                 "vllm.v1.attention.selector._cached_get_attn_backend")
+
+# Targets that exist only in vLLM's CPU build (skipped, not failed, on another platform).
+CPU_ONLY_MODULES = ("vllm.utils.cpu_triton_utils", "vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner",
+                    "vllm.v1.attention.backends.cpu_attn", "vllm_hyco.vllm_adapter.worker.cpu_worker",
+                    "vllm_hyco.vllm_adapter.worker.cpu_attention")
+
+
+def api_process_count(args: Any) -> int:
+    """``EngineArgs._api_process_count``: the API server processes ``--api-server-count`` asked for."""
+    return int(getattr(args, "_api_process_count", 1) or 1)
+
+
+def clear_attn_backend_cache() -> None:
+    """Forget vLLM's cached attention-backend choice (``selector._cached_get_attn_backend``), after a backend
+    is registered over a static enum member."""
+    from vllm.v1.attention import selector
+
+    cached = getattr(selector, "_cached_get_attn_backend", None)
+    if cached is not None and hasattr(cached, "cache_clear"):
+        cached.cache_clear()
+
+
+def parser_actions(parser: Any) -> list[Any]:
+    """The actions of an ``argparse`` parser (argparse's own private list; vLLM's CLI flags live there)."""
+    return list(parser._actions)

@@ -40,7 +40,7 @@ class ToySlm:
         return torch.tensor(rows, dtype=torch.float64)
 
 
-def _ref_specedge(root, logq_of_path, *, passes, budget, beams, width, decay, ids=None):
+def _ref_specedge(root, logq_of_path, *, passes, node_budget, beams, width, decay, ids=None):
     """SpecExec-style growth written directly with lists and sorted()."""
     T = [[root, -1, 0.0]]
     done = set()
@@ -54,7 +54,7 @@ def _ref_specedge(root, logq_of_path, *, passes, budget, beams, width, decay, id
 
     for _ in range(passes):
         open_rows = sorted((r for r in range(len(T)) if r not in done), key=lambda r: (-T[r][2], r))[:beams]
-        if not open_rows or budget == 0:
+        if not open_rows or node_budget == 0:
             break
         C = []
         for v in open_rows:
@@ -64,12 +64,12 @@ def _ref_specedge(root, logq_of_path, *, passes, budget, beams, width, decay, id
                 C.append([tok[c], v, (T[v][2] + q[c]) + decay])
         done.update(open_rows)
         ranked = sorted([t[2] for t in T[1:]] + [c[2] for c in C], reverse=True)
-        theta = ranked[budget - 1] if len(ranked) >= budget else -math.inf
+        theta = ranked[node_budget - 1] if len(ranked) >= node_budget else -math.inf
         added = [c for c in C if c[2] >= theta]
         T.extend(added)
         if not added:
             break
-    best = sorted(range(1, len(T)), key=lambda r: (-T[r][2], r))[:budget]
+    best = sorted(range(1, len(T)), key=lambda r: (-T[r][2], r))[:node_budget]
     kept = sorted(set(best) | {0})
     idx = {r: i for i, r in enumerate(kept)}
     return [T[r][0] for r in kept], [-1 if r == 0 else idx[T[r][1]] for r in kept]
@@ -77,7 +77,7 @@ def _ref_specedge(root, logq_of_path, *, passes, budget, beams, width, decay, id
 
 def test_worked_example_uniform_slm():
     uniform = lambda plan: np.full((plan.num_rows, 3), np.log(1 / 3))  # noqa: E731
-    tree = specedge_tree(9, uniform, passes=2, budget=4)
+    tree = specedge_tree(9, uniform, passes=2, node_budget=4)
     assert tree.to_wire() == ([9, 0, 1, 2, 0], [-1, 0, 0, 0, 1])
     assert tree.scores[1] == (0.0 + math.log(1 / 3)) + DECAY
     assert set(tree.sources[1:]) == {NodeLabel.SLM}
@@ -112,7 +112,7 @@ def test_specedge_matches_reference(seed):
     rng = random.Random(seed)
     v = rng.choice([5, 30, 80])
     levels = rng.choice([2, 5, 60])
-    kw = dict(passes=rng.randint(1, 4), budget=rng.choice([0, 1, 6, 32]), beams=rng.choice([1, 4, 32]),
+    kw = dict(passes=rng.randint(1, 4), node_budget=rng.choice([0, 1, 6, 32]), beams=rng.choice([1, 4, 32]),
               width=rng.choice([1, 3, 16]), decay=rng.choice([DECAY, PROACTIVE_DECAY]))
     ids = sorted(rng.sample(range(4 * v), v)) if rng.random() < 0.3 else None
     prefix = [rng.randrange(v) for _ in range(3)]
@@ -132,7 +132,7 @@ def test_catch_up_goes_to_the_first_forward_only():
 
 def test_output_passes_server_validation():
     tree = specedge_tree(7, ToySlm([1, 2], v=200))
-    validate_tree(*tree.to_wire(), vocab_size=200, budget=32, labels=list(tree.sources))
+    validate_tree(*tree.to_wire(), vocab_size=200, node_budget=32, labels=list(tree.sources))
 
 
 def test_bad_config():
@@ -184,7 +184,7 @@ def test_proactive_reuse_equals_fresh_tree_after_commit():
 
 def test_proactive_on_root_only_tree():
     v = 20
-    tree = specedge_tree(3, ToySlm([1], v), budget=0)
+    tree = specedge_tree(3, ToySlm([1], v), node_budget=0)
     assert tree.num_nodes == 0
     draft = proactive_draft(tree, ToySlm([1], v), passes=1)
     assert draft.leaf_row == 0 and draft.path_tokens == ()

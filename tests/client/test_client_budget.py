@@ -11,10 +11,17 @@ import numpy as np
 import pytest
 
 from mobile_client.session import PhoneSession, SessionOptions
-from vllm_hyco.errors import ConfigError
 from mobile_client.tree import DraftTree, build_draft_tree, trim, value_order
-from vllm_hyco.handoff import (HandoffPayload, HandoffScales, HandoffSpec, LayerSpec, SessionFrame, VerdictFrame,
-                               openai_chunk)
+from vllm_hyco.errors import ConfigError
+from vllm_hyco.handoff import (
+    HandoffPayload,
+    HandoffScales,
+    HandoffSpec,
+    LayerSpec,
+    SessionFrame,
+    VerdictFrame,
+    openai_chunk,
+)
 from vllm_hyco.handoff.tree_contract import validate_tree
 
 LAYERS = (LayerSpec(2, "sliding", kv_heads=2, head_dim=4, window=8),)
@@ -28,14 +35,14 @@ def _paths(tree: DraftTree) -> set[tuple[int, ...]]:
     return {tuple(tree.tokens[r] for r in tree.path(i)) for i in range(len(tree.tokens))}
 
 
-def _random_tree(seed: int, budget: int = 32) -> DraftTree:
+def _random_tree(seed: int, node_budget: int = 32) -> DraftTree:
     rng = np.random.default_rng(seed)
     V, K = 64, 4
     chain = [int(t) for t in rng.choice(V, K, replace=False)]
     runner_ups = [int((c + 1) % V) for c in chain[:2]]
     lp = rng.normal(0, 2.0, size=(1 + K + 2, V))
     lp = lp - np.log(np.exp(lp).sum(axis=1, keepdims=True))
-    return build_draft_tree(int(rng.integers(V)), chain, runner_ups, lp, budget=budget)
+    return build_draft_tree(int(rng.integers(V)), chain, runner_ups, lp, node_budget=node_budget)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -53,25 +60,25 @@ def test_value_order_keeps_algorithm_3s_node_set_and_every_prefix_is_the_best_tr
 
 
 def test_a_smaller_budget_drafts_the_prefix_of_the_bigger_tree():
-    big, small = value_order(_random_tree(11, budget=32)), value_order(_random_tree(11, budget=8))
+    big, small = value_order(_random_tree(11, node_budget=32)), value_order(_random_tree(11, node_budget=8))
     assert big.tokens[:9] == small.tokens and big.parents[:9] == small.parents
 
 
 class Chain:
-    """A budget-respecting drafter: ``tree_budget`` nodes, one chain and a low-scoring sibling first in
+    """A budget-respecting drafter: ``node_budget`` nodes, one chain and a low-scoring sibling first in
     insertion order (so value order moves it last)."""
 
     def __init__(self):
         self.asked = []
 
-    def propose(self, context, tree_budget):
-        self.asked.append(tree_budget)
+    def propose(self, context, node_budget):
+        self.asked.append(node_budget)
         r, a = context.root, math.log(0.66)
-        tokens = [r, r + 100] + [r + 1 + i for i in range(tree_budget - 1)]
-        parents = [-1, 0] + [0] + list(range(2, tree_budget))
-        scores = [0.0, 40 * a] + [a * (i + 1) for i in range(tree_budget - 1)]
-        return DraftTree(tuple(tokens[:tree_budget + 1]), tuple(parents[:tree_budget + 1]),
-                         tuple(scores[:tree_budget + 1]), tuple([0] + [1] * tree_budget), tree_budget)
+        tokens = [r, r + 100] + [r + 1 + i for i in range(node_budget - 1)]
+        parents = [-1, 0] + [0] + list(range(2, node_budget))
+        scores = [0.0, 40 * a] + [a * (i + 1) for i in range(node_budget - 1)]
+        return DraftTree(tuple(tokens[:node_budget + 1]), tuple(parents[:node_budget + 1]),
+                         tuple(scores[:node_budget + 1]), tuple([0] + [1] * node_budget), node_budget)
 
 
 def _verdict(rnd, path, tokens, budget, root):
@@ -84,7 +91,7 @@ def _verdict(rnd, path, tokens, budget, root):
 def test_the_phone_drafts_no_more_nodes_than_the_last_verdict_granted():
     d = Chain()
     s = PhoneSession(d, prompt_tokens=[5, 6, 7], request={"prompt": [5, 6, 7]}, endpoint="completions",
-                     spec=SPEC, options=SessionOptions(max_nodes=16, order="score"))
+                     spec=SPEC, options=SessionOptions(node_budget=16, order="score"))
     s.apply_session(SessionFrame("hyco." + "0" * 32, -1, 16, SPEC))  # protocol v2: the session frame first
     frame = s.next_tree()
     assert d.asked == [16] and len(frame.tokens) - 1 == 16
@@ -95,14 +102,14 @@ def test_the_phone_drafts_no_more_nodes_than_the_last_verdict_granted():
     s.apply_verdict(_verdict(1, [], [41], 1, root=5))
     assert len(s.next_tree().tokens) - 1 == 1 and d.asked[-1] == 1
     s.apply_verdict(_verdict(2, [], [42], 32, root=6))
-    assert len(s.next_tree().tokens) - 1 == 16  # never past the phone's own max_nodes
+    assert len(s.next_tree().tokens) - 1 == 16  # never past the phone's own node_budget
 
 
 class ChainAndRunnerUp:
     """A K = 4 chain and a runner-up beside its first node that outscores the chain's last two nodes
     (Algorithm 3: a runner-up at depth 1 scores 2a, the chain's third node 3a)."""
 
-    def propose(self, context, tree_budget):
+    def propose(self, context, node_budget):
         r, a = context.root, math.log(0.66)
         tokens = (r, r + 1, r + 2, r + 3, r + 4, r + 50)
         parents = (-1, 0, 1, 2, 3, 0)
@@ -112,7 +119,7 @@ class ChainAndRunnerUp:
 
 def test_the_learned_order_puts_a_chain_the_server_keeps_accepting_before_the_runner_up():
     s = PhoneSession(ChainAndRunnerUp(), prompt_tokens=[5, 6, 7], request={"prompt": [5, 6, 7]},
-                     endpoint="completions", spec=SPEC, options=SessionOptions(max_nodes=16))
+                     endpoint="completions", spec=SPEC, options=SessionOptions(node_budget=16))
     s.apply_session(SessionFrame("hyco." + "0" * 32, -1, 16, SPEC))
     root = 7
     frame = s.next_tree()
@@ -144,7 +151,7 @@ def test_rows_past_the_granted_budget_are_not_counted_as_failures():
     tried; the untried rest does not lower its estimates. Round 0 (granted the cap whatever was verified)
     is not counted."""
     s = PhoneSession(ChainAndRunnerUp(), prompt_tokens=[5, 6, 7], request={"prompt": [5, 6, 7]},
-                     endpoint="completions", spec=SPEC, options=SessionOptions(max_nodes=16))
+                     endpoint="completions", spec=SPEC, options=SessionOptions(node_budget=16))
     s.apply_session(SessionFrame("hyco." + "0" * 32, -1, 16, SPEC))
     s.next_tree()
     s.apply_verdict(_verdict(0, [], [60], 16, root=3))

@@ -17,11 +17,9 @@ import torch
 
 from mobile_client.drafters.base import DraftContext, HybridDrafter
 from mobile_client.drafters.mtp import EmbedLut, MtpDrafter, MtpHead, torch_step
-from mobile_client.drafters.sampling import (MAX_Q_ENTRIES, DraftSampling, draft_distribution, draw,
-                                             session_rng)
+from mobile_client.drafters.sampling import MAX_Q_ENTRIES, DraftSampling, draft_distribution, draw, session_rng
 from mobile_client.drafters.slm import SlmDrafter
-from mobile_client.drafters.spec import (random_mtp_state_dict, random_slm_state_dict, toy_mtp_spec,
-                                         toy_slm_spec)
+from mobile_client.drafters.spec import random_mtp_state_dict, random_slm_state_dict, toy_mtp_spec, toy_slm_spec
 from mobile_client.session import PhoneSession, SessionOptions
 from mobile_client.tree import DraftTree, plant_tree, trim, value_order
 from vllm_hyco.errors import ConfigError
@@ -188,10 +186,10 @@ def _hybrid():
     return HybridDrafter(mtp, slm), x_hat
 
 
-@pytest.mark.parametrize("budget", [32, 3])
-def test_hybrid_tree_sends_a_valid_draft_q(budget):
+@pytest.mark.parametrize("node_budget", [32, 3])
+def test_hybrid_tree_sends_a_valid_draft_q(node_budget):
     hybrid, x_hat = _hybrid()
-    tree = value_order(hybrid.propose(DraftContext(root=21, x_hat=x_hat, sampling=_sampling(4, 1.5)), budget))
+    tree = value_order(hybrid.propose(DraftContext(root=21, x_hat=x_hat, sampling=_sampling(4, 1.5)), node_budget))
     chain, qs = hybrid.last_chain.chain, hybrid.last_chain.chain_q
     q = _check(tree)
     sent = {tree.tokens[r]: (ids, w) for r, ids, w in zip(q.rows, q.ids, q.weights)}
@@ -203,10 +201,10 @@ def test_hybrid_tree_sends_a_valid_draft_q(budget):
             break
         path.append(kids[0])
         assert tree.draft_q[kids[0]] == qk and sent[y] == qk
-    assert len(q.rows) == len(path) - 1 >= 1 and tree.num_nodes <= budget
+    assert len(q.rows) == len(path) - 1 >= 1 and tree.num_nodes <= node_budget
     frame = TreeFrame.from_lists(2, **tree.wire_dict(), draft_q=tree.draft_q_dict())
     assert decode_client_frame(encode_frame(frame)).draft_q == frame.draft_q
-    greedy = hybrid.propose(DraftContext(root=21, x_hat=x_hat), budget)
+    greedy = hybrid.propose(DraftContext(root=21, x_hat=x_hat), node_budget)
     assert greedy.draft_q is None and hybrid.last_chain.chain_q is None
 
 
@@ -214,19 +212,22 @@ def test_hybrid_tree_sends_a_valid_draft_q(budget):
 class _Planted:
     """A drafter that plants a sampled chain when the context asks for sampling (no SLM)."""
 
-    def propose(self, context, tree_budget):
+    def propose(self, context, node_budget):
         self.sampling = context.sampling
         if context.sampling is None:
-            return plant_tree(context.root, [context.root + 1], [], budget=tree_budget)
+            return plant_tree(context.root, [context.root + 1], [], node_budget=node_budget)
         i = draw(np.array([3, 1], np.uint16), context.sampling.rng)
         y = (context.root + 1, context.root + 2)[i]
         q = [((context.root + 1, context.root + 2), (3, 1))]
-        return plant_tree(context.root, [y], [], budget=tree_budget, chain_q=q)
+        return plant_tree(context.root, [y], [], node_budget=node_budget, chain_q=q)
 
 
 def _session(options, **request):
-    return PhoneSession(_Planted(), prompt_tokens=[3, 4], request={"prompt": [3, 4], **request},
-                        endpoint="completions", options=options)
+    """A session granted the phone's own node budget (as the server's ``session`` frame would), ready to draft."""
+    s = PhoneSession(_Planted(), prompt_tokens=[3, 4], request={"prompt": [3, 4], **request},
+                     endpoint="completions", options=options)
+    s.node_budget = options.node_budget
+    return s
 
 
 def test_draft_sampling_option_is_checked():

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
+from mobile_client import bundle as bundle_mod
 from mobile_client.drafters.base import DraftContext, HybridDrafter, RowLogprobs
 from mobile_client.drafters.multipass import ROWS, MultiPassSlm
 from mobile_client.drafters.slm import SlmDrafter
 from mobile_client.drafters.spec import random_slm_state_dict, toy_slm_spec
 from mobile_client.tree import DraftTree, frontier_plan, grow_tree, plant_tree
-
-from mobile_client import bundle as bundle_mod
 from vllm_hyco.errors import ConfigError
 from vllm_hyco.handoff.tree_contract import NodeLabel, validate_tree
 
@@ -40,9 +40,9 @@ def _slm(rows=ROWS) -> SlmDrafter:
     return d
 
 
-def _reference(budget: int = 32) -> DraftTree:
+def _reference(node_budget: int = 32) -> DraftTree:
     """The SLM run twice, one plain one-pass forward each, on fresh drafters."""
-    planted = plant_tree(ROOT, CHAIN, RUNNER_UPS, budget=budget)
+    planted = plant_tree(ROOT, CHAIN, RUNNER_UPS, node_budget=node_budget)
     plan = frontier_plan(planted)
     first = _slm(32).forward_rows(plan)
 
@@ -61,7 +61,7 @@ def test_two_pass_tree_is_valid_and_equals_two_plain_slm_runs():
     tree = HybridDrafter(FixedChain(), MultiPassSlm(slm), two_pass=True).propose(
         DraftContext(root=ROOT, x_hat=np.zeros(4, np.float32)), 32)
     tokens, parents = tree.to_wire()
-    validate_tree(tokens, parents, vocab_size=SPEC.vocab, budget=32)
+    validate_tree(tokens, parents, vocab_size=SPEC.vocab, node_budget=32)
     assert tree.num_nodes == 32
     second_pass = [r for r in range(1, len(tokens))
                    if tree.sources[r] == NodeLabel.SLM and tree.sources[parents[r]] == NodeLabel.SLM]
@@ -98,8 +98,9 @@ def test_one_pass_drafter_and_compiled_backend_refuse_two_pass(monkeypatch, tmp_
     with pytest.raises(NotImplementedError, match="MultiPassSlm"):
         HybridDrafter(FixedChain(), _slm(32), two_pass=True).propose(
             DraftContext(root=ROOT, x_hat=np.zeros(4)), 32)
-    from mobile_client.drafters.spec import slm_hf_config
     from test_client_loop_cli import ROPE, _save  # a bundle folder with an SLM only
+
+    from mobile_client.drafters.spec import slm_hf_config
 
     _save(tmp_path / "slm", {**slm_hf_config(SPEC), "rope_parameters": ROPE}, SD)
     monkeypatch.setattr(bundle_mod, "compiled_step", lambda ctx, notes, name: (lambda feeds: None))

@@ -48,9 +48,9 @@ def test_drafters_fit_the_contracts_and_build_valid_trees():
     assert isinstance(mtp, ChainDrafter) and isinstance(slm, RowDrafter)
     prompt = [5, 9, 13, 200, 17]
     slm.prefill(prompt[:-1])
-    first = HybridDrafter(None, slm).propose(DraftContext(root=prompt[-1]), tree_budget=32)
+    first = HybridDrafter(None, slm).propose(DraftContext(root=prompt[-1]), node_budget=32)
     tokens, parents = first.to_wire()
-    validate_tree(tokens, parents, vocab_size=sspec.vocab, budget=32)
+    validate_tree(tokens, parents, vocab_size=sspec.vocab, node_budget=32)
     assert len(tokens) == 33 and set(tokens[1:]) <= set(keep)
 
     rng = np.random.default_rng(0)
@@ -66,9 +66,9 @@ def test_drafters_fit_the_contracts_and_build_valid_trees():
     x_hat = np.concatenate([mtp.lut[3], rng.standard_normal(mspec.backbone)]).astype(np.float32)
     slm.accept([0])  # round 1 verdict: nothing accepted, the root is committed; bonus 21 is the new root
     hybrid = HybridDrafter(mtp, slm)
-    tree = hybrid.propose(DraftContext(root=21, x_hat=x_hat), tree_budget=32)
+    tree = hybrid.propose(DraftContext(root=21, x_hat=x_hat), node_budget=32)
     tokens, parents = tree.to_wire()
-    validate_tree(tokens, parents, vocab_size=sspec.vocab, budget=32)
+    validate_tree(tokens, parents, vocab_size=sspec.vocab, node_budget=32)
     chain = list(hybrid.last_chain.chain)
     assert tokens[1] == chain[0] and parents[1] == 0  # the chain is planted first
 

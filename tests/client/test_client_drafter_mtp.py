@@ -16,10 +16,10 @@ import math
 import numpy as np
 import pytest
 import torch
+from tolerances import tol
 
 from mobile_client.drafters.mtp import EmbedLut, MtpDrafter, MtpHead, dequantize_rows, torch_step
 from mobile_client.drafters.spec import FULL, SLIDING, mtp_hf_config, random_mtp_state_dict, toy_mtp_spec
-from tolerances import tol
 
 transformers = pytest.importorskip("transformers")
 

@@ -13,11 +13,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from tolerances import tol
 
 from mobile_client.drafters.slm import SlmDrafter
 from mobile_client.drafters.spec import random_slm_state_dict, slm_hf_config, toy_slm_spec
 from mobile_client.tree import DraftTree, frontier_plan
-from tolerances import tol
 
 pytest.importorskip("transformers")
 

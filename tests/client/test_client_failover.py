@@ -11,9 +11,9 @@ import asyncio
 
 import pytest
 from aiohttp import web
-from mobile_client.client import HycoClient, HycoServerError, Timeouts
 from test_client_loop import PROMPT, FakeHycoServer, greedy, make_session, text_of
 
+from mobile_client.client import HycoClient, HycoServerError, Timeouts
 
 
 class ForgetfulServer(FakeHycoServer):
@@ -87,8 +87,9 @@ def test_failover_is_bounded():
 
 
 def test_reopen_builds_a_completions_continuation_of_a_chat_session():
-    from mobile_client.session import PhoneSession
     from test_client_loop import OracleDrafter
+
+    from mobile_client.session import PhoneSession
 
     body = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10, "min_tokens": 4,
             "temperature": 0.0, "stop": ["\n"]}

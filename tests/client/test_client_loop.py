@@ -1,11 +1,12 @@
 """The phone loop (client.py + session.py) over a real aiohttp WebSocket on 127.0.0.1 against a FAKE server.
 
-The fake (``FakeHycoServer``) exists only as the other side of these unit tests, until the real endpoint
-(vllm_hyco/vllm_adapter/api_server/endpoint.py + vllm_hyco/vllm_adapter/) lands: it speaks docs/protocol.md's frames through
-``vllm_hyco.handoff`` (the one wire-format owner), verifies trees with a toy deterministic next-token
-function (greedy exact acceptance), sends dummy-pattern hand-offs of the right spans (the seed chunked when
-it is bigger than its chunk size) and injects faults: dropped connections at chosen points, server_busy,
-error frames, silence. Every test checks tokens exactly against plain greedy decoding of the toy function.
+The fake (``FakeHycoServer``) exists only as the other side of these unit tests (the real endpoint:
+vllm_hyco/vllm_adapter/api_server/endpoint.py and the rest of vllm_hyco/vllm_adapter/): it speaks
+docs/protocol.md's frames through ``vllm_hyco.handoff`` (the one wire-format owner), verifies trees with a toy
+deterministic next-token function (greedy exact acceptance), sends dummy-pattern hand-offs of the right spans
+(the seed chunked when it is bigger than its chunk size) and injects faults: dropped connections at chosen
+points, server_busy, error frames, silence. Every test checks tokens exactly against plain greedy decoding of
+the toy function.
 """
 
 from __future__ import annotations
@@ -22,9 +23,23 @@ from mobile_client.client import ConnectionLostError, HycoClient, HycoServerErro
 from mobile_client.session import PhoneSession, SessionOptions
 from mobile_client.tree import DraftTree
 from vllm_hyco.errors import FrameError, HandoffSchemaError
-from vllm_hyco.handoff import (ErrorFrame, FinalFrame, HandoffPayload, HandoffScales, HandoffSpec, LayerSpec,
-                               SessionFrame, StartFrame, TreeFrame, VerdictFrame, WireLimits, decode_client_frame,
-                               encode_frame, openai_chunk, plan_handoff)
+from vllm_hyco.handoff import (
+    ErrorFrame,
+    FinalFrame,
+    HandoffPayload,
+    HandoffScales,
+    HandoffSpec,
+    LayerSpec,
+    SessionFrame,
+    StartFrame,
+    TreeFrame,
+    VerdictFrame,
+    WireLimits,
+    decode_client_frame,
+    encode_frame,
+    openai_chunk,
+    plan_handoff,
+)
 
 V = 512  # the toy vocabulary (= the toy drafters' vocabulary)
 W = 32  # the fake server's seed window (the toy MTP ring)
@@ -69,23 +84,23 @@ class OracleDrafter:
     def prefill(self, tokens):
         self.history = list(tokens)
 
-    def propose(self, context, tree_budget):
+    def propose(self, context, node_budget):
         self.history += list(context.catch_up)
         ctx = self.history + [context.root]
         tokens, parents = [context.root], [-1]
-        for d in range(min(self.depth, tree_budget - 1) if tree_budget > 1 else 0):
+        for d in range(min(self.depth, node_budget - 1) if node_budget > 1 else 0):
             y = next_token(ctx)
             if self.calls % 3 == 2 and d >= self.miss:
                 y = (y + 1) % V
             tokens.append(y)
             parents.append(len(tokens) - 2)
             ctx.append(y)
-        if tree_budget > len(tokens) - 1:  # a wrong sibling under the root
+        if node_budget > len(tokens) - 1:  # a wrong sibling under the root
             sib = (next_token(self.history + [context.root]) + 2) % V
             tokens.append(sib)
             parents.append(0)
         self.calls += 1
-        return DraftTree.make_dummy(tokens, parents, budget=tree_budget)
+        return DraftTree.make_dummy(tokens, parents, node_budget=node_budget)
 
 
 class _State:

@@ -12,13 +12,19 @@ import json
 import numpy as np
 import pytest
 import torch
+from test_client_loop import FakeHycoServer, V, W, greedy, text_of
 
 from mobile_client import cli
-from mobile_client.drafters.spec import (mtp_hf_config, random_mtp_state_dict, random_slm_state_dict,
-                                         slm_hf_config, toy_mtp_spec, toy_slm_spec)
+from mobile_client.drafters.spec import (
+    mtp_hf_config,
+    random_mtp_state_dict,
+    random_slm_state_dict,
+    slm_hf_config,
+    toy_mtp_spec,
+    toy_slm_spec,
+)
 from vllm_hyco.handoff import HandoffScales, HandoffSpec, save_scales
 from vllm_hyco.handoff.sizes import layers_from_hf_config
-from test_client_loop import V, W, FakeHycoServer, greedy, text_of
 
 ROPE = {"sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"},
         "full_attention": {"rope_theta": 1000000.0, "rope_type": "proportional",

@@ -12,16 +12,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from test_client_loop import PROMPT, SPEC, V, W, greedy, next_token, run, toy_scales
 
 from mobile_client.baselines import proactive_draft
 from mobile_client.drafters.base import HybridDrafter, SpecEdgeDrafter
 from mobile_client.drafters.mtp import EmbedLut, MtpDrafter, MtpHead, torch_step
 from mobile_client.drafters.slm import SlmDrafter
-from mobile_client.drafters.spec import (random_mtp_state_dict, random_slm_state_dict, toy_mtp_spec,
-                                         toy_slm_spec)
+from mobile_client.drafters.spec import random_mtp_state_dict, random_slm_state_dict, toy_mtp_spec, toy_slm_spec
 from mobile_client.session import HycoPhoneDrafter, PhoneSession, SessionOptions
 from mobile_client.tree import DraftTree
-from test_client_loop import PROMPT, SPEC, V, W, greedy, next_token, run, toy_scales
+from vllm_hyco.handoff import SessionFrame
 
 
 def hyco_phone() -> tuple[HycoPhoneDrafter, MtpDrafter, SlmDrafter]:
@@ -36,19 +36,19 @@ def hyco_phone() -> tuple[HycoPhoneDrafter, MtpDrafter, SlmDrafter]:
 
 
 class Grafted:
-    """HyCo's tree (budget - 3 nodes) plus the verifier's next 3 tokens grafted along the matching branch."""
+    """HyCo's tree (node_budget - 3 nodes) plus the verifier's next 3 tokens grafted along the matching branch."""
 
     def __init__(self, inner: HycoPhoneDrafter, depth: int = 3):
         self.inner, self.depth, self.session = inner, depth, None
         for hook in ("prefill", "accept", "apply_handoff"):
             setattr(self, hook, getattr(inner, hook))
 
-    def propose(self, context, tree_budget):
-        tree = self.inner.propose(context, max(tree_budget - self.depth, 1))
+    def propose(self, context, node_budget):
+        tree = self.inner.propose(context, max(node_budget - self.depth, 1))
         tokens, parents = list(tree.tokens), list(tree.parents)
         ctx = self.session.prompt_tokens + self.session.tokens  # committed, ending with the root
         node = 0
-        for _ in range(min(self.depth, tree_budget - (len(tokens) - 1))):
+        for _ in range(min(self.depth, node_budget - (len(tokens) - 1))):
             y = next_token(ctx)
             kids = [i for i in range(1, len(tokens)) if parents[i] == node and tokens[i] == y]
             if kids:
@@ -58,7 +58,7 @@ class Grafted:
                 parents.append(node)
                 node = len(tokens) - 1
             ctx = ctx + [y]
-        return DraftTree.make_dummy(tokens, parents, budget=tree_budget)
+        return DraftTree.make_dummy(tokens, parents, node_budget=node_budget)
 
 
 def hyco_session(drafter, max_tokens):
@@ -96,6 +96,7 @@ def test_hyco_drafters_exact_session(chunk_bytes):
 def test_hyco_first_round_is_slm_only_from_prefilled_prompt():
     phone, mtp, slm = hyco_phone()
     session = hyco_session(phone, max_tokens=4)
+    session.apply_session(SessionFrame("r1." + "0" * 32, -1, 32, SPEC))  # the server's answer to `start`
     frame = session.next_tree()
     assert frame.tokens[0] == PROMPT[-1] and slm.committed == len(PROMPT) - 1
     assert phone.drafter.last_chain.chain == () and set(frame.labels[1:]) == {3}  # SLM nodes only
@@ -119,8 +120,9 @@ def test_corrupt_chunk_resumes_with_need_seed():
 def _run_checked(session, server_kw, on_round):
     import asyncio
 
-    from mobile_client.client import HycoClient, Timeouts
     from test_client_loop import FakeHycoServer
+
+    from mobile_client.client import HycoClient, Timeouts
 
     async def go():
         async with FakeHycoServer(**server_kw) as server:
@@ -168,8 +170,9 @@ def test_hyco_phone_restored_after_a_crash_with_a_tree_in_flight():
     import asyncio
     import json
 
-    from mobile_client.client import HycoClient, PhoneTimeoutError, Timeouts
     from test_client_loop import FakeHycoServer
+
+    from mobile_client.client import HycoClient, PhoneTimeoutError, Timeouts
 
     async def go():
         async with FakeHycoServer(chunk_bytes=700, silent={3}) as server:

@@ -12,6 +12,8 @@ catch-up overflow (more owed rows than the static graph holds) equals committing
 from __future__ import annotations
 
 import numpy as np
+from test_client_session import SPEC, verdict
+
 from mobile_client.baselines import proactive_draft
 from mobile_client.drafters.base import SpecEdgeDrafter
 from mobile_client.drafters.multipass import ROWS, MultiPassSlm
@@ -19,7 +21,6 @@ from mobile_client.drafters.slm import SlmDrafter
 from mobile_client.drafters.spec import random_slm_state_dict, toy_slm_spec
 from mobile_client.session import HycoPhoneDrafter, PhoneSession, SessionOptions
 from mobile_client.tree import DraftTree, frontier_plan
-from test_client_session import SPEC, verdict
 
 SLM_SPEC = toy_slm_spec()
 SD = random_slm_state_dict(SLM_SPEC, seed=5)
@@ -37,6 +38,7 @@ def _phone(proactive: bool):
     drafter = HycoPhoneDrafter(SpecEdgeDrafter(rows, passes=2), slm=slm)
     session = PhoneSession(drafter, prompt_tokens=PROMPT, request={"prompt": PROMPT}, endpoint="completions",
                            spec=SPEC, options=opts)
+    session.node_budget = opts.node_budget  # as the server's `session` frame grants it
     return session, slm
 
 

@@ -16,10 +16,10 @@ import onnx
 import pytest
 import torch
 from onnx import numpy_helper
+from tolerances import tol
 
 from mobile_client.drafters.mtp import MTP_INPUTS, EmbedLut, MtpDrafter
 from mobile_client.drafters.spec import random_mtp_state_dict, toy_mtp_spec
-from tolerances import tol
 
 pytest.importorskip("onnxruntime_qnn")
 

@@ -15,9 +15,9 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from tolerances import tol
 
 from mobile_client.drafters.spec import random_slm_state_dict, toy_slm_spec
-from tolerances import tol
 
 pytest.importorskip("onnxruntime_qnn")
 

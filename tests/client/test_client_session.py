@@ -7,16 +7,26 @@ rows, budgets, replays, seeds, and rejecting verdicts that contradict the tree (
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import numpy as np
 import pytest
-
-import dataclasses
 
 from mobile_client.session import HycoPhoneDrafter, PhoneSession, SessionOptions, fmt_round, node_values
 from mobile_client.tree import DraftTree
 from vllm_hyco.errors import FrameError, HandoffSchemaError, SessionError
-from vllm_hyco.handoff import (HandoffPayload, HandoffScales, HandoffSpec, LayerSpec, SessionFrame, TreeFrame,
-                               VerdictFrame, encode_frame, openai_chunk)
+from vllm_hyco.handoff import (
+    HandoffPayload,
+    HandoffScales,
+    HandoffSpec,
+    LayerSpec,
+    SessionFrame,
+    TreeFrame,
+    VerdictFrame,
+    encode_frame,
+    openai_chunk,
+)
 
 LAYERS = (LayerSpec(2, "sliding", kv_heads=2, head_dim=4, window=8),
           LayerSpec(3, "full", kv_heads=1, head_dim=8, window=0, k_eq_v=True, has_v=False))
@@ -37,14 +47,14 @@ class Recorder:
     def prefill(self, tokens):
         self.calls.append(("prefill", list(tokens)))
 
-    def propose(self, context, tree_budget):
-        self.calls.append(("propose", context.root, context.catch_up, context.x_hat is not None, tree_budget))
+    def propose(self, context, node_budget):
+        self.calls.append(("propose", context.root, context.catch_up, context.x_hat is not None, node_budget))
         r = context.root
-        n = tree_budget + 1
+        n = node_budget + 1
         tokens, parents = [r, r + 1, r + 2, r + 3, r + 9][:n], [-1, 0, 1, 2, 0][:n]
         a = -0.5  # the sibling scores last, so the value order the phone sends is this insertion order
         scores, sources = [0.0, a, 2 * a, 3 * a, 4 * a][:n], [0, 1, 1, 1, 2][:n]
-        return DraftTree(tuple(tokens), tuple(parents), tuple(scores), tuple(sources), tree_budget)
+        return DraftTree(tuple(tokens), tuple(parents), tuple(scores), tuple(sources), node_budget)
 
     def accept(self, rows):
         self.calls.append(("accept", list(rows)))
@@ -60,20 +70,28 @@ def session(drafter=None, **opts):
                         endpoint="completions", spec=SPEC, options=SessionOptions(**opts))
 
 
-def verdict(rnd, path, tokens, a, root, *, budget=32, finish=None, handoff=True):
+def started(drafter=None, **opts):
+    """A session granted 32 nodes, as the server's ``session`` frame grants them, without the frame (no schema
+    hash to confirm: the trees go out exactly as drafted)."""
+    s = session(drafter, **opts)
+    s.node_budget = 32
+    return s
+
+
+def verdict(rnd, path, tokens, a, root, *, node_budget=32, finish=None, handoff=True):
     bonus = None if finish else tokens[-1]
     h = HandoffPayload.make_dummy(SPEC, a, root, bonus, salt=rnd) if handoff and not finish else None
     chunk = openai_chunk("text_completion", "c", "m", "".join(f"<{t}>" for t in tokens), finish, created=0)
-    return VerdictFrame(rnd, tuple(path), tuple(tokens), bonus, h, None, 0 if finish else budget, chunk)
+    return VerdictFrame(rnd, tuple(path), tuple(tokens), bonus, h, None, 0 if finish else node_budget, chunk)
 
 
-def ack(last_round=-1, budget=32, sid=SID, spec=SPEC):
-    return SessionFrame(sid, last_round, budget, spec)
+def ack(last_round=-1, node_budget=32, sid=SID, spec=SPEC):
+    return SessionFrame(sid, last_round, node_budget, spec)
 
 
 def test_round0_is_rooted_at_last_prompt_token_with_prefill():
     d = Recorder()
-    s = session(d)
+    s = started(d)
     frame = s.next_tree()
     assert frame.round == 0 and frame.tokens[0] == 8 and s.position == 3
     assert d.calls[:2] == [("prefill", [5, 6, 7]), ("propose", 8, (), False, 32)]
@@ -81,14 +99,14 @@ def test_round0_is_rooted_at_last_prompt_token_with_prefill():
 
 
 def test_start_frames_new_and_resume():
-    s = session(max_nodes=16, mode="epsilon", epsilon=0.001)
+    s = session(node_budget=16, mode="epsilon", epsilon=0.001)
     start = s.start_frame()
     assert start.request == {"prompt": PROMPT} and start.hyco.resume is None
-    assert start.hyco.capabilities.max_nodes == 16 and start.hyco.fingerprint == SPEC.fingerprint
+    assert start.hyco.capabilities.node_budget == 16 and start.hyco.fingerprint == SPEC.fingerprint
     assert start.hyco.capabilities.handoff_schemas == (2,)
     assert (start.hyco.mode, start.hyco.epsilon) == ("epsilon", 0.001)
-    s.apply_session(ack(budget=12))
-    assert s.sid == SID and s.budget == 12 and not s.resumable
+    s.apply_session(ack(node_budget=12))
+    assert s.sid == SID and s.node_budget == 12 and not s.resumable
     assert s.start_frame().hyco.resume is None and s.sid is None  # no verdict yet: start over
     s.apply_session(ack())
     s.next_tree()
@@ -101,11 +119,11 @@ def test_start_frames_new_and_resume():
 
 def test_apply_verdict_commits_path_and_bonus_and_tracks_positions():
     d = Recorder(keep=2)
-    s = session(d)
+    s = started(d)
     streamed = []
     s.on_text = streamed.append
     s.next_tree()  # root 8 at position 3: rows 8, 9, 10, 11, 17
-    st = s.apply_verdict(verdict(0, [1, 2], [9, 10, 77], 0, 6, budget=3), wait_ms=1.5, bytes_down=99)
+    st = s.apply_verdict(verdict(0, [1, 2], [9, 10, 77], 0, 6, node_budget=3), wait_ms=1.5, bytes_down=99)
     assert s.tokens == [9, 10, 77] and streamed == ["<9><10><77>"] and s.root == 77 and s.position == 6
     assert (st.accepted, st.committed, st.nodes, st.wait_ms, st.bytes_down) == (2, 3, 4, 1.5, 99)
     assert ("accept", [0, 1, 2]) in d.calls and ("handoff", 0, 6) in d.calls
@@ -115,9 +133,9 @@ def test_apply_verdict_commits_path_and_bonus_and_tracks_positions():
     assert d.calls[-1] == ("propose", 77, (10,), True, 32) and s.catch_up == ()
     assert len(frame.tokens) <= 4
     assert "round   0" in fmt_round(st)
-    s = session(Recorder(keep=2), order="score")  # the score order: the drafter gets the granted budget
+    s = started(Recorder(keep=2), order="score")  # the score order: the drafter gets the granted budget
     s.next_tree()
-    s.apply_verdict(verdict(0, [1, 2], [9, 10, 77], 0, 6, budget=3))
+    s.apply_verdict(verdict(0, [1, 2], [9, 10, 77], 0, 6, node_budget=3))
     s.next_tree()
     assert s.drafter.calls[-1] == ("propose", 77, (10,), True, 3)
 
@@ -129,7 +147,7 @@ def test_apply_verdict_commits_path_and_bonus_and_tracks_positions():
     (dict(root=7), "bad_handoff"),  # hand-off root position != 3 + 2 + 1
 ])
 def test_contradicting_verdicts_commit_nothing(bad, code):
-    s = session()
+    s = started()
     frame = s.next_tree()
     kw = dict(rnd=0, path=[1, 2], tokens=[9, 10, 77], a=0, root=6) | bad
     v = verdict(kw.pop("rnd"), kw.pop("path"), kw.pop("tokens"), kw.pop("a"), kw.pop("root"), **kw)
@@ -195,18 +213,18 @@ def test_a_resume_checks_the_schema_hash_even_without_a_model_spec():
 
 
 def test_node_values_are_sent_when_asked():
-    s = session(values=True)
+    s = started(values=True)
     frame = s.next_tree()
     tree = s._pending.tree
     assert frame.values == tuple(node_values(tree)) and frame.values[0] == 255
     assert all(0 <= x <= 255 for x in frame.values)
     back = TreeFrame.from_lists(0, frame.tokens, frame.parents, frame.labels, frame.values)
-    assert len(encode_frame(back)) == len(encode_frame(frame)) and session().next_tree().values is None
+    assert len(encode_frame(back)) == len(encode_frame(frame)) and started().next_tree().values is None
 
 
 def test_replays_are_ignored_and_a_seed_is_taken():
     d = Recorder()
-    s = session(d)
+    s = started(d)
     s.next_tree()
     s.apply_verdict(verdict(0, [1], [9, 40], 0, 5))
     n = len(d.calls)
@@ -217,7 +235,7 @@ def test_replays_are_ignored_and_a_seed_is_taken():
 
 
 def test_finished_verdict_ends_the_session():
-    s = session()
+    s = started()
     s.next_tree()
     st = s.apply_verdict(verdict(0, [1, 2, 3], [9, 10], 0, 0, finish="length"))
     assert s.finished and s.finish_reason == "length" and st.committed == 2 and s.tokens == [9, 10]
@@ -227,7 +245,7 @@ def test_finished_verdict_ends_the_session():
 
 
 def test_missing_handoff_on_unfinished_verdict():
-    s = session()
+    s = started()
     s.next_tree()
     v = verdict(0, [], [40], 0, 4)
     with pytest.raises(FrameError):
@@ -236,21 +254,21 @@ def test_missing_handoff_on_unfinished_verdict():
 
 def test_drafter_over_budget_is_refused():
     class Greedy(Recorder):
-        def propose(self, context, tree_budget):
+        def propose(self, context, node_budget):
             return DraftTree.make_dummy([context.root, 1, 2, 3], [-1, 0, 1, 2])
-    s = session(Greedy(), order="score")  # the drafter is asked for the granted 2 and builds 3
+    s = started(Greedy(), order="score")  # the drafter is asked for the granted 2 and builds 3
     s.next_tree()
-    s.apply_verdict(verdict(0, [], [40], 0, 4, budget=2))
+    s.apply_verdict(verdict(0, [], [40], 0, 4, node_budget=2))
     with pytest.raises(SessionError) as e:
         s.next_tree()
     assert e.value.code == "bad_draft"
-    s = session(Greedy(), max_nodes=2)  # learned order: asked for the phone's own 2
+    s = session(Greedy(), node_budget=2)  # learned order: asked for the phone's own 2
     s.apply_session(SessionFrame(SID, -1, 2, SPEC))
     with pytest.raises(SessionError, match="over the budget") as e:
         s.next_tree()
-    s = session(Greedy())  # asked for 32, built 3: the head of the granted 2 goes out
+    s = started(Greedy())  # asked for 32, built 3: the head of the granted 2 goes out
     s.next_tree()
-    s.apply_verdict(verdict(0, [], [40], 0, 4, budget=2))
+    s.apply_verdict(verdict(0, [], [40], 0, 4, node_budget=2))
     assert len(s.next_tree().tokens) == 3
 
 
@@ -283,7 +301,7 @@ def test_proactive_tree_is_reused_only_when_the_bet_holds():
             return (tuple(accepted), bonus) == self.key
 
     prepared = DraftTree.make_dummy([40, 41, 42], [-1, 0, 1])
-    s = session(proactive=lambda tree: Bet(prepared, [9], 40))
+    s = started(proactive=lambda tree: Bet(prepared, [9], 40))
     s.next_tree()
     s.prepare_proactive()
     s.apply_verdict(verdict(0, [1], [9, 40], 0, 5))
@@ -296,7 +314,7 @@ def test_proactive_tree_is_reused_only_when_the_bet_holds():
 
 
 @pytest.mark.parametrize("bad", [dict(mode="lossy"), dict(epsilon=0.01), dict(mode="epsilon", epsilon=1.0),
-                                 dict(max_nodes=0), dict(max_nodes=255), dict(max_message_bytes=1024)])
+                                 dict(node_budget=0), dict(node_budget=255), dict(max_message_bytes=1024)])
 def test_session_options_are_validated(bad):
     from vllm_hyco.errors import ConfigError
 
@@ -313,7 +331,59 @@ def test_accept_gets_the_accepted_tokens_when_the_drafter_takes_them():
             return 1
 
     d = ByTokens()
-    s = session(d)
+    s = started(d)
     s.next_tree()  # 8 -> 9 -> 10 -> 11, 8 -> 17
     s.apply_verdict(verdict(0, [1, 2], [9, 10, 77], 0, 6))
     assert ("accept", [0, 1, 2], [8, 9, 10]) in d.calls and s.catch_up == (9, 10)
+
+
+def test_no_tree_is_drafted_before_the_session_frame_grants_a_node_budget():
+    d = Recorder()
+    s = session(d)
+    assert s.node_budget is None and s.start_frame().hyco.capabilities.node_budget == 32
+    with pytest.raises(SessionError, match="session") as e:
+        s.next_tree()
+    assert e.value.code == "no_session_frame" and d.calls == [] and not s.tree_in_flight
+    s.apply_session(ack(node_budget=12))
+    assert s.node_budget == 12 and s.next_tree().round == 0
+
+
+def test_every_grant_is_clamped_to_the_phones_own_node_budget():
+    d = Recorder()
+    s = session(d, node_budget=3, order="score")  # the score order: the drafter is asked for the grant
+    s.apply_session(ack(node_budget=32))  # the server grants more than the phone builds
+    assert s.node_budget == 3
+    s.next_tree()
+    assert d.calls[-1][-1] == 3
+    s.apply_verdict(verdict(0, [1], [9, 40], 0, 5, node_budget=32))
+    assert s.node_budget == 3
+    s.next_tree()
+    s.apply_verdict(verdict(1, [], [41], 5, 6, node_budget=2))
+    assert s.node_budget == 2
+    s.next_tree()
+    assert d.calls[-1][-1] == 2
+    s.apply_session(ack(last_round=1, node_budget=0))  # a finished session's frame grants nothing: kept
+    assert s.node_budget == 2
+    s.apply_verdict(verdict(2, [], [], 6, 7, finish="stop"))  # the finishing verdict (budget 0): kept
+    assert s.finished and s.node_budget == 2 and s.stats[-1].budget == 0
+
+
+def test_snapshots_keep_the_node_budget_and_old_snapshots_still_restore():
+    s = started()
+    s.next_tree()
+    s.apply_verdict(verdict(0, [1], [9, 40], 0, 5, node_budget=7))
+    s.next_tree()
+    snap = json.loads(json.dumps(s.snapshot()))
+    assert snap["node_budget"] == 7 and "budget" not in snap
+    assert PhoneSession.restore(Recorder(), snap, spec=SPEC).node_budget == 7
+    old = {("budget" if k == "node_budget" else k): v for k, v in snap.items()}  # written before the rename
+    restored = PhoneSession.restore(Recorder(), old, spec=SPEC)
+    assert restored.node_budget == 7 and restored._pending.tree.node_budget == 7
+    assert restored.next_tree().tokens == tuple(snap["pending"]["tokens"])  # the tree in flight, resent
+
+
+def test_session_options_name_the_node_budget_when_it_is_out_of_range():
+    from vllm_hyco.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="node_budget must be 1..254"):
+        SessionOptions(node_budget=0)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from mobile_client.candidates import top_candidates
 from mobile_client.tree import (
     DraftTree,
     TreeBuildError,
@@ -18,7 +19,6 @@ from mobile_client.tree import (
     frontier_plan,
     grow_tree,
     plant_tree,
-    top_candidates,
 )
 from vllm_hyco.handoff.client_frames import TreeFrame
 from vllm_hyco.handoff.tree_contract import NodeLabel, validate_tree
@@ -60,7 +60,7 @@ def test_figure2_tree_two_candidates_per_row_twelve_nodes():
     v = 64
     probs = {i: {30 + 2 * i: 0.6, 31 + 2 * i: 0.3} for i in range(7)}  # row i's two likely tokens
     lp = _rows(v, probs, 7)
-    tokens, parents = build_tree(R, [C1, C2, C3, C4], [S1, S2], lp, budget=12, topk=2)
+    tokens, parents = build_tree(R, [C1, C2, C3, C4], [S1, S2], lp, node_budget=12, topk=2)
     # Non-root scores, best first: y1 A=-.42, y2 and y'1 2A=-.83, root's 30 ln .6+A=-.93, y3 and y'2 -1.25,
     # y1's 32 -1.34, root's 31 -1.62, y4 -1.66, y2's 34 and y'1's 40 -1.76, y1's 33 -2.03 (12th), ...
     expect_rows = [
@@ -76,7 +76,7 @@ def test_figure2_tree_two_candidates_per_row_twelve_nodes():
 
 def test_hand_computed_scores_and_sources():
     lp = _rows(8, {0: {5: 0.5}, 1: {6: 0.9}}, 2)
-    tree = build_draft_tree(3, [4], [], lp, budget=3)
+    tree = build_draft_tree(3, [4], [], lp, node_budget=3)
     assert tree.tokens == (3, 4, 5, 6)
     assert tree.parents == (-1, 0, 0, 1)
     assert tree.sources == (NodeLabel.ROOT, NodeLabel.CHAIN, NodeLabel.SLM, NodeLabel.SLM)
@@ -90,7 +90,7 @@ def test_hand_computed_scores_and_sources():
 def test_duplicate_slm_candidate_of_existing_child_is_skipped_not_replaced():
     # Root's SLM ranks the chain token first; it is skipped, and the 2 candidates are then only token 7.
     lp = _rows(10, {0: {4: 0.7, 7: 0.2}}, 2)
-    tree = build_draft_tree(3, [4], [], lp, budget=32, topk=2)
+    tree = build_draft_tree(3, [4], [], lp, node_budget=32, topk=2)
     root_kids = [tree.tokens[r] for r in tree.children(0)]
     assert root_kids == [4, 7]
     assert sorted(root_kids) == sorted(set(root_kids))
@@ -98,7 +98,7 @@ def test_duplicate_slm_candidate_of_existing_child_is_skipped_not_replaced():
 
 def test_duplicate_of_runner_up_is_skipped():
     lp = _rows(10, {0: {5: 0.5, 8: 0.3}}, 3)
-    tree = build_draft_tree(3, [4], [5], lp, budget=32, topk=2)
+    tree = build_draft_tree(3, [4], [5], lp, node_budget=32, topk=2)
     assert [tree.tokens[r] for r in tree.children(0)] == [4, 5, 8]
 
 
@@ -115,31 +115,31 @@ def test_runner_up_equal_to_chain_token_is_not_planted():
 def test_fewer_candidates_than_budget_keeps_everything():
     v = 5
     lp = torch.randn(7, v, generator=torch.Generator().manual_seed(0)).log_softmax(-1)
-    tree = build_draft_tree(R, [C1, C2, C3, C4], [S1, S2], lp, budget=32)
+    tree = build_draft_tree(R, [C1, C2, C3, C4], [S1, S2], lp, node_budget=32)
     # 6 planted + 7 rows x 5 candidates (no duplicates: candidates are ids < 5), all kept: 41 > 32 -> trimmed
     assert tree.num_nodes == 32
-    small = build_draft_tree(R, [C1], [], lp[:2], budget=32)
+    small = build_draft_tree(R, [C1], [], lp[:2], node_budget=32)
     assert small.num_nodes == 1 + 2 * v  # theta = -inf: every candidate joins
 
 
 def test_minus_inf_entries_are_never_proposed():
     lp = torch.full((2, 6), -math.inf)
     lp[0, 2], lp[1, 3] = 0.0, 0.0
-    tree = build_draft_tree(R, [C1], [], lp, budget=32)
+    tree = build_draft_tree(R, [C1], [], lp, node_budget=32)
     assert tree.tokens == (R, C1, 2, 3)
 
 
 def test_budget_smaller_than_chain():
     lp = torch.zeros(7, 40).log_softmax(-1)
-    assert build_tree(R, [C1, C2, C3, C4], [S1, S2], lp, budget=2) == ([R, C1, C2], [-1, 0, 1])
+    assert build_tree(R, [C1, C2, C3, C4], [S1, S2], lp, node_budget=2) == ([R, C1, C2], [-1, 0, 1])
     # y'1 (2A) ties y2 (A + A): the earlier row wins
-    assert build_tree(R, [C1, C2, C3, C4], [S1, S2], lp, budget=3) == ([R, C1, C2, S1], [-1, 0, 1, 0])
-    assert build_tree(R, [C1, C2, C3, C4], [S1, S2], lp, budget=0) == ([R], [-1])
+    assert build_tree(R, [C1, C2, C3, C4], [S1, S2], lp, node_budget=3) == ([R, C1, C2, S1], [-1, 0, 1, 0])
+    assert build_tree(R, [C1, C2, C3, C4], [S1, S2], lp, node_budget=0) == ([R], [-1])
 
 
 def test_ties_in_q_go_to_lower_token_id_and_across_rows_to_earlier_row():
     lp = torch.zeros(2, 20).log_softmax(-1)  # uniform: every candidate of a row ties
-    tree = build_draft_tree(R, [C1], [], lp, budget=6, topk=8)
+    tree = build_draft_tree(R, [C1], [], lp, node_budget=6, topk=8)
     # root's candidates (-ln 20 + A) beat y1's (A - ln 20 + A); lowest ids first
     assert tree.tokens == (R, C1, 0, 1, 2, 3, 4)
 
@@ -178,7 +178,7 @@ def test_bad_inputs_raise_typed_errors(bad, match):
 
 
 def test_padded_form_repeats_last_row():
-    tree = DraftTree.make_dummy([7, 8, 9, 5], [-1, 0, 1, 0], budget=5)
+    tree = DraftTree.make_dummy([7, 8, 9, 5], [-1, 0, 1, 0], node_budget=5)
     pad = tree.padded()
     assert pad.tokens.tolist() == [7, 8, 9, 5, 5, 5]
     assert pad.parents.tolist() == [-1, 0, 1, 0, 0, 0]
@@ -230,7 +230,7 @@ def test_plan_with_catch_up_rows():
 def test_keep_set_candidates_map_to_full_ids():
     keep = np.array([2, 5, 9, 40, 41, 77], dtype=np.int64)
     lp = torch.tensor([[0.1, 0.5, 0.1, 0.1, 0.1, 0.1]]).log()
-    tree = build_draft_tree(R, [], [], lp, budget=3, topk=2, keep_ids=keep)
+    tree = build_draft_tree(R, [], [], lp, node_budget=3, topk=2, keep_ids=keep)
     # q = .5 on keep column 1 (full id 5), then ties -> lowest full id 2
     assert tree.tokens == (R, 5, 2)
     assert top_candidates(lp, 3, keep)[1].tolist() == [5, 2, 9]
@@ -254,7 +254,7 @@ def _toy_logq(path: tuple[int, ...], v: int, levels: int) -> list[float]:
     return logits.log_softmax(-1).double().tolist()
 
 
-def _ref_build(root, chain, rus, row_logq, budget, lam, topk, ids=None, slm2=None):
+def _ref_build(root, chain, rus, row_logq, node_budget, lam, topk, ids=None, slm2=None):
     """Algorithm 3 straight from the paper's text, with python lists and sorted()."""
     a = math.log(lam)
     T = [[root, -1, 0.0]]
@@ -285,7 +285,7 @@ def _ref_build(root, chain, rus, row_logq, budget, lam, topk, ids=None, slm2=Non
                 if q[c] > -math.inf and tok[c] not in kids:
                     C.append([tok[c], v, (T[v][2] + q[c]) + a])
         ranked = sorted([t[2] for t in T[1:]] + [c[2] for c in C], reverse=True)
-        theta = math.inf if budget == 0 else (ranked[budget - 1] if len(ranked) >= budget else -math.inf)
+        theta = math.inf if node_budget == 0 else (ranked[node_budget - 1] if len(ranked) >= node_budget else -math.inf)
         new = []
         for c in C:
             if c[2] >= theta:
@@ -296,7 +296,7 @@ def _ref_build(root, chain, rus, row_logq, budget, lam, topk, ids=None, slm2=Non
     new = one_pass(range(len(T)), lambda r: row_logq[r])
     if slm2 is not None and new:
         one_pass(new, lambda r: slm2(path(r)))
-    best = sorted(range(1, len(T)), key=lambda r: (-T[r][2], r))[:budget]
+    best = sorted(range(1, len(T)), key=lambda r: (-T[r][2], r))[:node_budget]
     keep = set(best) | {0}
     for r in best:
         while r >= 0:
@@ -317,7 +317,7 @@ def test_matches_brute_force_reference(seed):
     chain = [rng.randrange(v) for _ in range(k)]
     rus = [chain[i] if rng.random() < 0.3 else rng.randrange(v) for i in range(d)]
     root = rng.randrange(v)
-    budget = rng.choice([0, 1, 3, 8, 12, 32])
+    node_budget = rng.choice([0, 1, 3, 8, 12, 32])
     topk = rng.choice([1, 3, 8, 32])
     lam = rng.choice([0.66, 0.5, 1.0])
     use_keep = rng.random() < 0.4
@@ -331,15 +331,15 @@ def test_matches_brute_force_reference(seed):
     def second(plan):
         return torch.tensor([_toy_logq(tuple(p), v, levels) for p in plan.row_paths()], dtype=torch.float64)
 
-    expect = _ref_build(root, chain, rus, row_logq, budget, lam, topk, ids, slm2)
+    expect = _ref_build(root, chain, rus, row_logq, node_budget, lam, topk, ids, slm2)
     lp = torch.tensor(row_logq, dtype=torch.float64)
-    got = build_draft_tree(root, chain, rus, lp, budget=budget, lam=lam, topk=topk,
+    got = build_draft_tree(root, chain, rus, lp, node_budget=node_budget, lam=lam, topk=topk,
                            keep_ids=None if ids is None else np.array(ids),
                            second_pass=second if two_pass else None)
-    assert got.to_wire() == tuple(expect), f"seed={seed} v={v} budget={budget} topk={topk} lam={lam}"
-    assert got.num_nodes <= budget
+    assert got.to_wire() == tuple(expect), f"seed={seed} v={v} node_budget={node_budget} topk={topk} lam={lam}"
+    assert got.num_nodes <= node_budget
     if not use_keep and not two_pass:
-        assert build_tree(root, chain, rus, lp, budget=budget, lam=lam, topk=topk) == expect
+        assert build_tree(root, chain, rus, lp, node_budget=node_budget, lam=lam, topk=topk) == expect
 
 
 # ------------------------------------------------------------ server contract
@@ -354,11 +354,11 @@ def test_output_passes_server_validation(seed):
     planted = plant_tree(7, chain, rus)
     lp = torch.randn(len(planted.tokens), v, generator=g).mul(2).log_softmax(-1)
     tokens, parents = build_tree(7, chain, rus, lp)
-    validate_tree(tokens, parents, vocab_size=v, budget=32)
-    tree = build_draft_tree(7, chain, rus, lp, budget=16)
-    validate_tree(*tree.to_wire(), vocab_size=v, budget=16, labels=list(tree.sources))
+    validate_tree(tokens, parents, vocab_size=v, node_budget=32)
+    tree = build_draft_tree(7, chain, rus, lp, node_budget=16)
+    validate_tree(*tree.to_wire(), vocab_size=v, node_budget=16, labels=list(tree.sources))
     server = pytest.importorskip("vllm_hyco.spec_decode.tree", reason="the server's TokenTree needs torch")
-    assert server.TokenTree.from_wire(tree.wire_dict(), vocab_size=v, budget=16).to_wire() == tree.wire_dict()
+    assert server.TokenTree.from_wire(tree.wire_dict(), vocab_size=v, node_budget=16).to_wire() == tree.wire_dict()
 
 
 def test_wire_dict_fits_the_tree_frame():

@@ -105,7 +105,7 @@ def test_two_pass_runs_the_slm_over_the_nodes_just_added():
 def test_budget_from_the_verdict():
     tree = HybridDrafter(FakeMtp([10, 12, 14, 16], [20, 22]), FakeSlm()).propose(
         DraftContext(root=4, x_hat=np.zeros(8)), 8)
-    assert tree.num_nodes == 8 and tree.budget == 8 and tree.padded().tokens.shape == (9,)
+    assert tree.num_nodes == 8 and tree.node_budget == 8 and tree.padded().tokens.shape == (9,)
 
 
 def test_specedge_drafter_equals_specedge_tree():

@@ -96,7 +96,7 @@ def test_phone_applies_the_chunked_seed():
 
 
 def test_phone_built_client_frames_equal_the_golden_bytes():
-    caps = ClientCapabilities(max_nodes=32, labels=True, handoff_schemas=(2,))
+    caps = ClientCapabilities(node_budget=32, labels=True, handoff_schemas=(2,))
     ksh = decode_client_frame(read("frame_start_chat.msgpack")).hyco.keep_set_hash
     resume = StartFrame(
         "chat.completions",

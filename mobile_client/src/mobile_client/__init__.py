@@ -1,7 +1,7 @@
 """mobile_client: the phone side of HyCo. Never imports vLLM.
 
 Public API (docs/phone-loop.md): run a phone session with ``HycoClient(server).run(PhoneSession(drafter,
-...))``; drafters follow the ``Drafter`` protocol (``propose(context, tree_budget) -> DraftTree``);
+...))``; drafters follow the ``Drafter`` protocol (``propose(context, node_budget) -> DraftTree``);
 ``HycoPhoneDrafter`` wraps HyCo's MTP + SLM drafters with the hooks the session calls.
 """
 

@@ -4,9 +4,9 @@ SpecEdge-style (SpecExec-style beam growth, as kaist-ina/specedge drafts on the 
 the SLM alone grows a tree in ``passes`` (4) sequential forwards. Each pass expands the best ``beams``
 (32) not-yet-expanded nodes, ranked by score, ties to the earlier row. Each expanded node v proposes its
 ``width`` (16) most likely tokens c with score ``(s(v) + ln q(c|v)) + decay`` (decay = ln 0.9, s(root) =
-0), and a candidate joins the tree if it reaches the ``budget``-th best score among the tree's nodes and
-this pass's candidates. At the end the tree is cut to the ``budget`` (32) best nodes, ties to the earlier
-row (closed under ancestors, since every edge lowers the score).
+0), and a candidate joins the tree if it reaches the ``node_budget``-th best score among the tree's nodes
+and this pass's candidates. At the end the tree is cut to the ``node_budget`` (32) best nodes, ties to the
+earlier row (closed under ancestors, since every edge lowers the score).
 
 Proactive drafting (SpecEdge's "bonus bet"): while the verdict is in flight, one SLM forward over the
 tree's leaves picks the most likely (leaf, next token) pair, ``s(leaf) + ln 0.95 + ln q``: the bet is that
@@ -22,22 +22,12 @@ then ``plan.catch_up``, then the tree rows (``plan.attend_mask()``, ``plan.row_p
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
-from mobile_client.tree import (
-    DraftTree,
-    FrontierPlan,
-    TreeBuildError,
-    _candidate_rows,
-    _expand,
-    _logprob_rows,
-    _Nodes,
-    frontier_plan,
-    frontier_order,
-    top_candidates,
-    trim,
-)
+from mobile_client.candidates import candidate_rows, expand, logprob_rows, top_candidates
+from mobile_client.tree import DraftTree, FrontierPlan, TreeBuildError, _Nodes, frontier_order, frontier_plan, trim
 from vllm_hyco.handoff.tree_contract import DEFAULT_NODE_BUDGET, NodeLabel
 
 SlmFn = Callable[[FrontierPlan], Any]
@@ -53,26 +43,27 @@ PROACTIVE_DECAY = math.log(0.95)
 class SpecEdgeGrower:
     """A SpecEdge-style tree being grown pass by pass (kept between passes for proactive reuse)."""
 
-    def __init__(self, root: int, *, budget: int = DEFAULT_NODE_BUDGET, beams: int = BEAMS,
+    def __init__(self, root: int, *, node_budget: int = DEFAULT_NODE_BUDGET, beams: int = BEAMS,
                  width: int = WIDTH, decay: float = DECAY, keep_ids: Any = None, catch_up: Sequence[int] = ()):
-        if budget < 0 or beams < 1 or width < 1 or not decay < 0:
-            raise TreeBuildError(f"need budget >= 0, beams >= 1, width >= 1, decay < 0; got {budget}, "
+        if node_budget < 0 or beams < 1 or width < 1 or not decay < 0:
+            raise TreeBuildError(f"need node_budget >= 0, beams >= 1, width >= 1, decay < 0; got {node_budget}, "
                                  f"{beams}, {width}, {decay}")
-        self.budget, self.beams, self.width, self.decay, self.keep_ids = budget, beams, width, decay, keep_ids
-        self.nodes = _Nodes(DraftTree((int(root),), (-1,), (0.0,), (int(NodeLabel.ROOT),), budget))
+        self.node_budget, self.beams, self.width, self.decay = node_budget, beams, width, decay
+        self.keep_ids = keep_ids
+        self.nodes = _Nodes(DraftTree((int(root),), (-1,), (0.0,), (int(NodeLabel.ROOT),), node_budget))
         self.expanded: set[int] = set()
         self.catch_up = tuple(int(t) for t in catch_up)  # consumed by the first forward
         self.passes_run = 0
 
     def next_plan(self) -> FrontierPlan | None:
         """The next pass's plan: the best ``beams`` unexpanded rows (None when nothing is left)."""
-        if self.budget == 0:
+        if self.node_budget == 0:
             return None
         open_rows = [r for r in range(len(self.nodes.tokens)) if r not in self.expanded]
         if not open_rows:
             return None
         rows = frontier_order(self.nodes.scores, open_rows)[: self.beams]
-        return frontier_plan(self.nodes.freeze(self.budget), rows, self.catch_up)
+        return frontier_plan(self.nodes.freeze(self.node_budget), rows, self.catch_up)
 
     def grow(self, slm: SlmFn, passes: int) -> int:
         """Run up to ``passes`` SLM passes; returns how many ran (fewer when no candidate can join)."""
@@ -81,10 +72,9 @@ class SpecEdgeGrower:
             plan = self.next_plan()
             if plan is None:
                 break
-            lp, ids = _logprob_rows(slm(plan))
-            added = _expand(self.nodes, plan.rows, _candidate_rows(plan, lp),
-                            self.keep_ids if ids is None else ids, topk=self.width, budget=self.budget,
-                            a=self.decay)
+            lp, ids = logprob_rows(slm(plan))
+            added = expand(self.nodes, plan.rows, candidate_rows(plan, lp), self.keep_ids if ids is None else ids,
+                           topk=self.width, node_budget=self.node_budget, a=self.decay)
             self.expanded.update(plan.rows)
             self.catch_up = ()
             ran += 1
@@ -94,25 +84,25 @@ class SpecEdgeGrower:
         return ran
 
     def untrimmed(self) -> DraftTree:
-        return self.nodes.freeze(self.budget)
+        return self.nodes.freeze(self.node_budget)
 
     def result(self) -> DraftTree:
-        """The tree cut to the ``budget`` best nodes, rows in insertion order."""
-        return trim(self.untrimmed(), self.budget)
+        """The tree cut to the ``node_budget`` best nodes, rows in insertion order."""
+        return trim(self.untrimmed(), self.node_budget)
 
 
-def specedge_tree(root: int, slm: SlmFn, *, passes: int = PASSES, budget: int = DEFAULT_NODE_BUDGET,
+def specedge_tree(root: int, slm: SlmFn, *, passes: int = PASSES, node_budget: int = DEFAULT_NODE_BUDGET,
                   beams: int = BEAMS, width: int = WIDTH, decay: float = DECAY, keep_ids: Any = None,
                   catch_up: Sequence[int] = ()) -> DraftTree:
-    """A SpecEdge-style tree of at most ``budget`` nodes from ``passes`` sequential SLM passes.
+    """A SpecEdge-style tree of at most ``node_budget`` nodes from ``passes`` sequential SLM passes.
 
     >>> import numpy as np
     >>> uniform = lambda plan: np.full((plan.num_rows, 3), np.log(1 / 3))
-    >>> specedge_tree(9, uniform, passes=2, budget=4).to_wire()
+    >>> specedge_tree(9, uniform, passes=2, node_budget=4).to_wire()
     ([9, 0, 1, 2, 0], [-1, 0, 0, 0, 1])
     """
-    grower = SpecEdgeGrower(root, budget=budget, beams=beams, width=width, decay=decay, keep_ids=keep_ids,
-                            catch_up=catch_up)
+    grower = SpecEdgeGrower(root, node_budget=node_budget, beams=beams, width=width, decay=decay,
+                            keep_ids=keep_ids, catch_up=catch_up)
     grower.grow(slm, passes)
     return grower.result()
 
@@ -147,8 +137,8 @@ def _bet(tree: DraftTree, slm: SlmFn, *, beams: int, decay: float, keep_ids: Any
     has_kids = set(tree.parents[1:])
     leaves = [r for r in range(len(tree.tokens)) if r not in has_kids]
     plan = frontier_plan(tree, frontier_order(tree.scores, leaves)[:beams], catch_up)
-    lp, ids = _logprob_rows(slm(plan))
-    rows, toks, q = top_candidates(_candidate_rows(plan, lp), 1, keep_ids if ids is None else ids)
+    lp, ids = logprob_rows(slm(plan))
+    rows, toks, q = top_candidates(candidate_rows(plan, lp), 1, keep_ids if ids is None else ids)
     if rows.size == 0:
         raise TreeBuildError("the SLM gave no finite log-probability at any leaf; nothing to bet on")
     best = max(range(rows.size),
@@ -157,7 +147,7 @@ def _bet(tree: DraftTree, slm: SlmFn, *, beams: int, decay: float, keep_ids: Any
 
 
 def proactive_draft(tree: DraftTree, slm: SlmFn, *, passes: int = PROACTIVE_PASSES,
-                    budget: int = DEFAULT_NODE_BUDGET, beams: int = BEAMS, width: int = WIDTH,
+                    node_budget: int = DEFAULT_NODE_BUDGET, beams: int = BEAMS, width: int = WIDTH,
                     decay: float = PROACTIVE_DECAY,
                     keep_ids: Any = None, catch_up: Sequence[int] = ()) -> ProactiveDraft:
     """Prepare the next tree while ``tree``'s verdict is in flight (``passes`` + 1 SLM forwards).
@@ -172,7 +162,7 @@ def proactive_draft(tree: DraftTree, slm: SlmFn, *, passes: int = PROACTIVE_PASS
     leaf, bonus = _bet(tree, slm, beams=beams, decay=decay, keep_ids=keep_ids, catch_up=catch_up)
     rows = tree.path(leaf)
     path_tokens = tuple(tree.tokens[r] for r in rows[1:])
-    grower = SpecEdgeGrower(bonus, budget=budget, beams=beams, width=width, decay=decay, keep_ids=keep_ids,
-                            catch_up=catch_up + (tree.tokens[0],) + path_tokens)
+    grower = SpecEdgeGrower(bonus, node_budget=node_budget, beams=beams, width=width, decay=decay,
+                            keep_ids=keep_ids, catch_up=catch_up + (tree.tokens[0],) + path_tokens)
     grower.grow(slm, passes)
     return ProactiveDraft(leaf, path_tokens, bonus, grower)

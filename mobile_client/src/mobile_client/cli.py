@@ -32,12 +32,12 @@ import json
 import sys
 from pathlib import Path
 
-
 from mobile_client.bundle import MTP_WINDOW, load_bundle
 from mobile_client.client import HycoClient, Timeouts
 from mobile_client.session import DRAFT_SAMPLING, PhoneSession, SessionOptions, fmt_round
 from vllm_hyco.errors import ConfigError, HycoError
 from vllm_hyco.handoff.tree_contract import DEFAULT_NODE_BUDGET
+
 
 def build_request(args, tokenizer_dir: Path | None) -> tuple[str, dict, list[int]]:
     """(endpoint, OpenAI body, prompt ids as the server tokenizes them)."""
@@ -90,7 +90,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "distribution and send it with the tree (lossless); greedy: its argmax")
     ap.add_argument("--mode", choices=("exact", "epsilon"), default="exact")
     ap.add_argument("--epsilon", type=float, help="with --mode epsilon: a stricter ε than the operator's")
-    ap.add_argument("--max-nodes", type=int, default=DEFAULT_NODE_BUDGET)
+    ap.add_argument("--node-budget", type=int, default=DEFAULT_NODE_BUDGET,
+                    help="the largest tree this phone builds (drafted nodes, root excluded; the server grants "
+                         "at most this many per round)")
     ap.add_argument("--slm-passes", type=int, choices=(1, 2), default=1,
                     help="SLM passes per tree: 1 = HyCo, 2 = HyCo-2P (a second pass under the first "
                          "pass's new nodes; torch SLM step only)")
@@ -121,7 +123,7 @@ async def _main(args) -> int:
     tok_dir = next((d for d in (args.model_dir / "tokenizer", args.model_dir / "verifier")
                     if (d / "tokenizer.json").exists()), None)
     endpoint, request, ids = build_request(args, tok_dir)
-    opts = SessionOptions(mode=args.mode, epsilon=args.epsilon, max_nodes=args.max_nodes,
+    opts = SessionOptions(mode=args.mode, epsilon=args.epsilon, node_budget=args.node_budget,
                           keep_set_hash=bundle.keep_set_hash, draft_sampling=args.draft_sampling)
 
     def on_text(text: str) -> None:

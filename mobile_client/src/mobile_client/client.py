@@ -32,9 +32,10 @@ hand-off schema, which the next tree confirms), then per round one ``tree`` up a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable
 
 import aiohttp
 
@@ -239,10 +240,8 @@ class HycoClient:
             raise _Dropped(f"cannot connect to {self.url}: {e}") from None
 
     async def _close(self, ws) -> None:
-        try:
+        with contextlib.suppress(asyncio.TimeoutError, aiohttp.ClientError, OSError):
             await asyncio.wait_for(ws.close(), self.timeouts.close_s)
-        except (asyncio.TimeoutError, aiohttp.ClientError, OSError):
-            pass
 
     @staticmethod
     async def _simulate(ms: float) -> None:

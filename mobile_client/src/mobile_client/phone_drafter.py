@@ -1,6 +1,6 @@
 """HyCo's phone drafter as the session sees it: a ``Drafter`` plus the hooks ``PhoneSession`` calls.
 
-``mobile_client.session`` drives any ``Drafter`` (``propose(context, tree_budget) -> DraftTree``) and calls
+``mobile_client.session`` drives any ``Drafter`` (``propose(context, node_budget) -> DraftTree``) and calls
 the optional hooks ``prefill(tokens)``, ``accept(rows[, tokens]) -> int`` and
 ``apply_handoff(payload) -> x_hat | None`` when a drafter has them. ``HycoPhoneDrafter`` supplies them for
 HyCo's two drafters: the SLM's KV cache (prefill, accepted rows) and the MTP head's hand-off ring.
@@ -9,7 +9,8 @@ HyCo's two drafters: the SLM's KV cache (prefill, accepted rows) and the MTP hea
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -45,8 +46,8 @@ class HycoPhoneDrafter:
             raise SessionError("an MTP drafter needs the model's hand-off scales", code="bad_config")
         self.drafter, self.slm, self.mtp, self.scales = drafter, slm, mtp, scales
 
-    def propose(self, context: DraftContext, tree_budget: int) -> DraftTree:
-        return self.drafter.propose(context, tree_budget)
+    def propose(self, context: DraftContext, node_budget: int) -> DraftTree:
+        return self.drafter.propose(context, node_budget)
 
     def prefill(self, tokens: Sequence[int]) -> None:
         if self.slm is not None and len(tokens):

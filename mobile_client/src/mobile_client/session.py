@@ -1,9 +1,11 @@
 """One phone session as a state machine (paper Algorithm 1), with no transport: ``client.py`` drives it.
 
-The connection starts with ``start`` (``session.start_frame()``), answered by the server's ``session``
-frame (``session.apply_session(frame)``): the session id and the session's hand-off schema, checked against
-the phone's model (its ``spec``) and, on a resume, against the schema hash the phone held. The first tree
-after it carries the schema hash (the phone's confirmation, protocol version 2). Each round::
+The connection starts with ``start`` (``session.start_frame()``, which states the phone's own node budget,
+``SessionOptions.node_budget``), answered by the server's ``session`` frame (``session.apply_session(frame)``):
+the session id, the node budget granted for the first tree and the session's hand-off schema, checked
+against the phone's model (its ``spec``) and, on a resume, against the schema hash the phone held. No tree is
+drafted before it (``SessionError`` ``no_session_frame``). The first tree after it carries the schema hash
+(the phone's confirmation, protocol version 2). Each round::
 
     frame = session.next_tree()             # draft (Alg. 3 via the Drafter) -> TreeFrame of round r
     ... the client sends it and receives verdict r (+ its hand-off, reassembled from chunks) ...
@@ -23,17 +25,26 @@ Positions: the prompt holds positions 0..L-1, so round 0's root sits at L-1. Aft
 ``m`` nodes, the next root (the bonus) sits ``m + 1`` positions later; every hand-off's ``root`` must
 equal it.
 
-Drafters: anything with ``propose(context, tree_budget) -> DraftTree`` (``drafters.base.Drafter``). Optional
+The node budget (drafted nodes per tree, root excluded): ``session.node_budget`` is None until the
+``session`` frame, then the frame's grant and afterwards each verdict's, clamped to the phone's own
+``SessionOptions.node_budget`` (``tree_contract.grant_node_budget``). The tree sent has at most that many
+nodes.
+
+Drafters: anything with ``propose(context, node_budget) -> DraftTree`` (``drafters.base.Drafter``). Optional
 hooks the session calls when present: ``prefill(tokens)`` (SLM cache for round 0), ``accept(rows) -> int``
 (rows of the root and the path whose SLM KV it kept) and ``apply_handoff(payload) -> x_hat | None``.
 ``HycoPhoneDrafter`` (``mobile_client.phone_drafter``, re-exported here) wraps HyCo's two drafters with
-those hooks.
+those hooks. Failover (``reopen``) and the app-restart snapshot (``snapshot``, ``restore``) come from
+``mobile_client.recovery``.
 
 >>> from mobile_client.tree import DraftTree
 >>> class Echo:  # proposes one node: the root's token + 1
-...     def propose(self, context, tree_budget):
+...     def propose(self, context, node_budget):
 ...         return DraftTree.make_dummy([context.root, context.root + 1], [-1, 0])
 >>> s = PhoneSession(Echo(), prompt_tokens=[3, 4], request={"prompt": [3, 4]}, endpoint="completions")
+>>> s.node_budget is None  # the server's `session` frame grants it (apply_session)
+True
+>>> s.node_budget = 8  # as apply_session would, without a server
 >>> s.next_tree().tokens
 (4, 5)
 """
@@ -43,25 +54,33 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
 from mobile_client.drafters.base import DraftContext, Drafter
 from mobile_client.drafters.sampling import GREEDY_BELOW, DraftSampling, session_rng
 from mobile_client.phone_drafter import HycoPhoneDrafter, takes_keyword
+from mobile_client.recovery import PendingTree, SessionRecovery
 from mobile_client.results import RoundStats, SessionResult, fmt_round
 from mobile_client.tree import DraftTree, trim, value_order
 from vllm_hyco.errors import ConfigError, FrameError, HandoffSchemaError, SessionError
-from vllm_hyco.spec_decode.budget import SESSION_HALF_LIFE, AcceptanceModel
-from vllm_hyco.handoff.client_frames import (MIN_CLIENT_MESSAGE_BYTES, ClientCapabilities, HycoOptions,
-                                             ResumeRequest, StartFrame, TreeFrame)
+from vllm_hyco.handoff.client_frames import (
+    MIN_CLIENT_MESSAGE_BYTES,
+    ClientCapabilities,
+    HycoOptions,
+    ResumeRequest,
+    StartFrame,
+    TreeFrame,
+)
 from vllm_hyco.handoff.frames import encode_frame
 from vllm_hyco.handoff.limits import AIOHTTP_DEFAULT_MAX_MSG
 from vllm_hyco.handoff.schema import HANDOFF_SCHEMA_VERSION, HandoffPayload, HandoffSpec
 from vllm_hyco.handoff.server_frames import SessionFrame
-from vllm_hyco.handoff.tree_contract import DEFAULT_NODE_BUDGET
+from vllm_hyco.handoff.tree_contract import DEFAULT_NODE_BUDGET, grant_node_budget
+from vllm_hyco.spec_decode.budget import SESSION_HALF_LIFE, AcceptanceModel
 
 DRAFT_SAMPLING = ("greedy", "probabilistic")  # SessionOptions.draft_sampling
 TREE_ORDERS = ("learned", "score")  # SessionOptions.order
@@ -76,7 +95,7 @@ class SessionOptions:
 
     mode: str = "exact"  # "exact" (lossless, the default) or "epsilon" (only if the operator enabled it)
     epsilon: float | None = None  # with "epsilon": a stricter ε than the operator's; None = the operator's
-    max_nodes: int = DEFAULT_NODE_BUDGET  # the largest tree this phone builds (capabilities.max_nodes)
+    node_budget: int = DEFAULT_NODE_BUDGET  # the largest tree this phone builds (capabilities.node_budget)
     labels: bool = True  # send per-node source labels (statistics only)
     values: bool = False  # send per-node values: round(255 * exp(the node's Algorithm-3 log-score))
     max_message_bytes: int = AIOHTTP_DEFAULT_MAX_MSG  # the client's WebSocket receive limit
@@ -107,33 +126,17 @@ class SessionOptions:
         if self.epsilon is not None and (self.mode != "epsilon" or not 0.0 < self.epsilon < 1.0):
             raise ConfigError(f"SessionOptions.epsilon={self.epsilon!r}: only with mode 'epsilon', strictly "
                               f"between 0 and 1 (and no laxer than the operator's)")
-        if not 1 <= self.max_nodes <= 254 or self.max_message_bytes < MIN_CLIENT_MESSAGE_BYTES:
-            raise ConfigError(f"SessionOptions: max_nodes must be 1..254 (got {self.max_nodes}), "
+        if not 1 <= self.node_budget <= 254 or self.max_message_bytes < MIN_CLIENT_MESSAGE_BYTES:
+            raise ConfigError(f"SessionOptions: node_budget must be 1..254 (got {self.node_budget}), "
                               f"max_message_bytes >= {MIN_CLIENT_MESSAGE_BYTES} "
                               f"(got {self.max_message_bytes})")
-
-
-@dataclass
-class _Pending:
-    """The tree in flight (resent unchanged after a reconnect: the SLM holds its rows' KV)."""
-
-    round: int
-    tree: DraftTree
-    frame: TreeFrame
-    draft_ms: float
-    proactive_hit: bool | None = None
-    resumes: int = 0
-    prepared: Any = None  # ProactiveDraft for the next round
-    proactive_ms: float = 0.0
-    nbytes: int = 0  # the encoded frame's size
-    schema_epoch: int = -1  # the `session` frame whose schema hash this tree carried (-1: none)
 
 
 def _bad_verdict(msg: str) -> FrameError:
     return FrameError(msg, code="bad_verdict")
 
 
-class PhoneSession:
+class PhoneSession(SessionRecovery):
     """Per-session state: committed tokens, the root and its position, the hand-off state, the tree in flight.
 
     ``prompt_tokens`` are the prompt's ids as the server tokenizes them (chat template applied): the phone
@@ -162,7 +165,8 @@ class PhoneSession:
         self.position = len(self.prompt_tokens) - 1  # the root's position
         self.catch_up: tuple[int, ...] = ()
         self.x_hat: np.ndarray | None = None  # [2H] the MTP head's first input; None until the seed
-        self.budget = min(options.max_nodes, 32)
+        # drafted nodes per tree: None until the `session` frame grants them, then each verdict's grant
+        self.node_budget: int | None = None
         self.tokens: list[int] = []
         self.text_parts: list[str] = []
         self.stats: list[RoundStats] = []
@@ -171,7 +175,7 @@ class PhoneSession:
         self.resumes = 0
         self.failovers = 0  # sessions reopened on another server (reopen)
         self.need_seed = False  # the hand-off state broke: ask the server for a seed on resume
-        self._pending: _Pending | None = None
+        self._pending: PendingTree | None = None
         self._reopened_at = 0  # len(tokens) when the request was last (re)built
         self._prefilled = False
         self._prefill_context = self.prompt_tokens[:-1]  # committed tokens before the first root
@@ -193,8 +197,8 @@ class PhoneSession:
 
     def _hyco(self, resume: ResumeRequest | None) -> HycoOptions:
         o = self.options
-        caps = ClientCapabilities(max_nodes=o.max_nodes, labels=o.labels, handoff_schemas=(HANDOFF_SCHEMA_VERSION,),
-                                  max_message_bytes=o.max_message_bytes)
+        caps = ClientCapabilities(node_budget=o.node_budget, labels=o.labels,
+                                  handoff_schemas=(HANDOFF_SCHEMA_VERSION,), max_message_bytes=o.max_message_bytes)
         fp = o.fingerprint if o.fingerprint is not None else (self.spec.fingerprint if self.spec else None)
         return HycoOptions(o.mode, o.epsilon, caps, o.keep_set_hash, resume, fp)
 
@@ -211,7 +215,9 @@ class PhoneSession:
 
         Its schema must match the phone's model (``spec``: ``layout_mismatch``, ``scales_mismatch``,
         ``fingerprint_mismatch``); on a resume its session id and schema hash must be the ones held
-        (``bad_field_value``, ``schema_mismatch``). The next tree confirms the schema hash.
+        (``bad_field_value``, ``schema_mismatch``). The next tree confirms the schema hash. The frame's node
+        budget, clamped to the phone's own, is the first tree's (a finished session's frame grants 0: the
+        budget held stays).
         """
         resuming = self.resumable
         if resuming and ack.session_id != self.sid:
@@ -225,8 +231,8 @@ class PhoneSession:
                 f"agreed ({self.schema_hash.hex()}): the server changed its model; start a new session",
                 code="schema_mismatch")
         self.sid, self.schema, self.schema_hash = ack.session_id, ack.schema, ack.schema_hash
-        if ack.budget >= 1:
-            self.budget = min(ack.budget, self.options.max_nodes)
+        if ack.node_budget >= 1:
+            self.node_budget = grant_node_budget(ack.node_budget, self.options.node_budget)
         self._confirm_schema = True
         self._schema_epoch += 1
 
@@ -236,6 +242,9 @@ class PhoneSession:
             raise SessionError("the session is finished; no more trees", code="session_finished")
         if self._pending is not None:
             return self._outgoing(self._pending)
+        if self.node_budget is None:
+            raise SessionError("no node budget yet: the server's `session` frame grants it; apply the answer to "
+                               "`start` (apply_session) before drafting a tree", code="no_session_frame")
         if not self._prefilled:
             self._prefilled = True
             if hasattr(self.drafter, "prefill"):
@@ -245,7 +254,7 @@ class PhoneSession:
         if tree is None:
             ctx = DraftContext(root=self.root, catch_up=self.catch_up, x_hat=self.x_hat,
                                sampling=self.draft_sampling())
-            tree = self.drafter.propose(ctx, self._draft_budget())
+            tree = self.drafter.propose(ctx, self._draft_node_budget())
         self._check_tree(tree)
         # each prefix is the best tree of its size (the server may verify a prefix), and the tree sent is
         # the head of the granted size: with the learned order, the most valuable part of Algorithm 3's
@@ -253,7 +262,7 @@ class PhoneSession:
         learned = None
         if self.options.order == "learned":
             learned = self.acceptance.node_values(tree.parents, tree.sources)
-        tree = value_order(tree, learned).head(self.budget)
+        tree = value_order(tree, learned).head(self.node_budget)
         draft_ms = (time.perf_counter() - t0) * 1e3
         if not hit:
             self.catch_up = ()  # the drafter's forward committed them
@@ -262,7 +271,7 @@ class PhoneSession:
         values = node_values(tree) if self.options.values else None
         frame = TreeFrame.from_lists(self.round, **tree.wire_dict(labels=self.options.labels), values=values,
                                      draft_q=tree.draft_q_dict())
-        self._pending = _Pending(self.round, tree, frame, draft_ms, hit)
+        self._pending = PendingTree(self.round, tree, frame, draft_ms, hit)
         return self._outgoing(self._pending)
 
     def draft_sampling(self) -> DraftSampling | None:
@@ -280,7 +289,7 @@ class PhoneSession:
                              float(top_p) if top_p is not None else 1.0,
                              session_rng(r.get("seed"), self.failovers, self.round))
 
-    def _outgoing(self, p: _Pending) -> TreeFrame:
+    def _outgoing(self, p: PendingTree) -> TreeFrame:
         """The tree in flight as it goes out now: with the schema hash while the schema is unconfirmed."""
         frame = p.frame
         if self._confirm_schema and self.schema_hash is not None:
@@ -296,22 +305,22 @@ class PhoneSession:
         if prepared is None or not prepared.matches(*self._last_bet_key):
             return None, False
         tree = prepared.tree
-        budget = self._draft_budget()
-        return (trim(tree, budget) if tree.num_nodes > budget else tree), True
+        node_budget = self._draft_node_budget()
+        return (trim(tree, node_budget) if tree.num_nodes > node_budget else tree), True
 
-    def _draft_budget(self) -> int:
+    def _draft_node_budget(self) -> int:
         """The nodes the drafter builds: the granted budget with the score order (whose head of ``k`` nodes is
         Algorithm 3's tree of ``k``); the phone's own budget with the learned order, whose head is chosen
         from the whole tree."""
-        return self.options.max_nodes if self.options.order == "learned" else self.budget
+        return self.options.node_budget if self.options.order == "learned" else self.node_budget
 
     def _check_tree(self, tree: DraftTree) -> None:
         if not tree.tokens or tree.tokens[0] != self.root:
             raise SessionError(f"the drafter's tree is rooted at {tree.tokens[:1]}, expected the root "
                                f"{self.root}", code="bad_draft")
-        if tree.num_nodes > self._draft_budget():
+        if tree.num_nodes > self._draft_node_budget():
             raise SessionError(f"the drafter built {tree.num_nodes} nodes, over the budget it was given "
-                               f"{self._draft_budget()}", code="bad_draft")
+                               f"{self._draft_node_budget()}", code="bad_draft")
 
     def prepare_proactive(self) -> None:
         """Run the proactive drafter on the tree in flight (the client calls it while waiting)."""
@@ -366,7 +375,7 @@ class PhoneSession:
         if text and self.on_text is not None:
             self.on_text(text)
         stats = RoundStats(v.round, p.tree.num_nodes, len(v.path), len(v.tokens), p.draft_ms, wait_ms,
-                           p.nbytes, bytes_down, v.budget, text, p.resumes,
+                           p.nbytes, bytes_down, v.node_budget, text, p.resumes,
                            p.proactive_hit, p.proactive_ms)
         self.stats.append(stats)
         self._pending, self.held_round = None, v.round
@@ -385,7 +394,7 @@ class PhoneSession:
         self.catch_up = self.catch_up + tuple([self.root, *path_tokens][kept:])
         self.root, self.position = int(v.bonus), new_position
         self._learn(p.tree, v)
-        self.budget = min(v.budget, self.options.max_nodes)
+        self.node_budget = grant_node_budget(v.node_budget, self.options.node_budget)
         self._prepared, self._last_bet_key = p.prepared, (tuple(path_tokens), int(v.bonus))
         self._apply_handoff(handoff, new_position, v.bonus)
         return stats
@@ -398,7 +407,7 @@ class PhoneSession:
         tree alone, D2) is granted the cap whatever was verified: it is not counted."""
         if v.round == 0:
             return
-        n = min(tree.num_nodes, int(v.budget)) + 1
+        n = min(tree.num_nodes, int(v.node_budget)) + 1
         self.acceptance.observe(None, tree.parents[:n], tree.sources[:n], v.path)
 
     def _check_path(self, tree: DraftTree, v) -> list[int]:
@@ -429,93 +438,10 @@ class PhoneSession:
             self.x_hat = self.drafter.apply_handoff(h)
         self.need_seed = False
 
-    # -- failover: the server lost the session ------------------------------------------------------------
-    def can_reopen(self) -> bool:
-        """Whether :meth:`reopen` can continue this session on another server (not finished, and the
-        committed tokens leave some of ``max_tokens``)."""
-        limit = _max_tokens(self.request)
-        return not self.finished and (limit is None or limit > len(self.tokens) - self._reopened_at)
-
-    def reopen(self) -> None:
-        """Continue on another server: the next ``start`` opens a new session whose prompt is the prompt +
-        every committed token (token ids, a completions request; a chat session's ids already hold the
-        chat template), with ``max_tokens``/``min_tokens`` reduced by what was committed since the last
-        (re)open. The root and its position stay; the tree in flight is resent as round 0 of the new
-        session (its root is the new prompt's last token); verdict 0 brings a seed hand-off.
-
-        Greedy decoding continues exactly; a sampled session continues correctly distributed but not with
-        the server's original random stream, and a stop string split across the cut is not seen.
-        """
-        if not self.can_reopen():
-            raise SessionError("the session is finished; nothing to reopen", code="session_finished")
-        done = len(self.tokens) - self._reopened_at
-        body = {k: v for k, v in self.request.items()
-                if k not in ("messages", "prompt", "max_completion_tokens", "max_tokens", "min_tokens")}
-        body["prompt"] = self.prompt_tokens + self.tokens
-        limit = _max_tokens(self.request)
-        if limit is not None:
-            body["max_tokens"] = limit - done
-        if self.request.get("min_tokens"):
-            body["min_tokens"] = max(0, int(self.request["min_tokens"]) - done)
-        self.request, self.endpoint, self._reopened_at = body, "completions", len(self.tokens)
-        self.resumable, self.held_round, self.round, self.need_seed = False, -1, 0, False
-        self.sid = self.schema = self.schema_hash = None  # the new session's `session` frame brings them
-        self.failovers += 1
-        p = self._pending
-        if p is not None:
-            p.round, p.frame = 0, dataclasses.replace(p.frame, round=0)
-
-    # -- a phone that lost its state (app restart) -----------------------------------------------------------
-    def snapshot(self) -> dict:
-        """What an app persists to resume after losing its process: JSON-able, no drafter state."""
-        p = self._pending
-        return {"endpoint": self.endpoint, "request": self.request, "prompt_tokens": self.prompt_tokens,
-                "sid": self.sid if self.resumable else None, "held_round": self.held_round,
-                "schema_hash": None if self.schema_hash is None else self.schema_hash.hex(),
-                "tokens": list(self.tokens), "text": "".join(self.text_parts), "budget": self.budget,
-                "finish_reason": self.finish_reason, "reopened_at": self._reopened_at,
-                "pending": None if p is None else {"round": p.round, "tokens": list(p.tree.tokens),
-                                                   "parents": list(p.tree.parents),
-                                                   "draft_q": None if p.frame.draft_q is None
-                                                   else p.frame.draft_q.records()}}
-
-    @classmethod
-    def restore(cls, drafter: Drafter, snap: dict, **kw) -> PhoneSession:
-        """A session rebuilt from ``snapshot()`` with a fresh ``drafter``: the SLM is prefilled with every
-        committed token before the root, and the resume asks for a seed (the MTP ring is empty).
-
-        ``kw``: ``spec``, ``options``, ``on_text`` as for the constructor."""
-        s = cls(drafter, prompt_tokens=snap["prompt_tokens"], request=snap["request"],
-                endpoint=snap["endpoint"], **kw)
-        s.sid, s.resumable = snap["sid"], snap["sid"] is not None
-        if snap.get("schema_hash") is not None:  # the resume's `session` frame must state the same schema
-            s.schema_hash = bytes.fromhex(snap["schema_hash"])
-        s.held_round, s.round, s.budget = snap["held_round"], snap["held_round"] + 1, snap["budget"]
-        s.tokens, s.text_parts, s.finish_reason = list(snap["tokens"]), [snap["text"]], snap["finish_reason"]
-        s._reopened_at = snap.get("reopened_at", 0)
-        context = s.prompt_tokens + s.tokens
-        s.root, s.position = context[-1], len(context) - 1
-        s._prefill_context, s.need_seed = context[:-1], s.sid is not None
-        s._prefilled = True
-        if hasattr(drafter, "prefill"):  # now, so a replayed verdict finds the SLM ring at the root
-            drafter.prefill(s._prefill_context)
-        if snap["pending"] is not None:  # resent as it was; the SLM never computed its rows (catch-up)
-            pend = snap["pending"]
-            tree = DraftTree.make_dummy(pend["tokens"], pend["parents"], budget=s.budget)
-            q = {int(r): (ids, w) for r, ids, w in pend.get("draft_q") or ()} or None
-            frame = TreeFrame.from_lists(pend["round"], **tree.wire_dict(labels=s.options.labels), draft_q=q)
-            s._pending = _Pending(pend["round"], tree, frame, 0.0, nbytes=len(encode_frame(frame)))
-        return s
-
     # -- the end -----------------------------------------------------------------------------------------
     def result(self) -> SessionResult:
         return SessionResult("".join(self.text_parts), list(self.tokens), self.finish_reason,
                              list(self.stats), self.resumes, self.final)
-
-
-def _max_tokens(request: dict) -> int | None:
-    value = request.get("max_completion_tokens", request.get("max_tokens"))
-    return None if value is None else int(value)
 
 
 def node_values(tree: DraftTree) -> list[int]:

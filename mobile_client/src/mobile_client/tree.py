@@ -22,7 +22,9 @@ below its parent, so the B best nodes are closed under ancestors.
 
 ``build_tree`` is the pure function of issue 7; ``build_draft_tree`` returns the richer ``DraftTree``;
 ``plant_tree`` + ``frontier_plan`` + ``grow_tree`` are the two-phase form a real SLM drafter drives (the
-plan says which rows its one forward computes, catch-up rows included). No vLLM here; torch is optional.
+plan says which rows its one forward computes, catch-up rows included). The SLM-children step itself (top-k
+candidates, theta, insertion) is ``mobile_client.candidates``. ``node_budget`` is B: drafted nodes, root
+excluded. No vLLM here; torch is optional.
 
 Sampled drafts (``mobile_client.drafters.sampling``): ``plant_tree(..., chain_q=...)`` keeps the
 (ids, weights) each chain token was drawn from on its row (``DraftTree.draft_q``); growing, ``trim`` and
@@ -32,21 +34,20 @@ Sampled drafts (``mobile_client.drafters.sampling``): ``plant_tree(..., chain_q=
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
+from mobile_client.candidates import candidate_rows, expand, logprob_rows
 from vllm_hyco.errors import TreeBuildError, TreeValidationError
 from vllm_hyco.handoff import tree_contract
 from vllm_hyco.handoff.tree_contract import DEFAULT_NODE_BUDGET, NodeLabel, PaddedTree
 
 LAMBDA = 0.66  # per-edge acceptance factor (paper §3.1)
 TOPK = 32  # SLM candidates per frontier row
-_LOGQ_SLACK = 1e-3  # a log-probability above this is not one (logits passed by mistake)
 DraftQRow = tuple[tuple[int, ...], tuple[int, ...]]  # (full-vocabulary ids, uint16 weights): q = w / sum(w)
-
-
 
 
 @dataclass(frozen=True)
@@ -62,13 +63,13 @@ class DraftTree:
     parents: tuple[int, ...]  # [n + 1], parents[0] == -1, parents[i] < i
     scores: tuple[float, ...]  # [n + 1], float64 log-scores, scores[0] == 0
     sources: tuple[int, ...]  # [n + 1], NodeLabel values (the wire's per-node labels)
-    budget: int = DEFAULT_NODE_BUDGET  # the node budget this tree was built for (pads to budget + 1 rows)
+    node_budget: int = DEFAULT_NODE_BUDGET  # the node budget this tree was built for (pads to node_budget + 1 rows)
     # [n + 1] per row: the (ids, weights) a sampled chain node was drawn from, else None; None: no such row
     draft_q: tuple[DraftQRow | None, ...] | None = None
 
     @classmethod
     def make_dummy(cls, tokens: Sequence[int], parents: Sequence[int],
-                   budget: int = DEFAULT_NODE_BUDGET) -> DraftTree:
+                   node_budget: int = DEFAULT_NODE_BUDGET) -> DraftTree:
         """A tree from plain lists (scores: one ``ln LAMBDA`` per edge; sources: CHAIN)."""
         a = math.log(LAMBDA)
         scores = [0.0]
@@ -76,7 +77,7 @@ class DraftTree:
             scores.append(scores[p] + a)
         sources = [NodeLabel.ROOT] + [NodeLabel.CHAIN] * (len(tokens) - 1)
         return cls(tuple(int(t) for t in tokens), tuple(int(p) for p in parents), tuple(scores),
-                   tuple(int(s) for s in sources), budget)
+                   tuple(int(s) for s in sources), node_budget)
 
     @property
     def num_nodes(self) -> int:
@@ -123,7 +124,7 @@ class DraftTree:
         """The tree of ``rows`` (ancestors first), each row's fields carried, with the given ``parents``."""
         q = None if self.draft_q is None else tuple(self.draft_q[r] for r in rows)
         return DraftTree(tuple(self.tokens[r] for r in rows), parents, tuple(self.scores[r] for r in rows),
-                         tuple(self.sources[r] for r in rows), self.budget,
+                         tuple(self.sources[r] for r in rows), self.node_budget,
                          q if q is not None and any(x is not None for x in q) else None)
 
     def head(self, k: int) -> DraftTree:
@@ -139,9 +140,9 @@ class DraftTree:
         return self._rows(range(k + 1), self.parents[:k + 1])
 
     def padded(self, rows: int | None = None) -> PaddedTree:
-        """The static form (the tree contract's ``pad_tree``): ``rows`` (default budget + 1) rows, the last
+        """The static form (the tree contract's ``pad_tree``): ``rows`` (default node_budget + 1) rows, the last
         real row repeated; ``.ancestor_matrix()`` gives the [rows, rows] attention mask."""
-        rows = self.budget + 1 if rows is None else rows
+        rows = self.node_budget + 1 if rows is None else rows
         try:
             return tree_contract.pad_tree(self.tokens, self.parents, rows)
         except TreeValidationError as e:
@@ -220,10 +221,10 @@ class _Nodes:
         self.kids[parent].add(token)
         return len(self.tokens) - 1
 
-    def freeze(self, budget: int) -> DraftTree:
+    def freeze(self, node_budget: int) -> DraftTree:
         q = tuple(self.q) if any(x is not None for x in self.q) else None
         return DraftTree(tuple(self.tokens), tuple(self.parents), tuple(self.scores), tuple(self.sources),
-                         budget, q)
+                         node_budget, q)
 
 
 def _log_lambda(lam: float) -> float:
@@ -239,7 +240,7 @@ def _check_token(t: Any, what: str) -> int:
 
 
 def plant_tree(root: int, chain: Sequence[int], runner_ups: Sequence[int], *, lam: float = LAMBDA,
-               budget: int = DEFAULT_NODE_BUDGET, chain_q: Sequence[DraftQRow] | None = None) -> DraftTree:
+               node_budget: int = DEFAULT_NODE_BUDGET, chain_q: Sequence[DraftQRow] | None = None) -> DraftTree:
     """Algorithm 3 lines 2-6: the root, the MTP chain and its runner-up siblings, with their scores.
     ``chain_q`` (sampled drafts): the (ids, weights) each chain token was drawn from, kept on its row."""
     a = _log_lambda(lam)
@@ -247,7 +248,7 @@ def plant_tree(root: int, chain: Sequence[int], runner_ups: Sequence[int], *, la
         raise TreeBuildError(f"{len(runner_ups)} runner-ups for a chain of {len(chain)}: need D <= K")
     if chain_q is not None and len(chain_q) != len(chain):
         raise TreeBuildError(f"{len(chain_q)} draft distributions for a chain of {len(chain)}")
-    nodes = _Nodes(DraftTree((_check_token(root, "root"),), (-1,), (0.0,), (int(NodeLabel.ROOT),), budget))
+    nodes = _Nodes(DraftTree((_check_token(root, "root"),), (-1,), (0.0,), (int(NodeLabel.ROOT),), node_budget))
     u = [0]
     for k, y in enumerate(chain):
         q = None if chain_q is None else (tuple(map(int, chain_q[k][0])), tuple(map(int, chain_q[k][1])))
@@ -256,7 +257,7 @@ def plant_tree(root: int, chain: Sequence[int], runner_ups: Sequence[int], *, la
     for k, y2 in enumerate(runner_ups, start=1):
         if _check_token(y2, "runner-up") != int(chain[k - 1]):
             nodes.add(u[k - 1], int(y2), nodes.scores[u[k - 1]] + 2 * a, NodeLabel.RUNNER_UP)
-    return nodes.freeze(budget)
+    return nodes.freeze(node_budget)
 
 
 def frontier_order(scores: Sequence[float], rows: Sequence[int]) -> list[int]:
@@ -272,109 +273,13 @@ def frontier_plan(tree: DraftTree, rows: Sequence[int] | None = None,
     return FrontierPlan(tuple(int(t) for t in catch_up), tuple(order), tree.tokens, tree.parents)
 
 
-def _topk_rows(lp: Any, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """The k largest entries of each row, descending: (values float64 [R, k], cols int64 [R, k])."""
-    if type(lp).__module__.startswith("torch"):
-        vals, cols = lp.detach().topk(k, dim=1)
-        return vals.double().cpu().numpy(), cols.cpu().numpy()
-    lp = np.asarray(lp)
-    V = lp.shape[1]
-    cols = np.argpartition(lp, V - k, axis=1)[:, V - k:]  # [R, k] unordered
-    vals = np.take_along_axis(lp, cols, axis=1).astype(np.float64)
-    order = np.argsort(-vals, axis=1, kind="stable")
-    return np.take_along_axis(vals, order, axis=1), np.take_along_axis(cols, order, axis=1).astype(np.int64)
 
 
-def _row_exact(row: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Slow path for one row whose k-th and (k+1)-th values tie: the k best, ties to the lower column."""
-    row = np.asarray(row, dtype=np.float64)
-    thr = np.partition(row, row.size - k)[row.size - k]
-    cols = np.nonzero(row >= thr)[0] if thr > -math.inf else np.nonzero(row > -math.inf)[0]
-    cols = cols[np.lexsort((cols, -row[cols]))][:k]
-    return row[cols], cols.astype(np.int64)
-
-
-def _checked_ids(ids: Any, v: int) -> np.ndarray:
-    ids = np.asarray(ids, dtype=np.int64)
-    if ids.shape != (v,) or (v > 1 and not bool(np.all(ids[1:] > ids[:-1]))):
-        raise TreeBuildError(f"keep_ids must be {v} strictly increasing full-vocabulary ids, one per "
-                             f"column, got shape {ids.shape}")
-    return ids
-
-
-def top_candidates(lp: Any, k: int, ids: Any = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Each row's k most likely tokens, ties to the lower token id (D5); -inf entries are never proposed.
-
-    ``lp``: [R, V] log q (torch tensor or numpy array); ``ids``: [V] keep-set -> full-vocabulary id map
-    (sorted ascending), or None for the full vocabulary. Returns flat arrays ``(row, token, logq)``,
-    sorted by (row, -logq, token).
-
-    >>> r, t, q = top_candidates(np.log(np.array([[0.5, 0.25, 0.25]])), 2)
-    >>> r.tolist(), t.tolist()
-    ([0, 0], [0, 1])
-    """
-    R, V = lp.shape
-    k = min(k, V)
-    if R == 0 or k <= 0:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.float64)
-    vals, cols = _topk_rows(lp, min(k + 1, V))  # [R, k(+1)]
-    if np.isnan(vals).any():
-        raise TreeBuildError("SLM log-probabilities contain NaN")
-    if k < V:
-        ties = np.nonzero(vals[:, k] == vals[:, k - 1])[0]
-        vals, cols = vals[:, :k].copy(), cols[:, :k].copy()
-        for r in ties.tolist():
-            rv, rc = _row_exact(lp[r].detach().double().cpu().numpy() if hasattr(lp, "detach") else lp[r], k)
-            vals[r, :] = -math.inf
-            vals[r, : rv.size], cols[r, : rc.size] = rv, rc
-    if vals.max(initial=-math.inf) > _LOGQ_SLACK:
-        raise TreeBuildError(
-            f"SLM rows must be log-probabilities (log_softmax), got a value {vals.max():.3g} > 0")
-    rows = np.repeat(np.arange(R, dtype=np.int64), k)
-    vals, cols = vals.reshape(-1), cols.reshape(-1)
-    tokens = cols if ids is None else _checked_ids(ids, V)[cols]
-    finite = vals > -math.inf
-    rows, tokens, vals = rows[finite], tokens[finite], vals[finite]
-    order = np.lexsort((tokens, -vals, rows))
-    return rows[order], tokens[order], vals[order]
-
-
-def _bth_highest(scores: np.ndarray, b: int) -> float:
-    """theta of Algorithm 3 line 14: the b-th highest score, -inf when fewer than b (inf when b == 0)."""
-    if b <= 0:
-        return math.inf
-    if scores.size < b:
-        return -math.inf
-    return float(np.partition(scores, scores.size - b)[scores.size - b])
-
-
-def _expand(nodes: _Nodes, rows: Sequence[int], lp: Any, ids: Any, *, topk: int, budget: int,
-            a: float, lp_rows: Sequence[int] | None = None) -> list[int]:
-    """Algorithm 3 lines 9-14 for one SLM pass: candidates under ``rows`` (F order), threshold, insert.
-
-    ``lp`` row i belongs to frontier position i, or, with ``lp_rows`` (a permutation), frontier position
-    i's log q is ``lp[lp_rows[i]]`` (saves copying a [R, V] matrix into F order). Returns inserted rows."""
-    prow, tok, q = top_candidates(lp, topk, ids)
-    if lp_rows is not None:
-        pos = np.empty(len(lp_rows), dtype=np.int64)  # [R] lp row -> frontier position
-        pos[np.asarray(lp_rows, dtype=np.int64)] = np.arange(len(lp_rows))
-        prow = pos[prow]
-        order = np.lexsort((tok, -q, prow))
-        prow, tok, q = prow[order], tok[order], q[order]
-    parent = np.asarray(rows, dtype=np.int64)[prow]
-    score = (np.asarray(nodes.scores, dtype=np.float64)[parent] + q) + a  # [n_cand] float64
-    fresh = np.array([t not in nodes.kids[p] for p, t in zip(parent.tolist(), tok.tolist())], dtype=bool)
-    parent, tok, score = parent[fresh], tok[fresh], score[fresh]
-    theta = _bth_highest(np.concatenate([np.asarray(nodes.scores[1:], dtype=np.float64), score]), budget)
-    sel = np.nonzero(score >= theta)[0]
-    return [nodes.add(int(parent[i]), int(tok[i]), float(score[i]), NodeLabel.SLM) for i in sel.tolist()]
-
-
-def trim(tree: DraftTree, budget: int) -> DraftTree:
-    """Algorithm 3 lines 16-17: the ``budget`` best nodes (ties to the earlier row) and their ancestors,
+def trim(tree: DraftTree, node_budget: int) -> DraftTree:
+    """Algorithm 3 lines 16-17: the ``node_budget`` best nodes (ties to the earlier row) and their ancestors,
     in insertion order, parents re-indexed."""
     n = len(tree.tokens)
-    order = sorted(range(1, n), key=lambda r: (-tree.scores[r], r))[: max(budget, 0)]
+    order = sorted(range(1, n), key=lambda r: (-tree.scores[r], r))[: max(node_budget, 0)]
     keep = {0}
     for r in order:
         while r not in keep:
@@ -408,10 +313,9 @@ def value_order(tree: DraftTree, values: Sequence[float] | None = None) -> Draft
     """
     if values is not None and len(values) != len(tree.tokens):
         raise TreeBuildError(f"value_order: {len(values)} values for a tree of {len(tree.tokens)} rows")
-    if values is None:
-        key = lambda r: (-tree.scores[r], r)  # noqa: E731
-    else:
-        key = lambda r: (-float(values[r]), -tree.scores[r], r)  # noqa: E731
+    def key(r: int) -> tuple:  # by value (when given), then by score, then by row
+        return (-tree.scores[r], r) if values is None else (-float(values[r]), -tree.scores[r], r)
+
     order = [0] + sorted(range(1, len(tree.tokens)), key=key)
     new_row = {r: i for i, r in enumerate(order)}
     parents = tuple(-1 if r == 0 else new_row[tree.parents[r]] for r in order)
@@ -420,41 +324,26 @@ def value_order(tree: DraftTree, values: Sequence[float] | None = None) -> Draft
     return tree._rows(order, parents)
 
 
-def _logprob_rows(out: Any) -> tuple[Any, Any]:
-    """Accept a bare [rows, V] tensor/array or an object with ``.logprobs`` (and optional ``.ids``)."""
-    if hasattr(out, "logprobs"):
-        return out.logprobs, getattr(out, "ids", None)
-    return out, None
 
 
-def _candidate_rows(plan: FrontierPlan, lp: Any) -> Any:
-    """The tree-row part of an SLM output: all forward rows (catch-up first) or just the tree rows."""
-    if lp.shape[0] == plan.num_rows:
-        return lp[len(plan.catch_up):]
-    if lp.shape[0] == len(plan.rows):
-        return lp
-    raise TreeBuildError(f"SLM output has {lp.shape[0]} rows; the plan has {len(plan.catch_up)} catch-up and "
-                         f"{len(plan.rows)} tree rows")
-
-
-def _grow(planted: DraftTree, plan: FrontierPlan, lp: Any, ids: Any, *, budget: int | None, topk: int,
+def _grow(planted: DraftTree, plan: FrontierPlan, lp: Any, ids: Any, *, node_budget: int | None, topk: int,
           lam: float, second_pass: Callable[[FrontierPlan], Any] | None,
           lp_rows: Sequence[int] | None = None) -> DraftTree:
-    budget = planted.budget if budget is None else budget
-    if budget < 0:
-        raise TreeBuildError(f"budget must be >= 0, got {budget}")
+    node_budget = planted.node_budget if node_budget is None else node_budget
+    if node_budget < 0:
+        raise TreeBuildError(f"node_budget must be >= 0, got {node_budget}")
     a = _log_lambda(lam)
     nodes = _Nodes(planted)
-    added = _expand(nodes, plan.rows, lp, ids, topk=topk, budget=budget, a=a, lp_rows=lp_rows)
+    added = expand(nodes, plan.rows, lp, ids, topk=topk, node_budget=node_budget, a=a, lp_rows=lp_rows)
     if second_pass is not None and added:
-        plan2 = frontier_plan(nodes.freeze(budget), added)
-        lp2, ids2 = _logprob_rows(second_pass(plan2))
-        _expand(nodes, plan2.rows, _candidate_rows(plan2, lp2), ids if ids2 is None else ids2,
-                topk=topk, budget=budget, a=a)
-    return trim(nodes.freeze(budget), budget)
+        plan2 = frontier_plan(nodes.freeze(node_budget), added)
+        lp2, ids2 = logprob_rows(second_pass(plan2))
+        expand(nodes, plan2.rows, candidate_rows(plan2, lp2), ids if ids2 is None else ids2,
+               topk=topk, node_budget=node_budget, a=a)
+    return trim(nodes.freeze(node_budget), node_budget)
 
 
-def grow_tree(planted: DraftTree, plan: FrontierPlan, slm_logprobs: Any, *, budget: int | None = None,
+def grow_tree(planted: DraftTree, plan: FrontierPlan, slm_logprobs: Any, *, node_budget: int | None = None,
               topk: int = TOPK, lam: float = LAMBDA, keep_ids: Any = None,
               second_pass: Callable[[FrontierPlan], Any] | None = None) -> DraftTree:
     """Algorithm 3 lines 9-17 on a planted tree, given the SLM output for ``plan`` (forward-row order).
@@ -464,13 +353,13 @@ def grow_tree(planted: DraftTree, plan: FrontierPlan, slm_logprobs: Any, *, budg
     ``second_pass`` (HyCo-2P, line 15) runs the SLM over a new plan whose rows are the nodes the first
     pass added and returns their log q the same way.
     """
-    lp, ids = _logprob_rows(slm_logprobs)
-    return _grow(planted, plan, _candidate_rows(plan, lp), keep_ids if ids is None else ids, budget=budget,
-                 topk=topk, lam=lam, second_pass=second_pass)
+    lp, ids = logprob_rows(slm_logprobs)
+    return _grow(planted, plan, candidate_rows(plan, lp), keep_ids if ids is None else ids,
+                 node_budget=node_budget, topk=topk, lam=lam, second_pass=second_pass)
 
 
 def build_draft_tree(root: int, chain: Sequence[int], runner_ups: Sequence[int], slm_logprobs: Any, *,
-                     budget: int = DEFAULT_NODE_BUDGET, lam: float = LAMBDA, topk: int = TOPK,
+                     node_budget: int = DEFAULT_NODE_BUDGET, lam: float = LAMBDA, topk: int = TOPK,
                      keep_ids: Any = None,
                      second_pass: Callable[[FrontierPlan], Any] | None = None) -> DraftTree:
     """``build_tree`` returning the whole ``DraftTree`` (scores, sources, padding, masks).
@@ -478,19 +367,19 @@ def build_draft_tree(root: int, chain: Sequence[int], runner_ups: Sequence[int],
     ``slm_logprobs``: [R, V] log q of the planted rows in insertion order (root, chain tokens, then each
     planted runner-up), R = 1 + K + #planted runner-ups; over the keep set when ``keep_ids`` is given.
     """
-    planted = plant_tree(root, chain, runner_ups, lam=lam, budget=budget)
-    lp, ids = _logprob_rows(slm_logprobs)
+    planted = plant_tree(root, chain, runner_ups, lam=lam, node_budget=node_budget)
+    lp, ids = logprob_rows(slm_logprobs)
     if lp.shape[0] != len(planted.tokens):
         raise TreeBuildError(
             f"slm_logprobs has {lp.shape[0]} rows; expected {len(planted.tokens)} (root, {len(chain)} chain "
             f"tokens, {len(planted.tokens) - 1 - len(chain)} planted runner-ups, in insertion order)")
     plan = frontier_plan(planted)
-    return _grow(planted, plan, lp, keep_ids if ids is None else ids, budget=budget, topk=topk, lam=lam,
-                 second_pass=second_pass, lp_rows=plan.rows)
+    return _grow(planted, plan, lp, keep_ids if ids is None else ids, node_budget=node_budget, topk=topk,
+                 lam=lam, second_pass=second_pass, lp_rows=plan.rows)
 
 
 def build_tree(root: int, chain: Sequence[int], runner_ups: Sequence[int], slm_logprobs: Any, *,
-               budget: int = DEFAULT_NODE_BUDGET, lam: float = LAMBDA,
+               node_budget: int = DEFAULT_NODE_BUDGET, lam: float = LAMBDA,
                topk: int = TOPK) -> tuple[list[int], list[int]]:
     """Algorithm 3 (issue 7 item 1): the kept rows' ``(tokens, parents)`` in insertion order, unpadded.
 
@@ -498,8 +387,8 @@ def build_tree(root: int, chain: Sequence[int], runner_ups: Sequence[int], slm_l
 
     >>> import math
     >>> lp = np.full((2, 4), math.log(0.25))
-    >>> build_tree(5, [1], [], lp, budget=3)
+    >>> build_tree(5, [1], [], lp, node_budget=3)
     ([5, 1, 0, 2], [-1, 0, 0, 0])
     """
-    tree = build_draft_tree(root, chain, runner_ups, slm_logprobs, budget=budget, lam=lam, topk=topk)
+    tree = build_draft_tree(root, chain, runner_ups, slm_logprobs, node_budget=node_budget, lam=lam, topk=topk)
     return tree.to_wire()

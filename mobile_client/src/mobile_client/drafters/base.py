@@ -10,7 +10,8 @@ Three roles (structural ``Protocol``s: implement the methods, no base class need
   ``FrontierPlan`` (catch-up rows first, then tree rows in frontier order, each attending to the committed
   window plus ``plan.attend_mask()``) and returns log q for every forward row, over the keep set.
   After the call it holds KV for the catch-up rows (committed) and for the tree rows (until the verdict).
-* ``Drafter``: ``propose(context, tree_budget) -> DraftTree``, what the phone loop calls each round.
+* ``Drafter``: ``propose(context, node_budget) -> DraftTree``, what the phone loop calls each round: a tree
+  of at most ``node_budget`` drafted nodes (root excluded) rooted at ``context.root``.
 
 ``HybridDrafter`` (HyCo, HyCo-2P, and the SLM-only first round of docs/decisions.md D2) and
 ``SpecEdgeDrafter`` (the SpecEdge-style baseline) implement ``Drafter`` on top of the other two.
@@ -20,14 +21,15 @@ Three roles (structural ``Protocol``s: implement the methods, no base class need
 ...     keep_ids = np.array([3, 5, 8, 13])
 ...     def forward_rows(self, plan):
 ...         return RowLogprobs(np.full((plan.num_rows, 4), np.log(0.25)), self.keep_ids)
->>> HybridDrafter(None, Uniform()).propose(DraftContext(root=1), tree_budget=2).to_wire()
+>>> HybridDrafter(None, Uniform()).propose(DraftContext(root=1), node_budget=2).to_wire()
 ([1, 3, 5], [-1, 0, 0])
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -79,7 +81,7 @@ class RowDrafter(Protocol):
 
 @runtime_checkable
 class Drafter(Protocol):
-    def propose(self, context: DraftContext, tree_budget: int) -> DraftTree: ...
+    def propose(self, context: DraftContext, node_budget: int) -> DraftTree: ...
 
 
 class HybridDrafter:
@@ -94,7 +96,7 @@ class HybridDrafter:
         self.lam, self.topk, self.two_pass = lam, topk, two_pass
         self.last_chain: ChainDraft | None = None
 
-    def propose(self, context: DraftContext, tree_budget: int) -> DraftTree:
+    def propose(self, context: DraftContext, node_budget: int) -> DraftTree:
         chain: Sequence[int] = ()
         runner_ups: Sequence[int] = ()
         chain_q = None
@@ -107,7 +109,7 @@ class HybridDrafter:
             chain_q = getattr(d, "chain_q", None)
         self.last_chain = ChainDraft(tuple(chain), tuple(runner_ups),
                                      None if chain_q is None else tuple(chain_q))
-        planted = plant_tree(context.root, chain, runner_ups, lam=self.lam, budget=tree_budget,
+        planted = plant_tree(context.root, chain, runner_ups, lam=self.lam, node_budget=node_budget,
                              chain_q=chain_q)
         plan = frontier_plan(planted, catch_up=context.catch_up)
         out = self.row_drafter.forward_rows(plan)
@@ -116,12 +118,13 @@ class HybridDrafter:
 
 
 class SpecEdgeDrafter:
-    """The SpecEdge-style baseline: the SLM alone, ``passes`` sequential forwards, ``tree_budget`` nodes."""
+    """The SpecEdge-style baseline: the SLM alone, ``passes`` sequential forwards, ``node_budget`` nodes."""
 
     def __init__(self, row_drafter: RowDrafter, *, passes: int = PASSES, **grower_kw: Any):
         self.row_drafter, self.passes, self.grower_kw = row_drafter, passes, grower_kw
 
-    def propose(self, context: DraftContext, tree_budget: int) -> DraftTree:
-        grower = SpecEdgeGrower(context.root, budget=tree_budget, catch_up=context.catch_up, **self.grower_kw)
+    def propose(self, context: DraftContext, node_budget: int) -> DraftTree:
+        grower = SpecEdgeGrower(context.root, node_budget=node_budget, catch_up=context.catch_up,
+                                **self.grower_kw)
         grower.grow(self.row_drafter.forward_rows, self.passes)
         return grower.result()

@@ -23,8 +23,8 @@ torch.Size([100, 64])
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -165,7 +165,7 @@ class EmbedLut:
         self.table, self.scale = table, scale
 
     @classmethod
-    def from_embedding(cls, embed: torch.Tensor, keep_ids: Sequence[int], bits: int | None = 8) -> "EmbedLut":
+    def from_embedding(cls, embed: torch.Tensor, keep_ids: Sequence[int], bits: int | None = 8) -> EmbedLut:
         """``embed`` [vocab, H] is the verifier's ``embed_tokens`` weight; ``bits=None`` keeps floats
         (the float reference)."""
         rows = embed[torch.as_tensor(list(keep_ids), dtype=torch.long)].float() * math.sqrt(embed.shape[1])

@@ -24,7 +24,7 @@ Keys enter the ring rotated, so a column keeps its absolute position wherever it
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -162,7 +162,7 @@ class SlmStep(nn.Module):
     @classmethod
     def from_hf_state_dict(
         cls, spec: SlmSpec, sd: dict[str, torch.Tensor], keep_ids: Sequence[int]
-    ) -> "SlmStep":
+    ) -> SlmStep:
         step = cls(spec, len(keep_ids))
         sub = {k: sd["model." + k] for k in step.state_dict() if "model." + k in sd}
         sub["lm_head.weight"] = keep_lm_head(sd, keep_ids)

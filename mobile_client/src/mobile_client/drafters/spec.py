@@ -81,7 +81,7 @@ class MtpSpec:
         return self.attn[kind].head_dim
 
     @classmethod
-    def from_hf_config(cls, cfg: dict) -> "MtpSpec":
+    def from_hf_config(cls, cfg: dict) -> MtpSpec:
         """From a ``gemma4_assistant`` config.json dict (its ``text_config`` holds the layer shapes)."""
         text = cfg.get("text_config", cfg)
         return cls(
@@ -156,7 +156,7 @@ class SlmSpec:
         return self.intermediate * (2 if wide else 1)
 
     @classmethod
-    def from_hf_config(cls, cfg: dict) -> "SlmSpec":
+    def from_hf_config(cls, cfg: dict) -> SlmSpec:
         text = cfg.get("text_config", cfg)
         return cls(
             hidden=text["hidden_size"],
@@ -231,8 +231,8 @@ def toy_slm_spec(**overrides) -> SlmSpec:
 
 
 def e2b_slm_spec(num_layers: int = 35) -> SlmSpec:
-    """Gemma-4 E2B shapes (docs/phone-build.md, "Gemma-4 E2B shapes"): hidden 1,536, 8 heads, 1 KV head, head dim 256/512,
-    window 512, 4:1 sliding:full, 20 KV-shared layers, PLE 256, MLP 6,144 (double wide when shared).
+    """Gemma-4 E2B shapes (docs/phone-build.md, "Gemma-4 E2B shapes"): hidden 1,536, 8 heads, 1 KV head, head
+    dim 256/512, window 512, 4:1 sliding:full, 20 KV-shared layers, PLE 256, MLP 6,144 (double wide when shared).
     ``num_layers`` < 35 keeps the same pattern and widths with fewer layers (op coverage only)."""
     types = tuple(FULL if (i + 1) % 5 == 0 else SLIDING for i in range(35))[:num_layers]
     types = types[:-1] + (FULL,)

@@ -20,7 +20,7 @@ def mtp_feeds(
     rng = np.random.default_rng(seed)
     drafter = MtpDrafter(spec, keep_ids, lut, torch_step(head), window=window)
     out = []
-    for i in range(n):
+    for _ in range(n):
         t = int(rng.integers(1, int(1.5 * window) + 1))
         rows = {
             kind: (

@@ -13,6 +13,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+
 import numpy as np
 import torch
 import torch.nn as nn

@@ -10,7 +10,7 @@ verifier's last sliding and last full-attention layers, turned into step feeds b
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch

@@ -94,8 +94,9 @@ def main() -> None:
     print(f"bench_acceptance ({env['label']}, torch {env.get('torch')}, {env.get('torch_threads')} threads)")
     print_table(rows, ["sampling", "batch", "rows", "mode", "matmul_ms", "verify_ms", "p_tilde_ms", "ratio",
                        "mean_accepted"])
-    path = write_json("bench_acceptance", {"env": env, "hidden": HIDDEN, "vocab": VOCAB,
-                                           "sampling": {k: SPECS[k].__dict__ for k in args.sampling}, "rows": rows}, args.out)
+    sampling = {k: SPECS[k].__dict__ for k in args.sampling}
+    path = write_json("bench_acceptance", {"env": env, "hidden": HIDDEN, "vocab": VOCAB, "sampling": sampling,
+                                           "rows": rows}, args.out)
     print(f"wrote {path}")
 
 

@@ -80,8 +80,8 @@ def main(argv=None) -> int:
 
     from vllm import LLM
 
-    from vllm_hyco.vllm_adapter.api_server.inprocess import HycoEngine
     from hyco_lab.fixtures import ensure_fixtures
+    from vllm_hyco.vllm_adapter.api_server.inprocess import HycoEngine
 
     cache = Path(os.environ.get("HYCO_CACHE", Path(__file__).resolve().parents[1] / ".cache"))
     verifier = ensure_fixtures(cache, fp32=True, window=128, seed=0, progress=False).verifier

@@ -39,15 +39,16 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(Path(__file__).resolve().parent)]
 
-from harness import env_info, write_json
-from tree_reference import decide_one_tree
+# Imported after the sys.path setup above (the repo root, tests/ and benchmarks/ as import roots).
+from harness import env_info, write_json  # noqa: E402
+from tree_reference import decide_one_tree  # noqa: E402
 
-from vllm_hyco.handoff.quant import quantize
-from vllm_hyco.vllm_adapter.worker import handoff_step, tree_step
-from vllm_hyco.vllm_adapter.worker.kv_view import BlockMajorKVView
-from vllm_hyco.vllm_adapter.worker.layers import KVLayers
-from vllm_hyco.vllm_adapter.worker.state import RunnerState
-from vllm_hyco.vllm_adapter.worker.tree_plan import TreeRows
+from vllm_hyco.handoff.quant import quantize  # noqa: E402
+from vllm_hyco.vllm_adapter.worker import handoff_step, tree_step  # noqa: E402
+from vllm_hyco.vllm_adapter.worker.kv_view import BlockMajorKVView  # noqa: E402
+from vllm_hyco.vllm_adapter.worker.layers import KVLayers  # noqa: E402
+from vllm_hyco.vllm_adapter.worker.state import RunnerState  # noqa: E402
+from vllm_hyco.vllm_adapter.worker.tree_plan import TreeRows  # noqa: E402
 
 METHODS = ("cpu", "tolist", "numpy", "item")
 BLOCK = 16
@@ -127,6 +128,7 @@ def build_step(args, dev, sampled: bool):
     embed = torch.randn(64, hidden, generator=gen).to(dev)
     runner = SimpleNamespace(
         requests=requests, hyco=state, device=dev,
+        vllm_config=SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1)),  # one TP rank
         kv_cache_config=SimpleNamespace(kv_cache_groups=[SimpleNamespace(layer_names=[k]) for k in kinds]),
         compilation_config=SimpleNamespace(static_forward_context=layers),
         input_batch=SimpleNamespace(block_table=tables),
@@ -152,7 +154,7 @@ def step_before(s, gens):
         path = dec["path_rows"]
         moves = [(i + 1, r) for i, r in enumerate(path) if r != i + 1]
         rows = torch.tensor([0] + path)
-        for k, (hkv, dim) in s.kinds.items():
+        for k, (_hkv, dim) in s.kinds.items():
             cap = captured[tr.req_id][k]
             if moves:
                 dst = torch.tensor([i for i, _ in moves]).to(slots.device)

@@ -68,11 +68,14 @@ def keepset_report(fix: Path, n_prompts: int) -> dict:
     trained = {u for u, _, _, _ in kinds.pairs()["train"]}
     if any(p["messages"][0]["content"] in trained for p in prompts):
         raise SystemExit("a held-out prompt is a training request")
-    enc = lambda texts: [tok(t, add_special_tokens=False).input_ids for t in texts]
+
+    def encode(texts):
+        return [tok(t, add_special_tokens=False).input_ids for t in texts]
+
     t0 = time.perf_counter()
     said = verifier_answers(fix / "verifier", tok, prompts)
-    counts = {"answers": count_tokens(enc(answers), vocab), "samples": count_tokens(enc(rows), vocab)}
-    ref, heard = count_tokens(enc([p["reference"] for p in prompts]), vocab), count_tokens(said, vocab)
+    counts = {"answers": count_tokens(encode(answers), vocab), "samples": count_tokens(encode(rows), vocab)}
+    ref, heard = count_tokens(encode([p["reference"] for p in prompts]), vocab), count_tokens(said, vocab)
     out = {"vocab_size": vocab, "special": len(special), "byte": len(byte), "training_samples": len(rows),
            "held_out_prompts": len(prompts), "verifier_answer_tokens": int(heard.sum()),
            "verifier_answer_distinct": int((heard > 0).sum()), "seconds": 0.0, "keep_sets": []}
@@ -91,8 +94,11 @@ def keepset_report(fix: Path, n_prompts: int) -> dict:
 
 def qat_texts(lines: int, per_line: int) -> list[str]:
     _, answers = training_answers()
-    fold = lambda s: " ".join(s.split())
-    return [" ".join(fold(a) for a in answers[i * per_line : (i + 1) * per_line]) for i in range(lines)]
+
+    def one_line(s):
+        return " ".join(s.split())
+
+    return [" ".join(one_line(a) for a in answers[i * per_line : (i + 1) * per_line]) for i in range(lines)]
 
 
 def main(argv: list[str] | None = None) -> int:

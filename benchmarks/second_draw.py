@@ -76,8 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         mean = mean_rouge_l(sc)
         out["arms"][name] = {"rouge_l": mean, "delta_rouge_l": d, "locate_starts_with_It": its}
         star = " *" if d["excludes_zero"] else ""
-        print(f"| {name} | {100 * mean:.1f} | {100 * d['diff']:+.1f} [{100 * d['lo']:+.1f}, {100 * d['hi']:+.1f}]{star} "
-              f"| {its[0]}/{its[1]} |")
+        print(f"| {name} | {100 * mean:.1f} | {100 * d['diff']:+.1f} [{100 * d['lo']:+.1f}, {100 * d['hi']:+.1f}]"
+              f"{star} | {its[0]}/{its[1]} |")
     (args.second / "second_draw.json").write_text(json.dumps(out, indent=1) + "\n")
     return 0
 

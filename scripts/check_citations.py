@@ -31,7 +31,7 @@ import re
 import subprocess
 import sys
 import tokenize
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,7 +42,7 @@ SKIP = ("benchmarks/results/",)
 OUTSIDE = ("../shared", "cpu-recipe", "vllm-integration", "physics.md", "mobile-qnn", "style-anchors",
            "anchors.md", "style guide")
 
-PATH_RE = re.compile(r"(?<![\w./-])(?:%s)/[\w*./-]*[\w*/]" % "|".join(PATH_ROOTS))
+PATH_RE = re.compile(rf"(?<![\w./-])(?:{'|'.join(PATH_ROOTS)})/[\w*./-]*[\w*/]")
 SYMBOL_RE = re.compile(r"(?<![\w./-])(?:vllm_hyco|mobile_client|hyco_lab)(?:\.[A-Za-z_]\w*)+")
 DECISION_RE = re.compile(r"docs/decisions\.md,? (D\d+)((?:(?:,| and) D\d+)*)")
 NOTES_RE = re.compile(r"docs/vllm-notes\.md,? ((?:§\d+|P\d+)(?:(?:, | and )(?:§\d+|P\d+))*)")
@@ -95,7 +95,7 @@ def ignored(cited: str) -> bool:
 
 
 # -- symbols -----------------------------------------------------------------------------------------------
-@lru_cache(maxsize=None)
+@cache
 def module_file(dotted: str) -> Path | None:
     """The file of module ``dotted`` (a package's ``__init__.py``), a package folder without one, or None."""
     top = dotted.split(".")[0]
@@ -109,7 +109,7 @@ def module_file(dotted: str) -> Path | None:
     return None
 
 
-@lru_cache(maxsize=None)
+@cache
 def top_level(file: Path) -> tuple[frozenset[str], dict[str, ast.ClassDef], bool]:
     """Names a module defines at top level, its classes, and whether it has a module ``__getattr__``."""
     if file.is_dir():
@@ -176,7 +176,7 @@ def symbol_problem(dotted: str) -> str | None:
 
 
 # -- numbered references -----------------------------------------------------------------------------------
-@lru_cache(maxsize=None)
+@cache
 def anchors(page: str) -> frozenset[str]:
     path = ROOT / page
     if not path.exists():

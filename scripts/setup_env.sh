@@ -22,7 +22,7 @@ if [ ! -f "$_stamp" ]; then
   $_pip uninstall -y -q torchvision torchaudio torchcodec >&2 || true
   echo "[setup] 3/4 test, lint and phone-side tools" >&2
   $_pip install -q msgpack pytest openai websockets tqdm packaging matplotlib rouge-score onnx onnxruntime==1.24.4 onnxruntime-qnn==2.3.0 \
-    ruff==0.17.6 import-linter==2.17 py-spy >&2  # py-spy: profiling the engine (docs/benchmarks.md)
+    ruff==0.17.6 import-linter==2.17 mypy==2.4.1 py-spy >&2  # py-spy: profiling the engine (docs/benchmarks.md)
   echo "[setup] 4/4 vllm-hyco, hyco-mobile-client and hyco-lab (editable, no vLLM dependency)" >&2
   $_pip install -q --no-deps -e "$_root" -e "$_root/mobile_client" -e "$_root/lab" >&2
   rm -f "$HYCO_VENV"/.hyco-env-*

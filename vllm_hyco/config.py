@@ -5,10 +5,11 @@ Users write either the bare word or the JSON form of ``--speculative-config``::
     vllm serve MODEL --speculative-config hyco
     vllm serve MODEL --speculative-config '{"method": "hyco", "epsilon": 0.005, "node_budget": 32}'
 
-Both become one frozen :class:`HycoConfig`. The engine adapter (``vllm_hyco.vllm_adapter.api_server.expansion``) turns it
-into vLLM engine arguments and stores ``config.to_dict()`` in ``VllmConfig.additional_config["hyco"]``;
-that dict is part of the pickled VllmConfig, so the engine-core and worker processes read the same
-options back with :meth:`HycoConfig.from_vllm_config`.
+Both become one frozen :class:`HycoConfig`. The engine adapter
+(``vllm_hyco.vllm_adapter.api_server.expansion``) turns it into vLLM engine arguments and stores
+``config.to_dict()`` in ``VllmConfig.additional_config["hyco"]``; that dict is part of the pickled
+VllmConfig, so the engine-core and worker processes read the same options back with
+:meth:`HycoConfig.from_vllm_config`.
 
 Example::
 
@@ -59,8 +60,9 @@ class HycoConfig:
         step_gather: ``auto`` (default: on with ``budget_policy`` adaptive, off with static), ``on``, ``off``:
             hold a step that would run only phone trees for at most one predicted step time while sessions
             expected by then can join it (``vllm_hyco.spec_decode.gather``, docs/engine.md).
-        window: hand-off window W in tokens (sliding-window K/V rows sent to the phone); None = the
-            verifier's ``sliding_window`` (1,024 for Gemma 4 26B-A4B).
+        window: hand-off window W in tokens (sliding-window K/V rows sent to the phone); None = the model
+            seam's default (``vllm_hyco.models``: the verifier's ``sliding_window`` for Gemma 4, 1,024 for
+            26B-A4B).
         max_sessions: concurrent phone sessions the server accepts.
         session_idle_timeout_s: a session with no tree for this long is closed and its KV freed.
         max_session_tokens: prompt + generated tokens per session; None = the model's max_model_len.
@@ -85,7 +87,7 @@ class HycoConfig:
     max_parked_blocks: int | float | None = None
     replica_id: str | None = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         _check_epsilon(self.epsilon)
         # the operator may lower the node budget, not raise it past the paper's B (32 nodes plus the root)
         _check_int("node_budget", self.node_budget, 1, DEFAULT_NODE_BUDGET)

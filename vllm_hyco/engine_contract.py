@@ -46,7 +46,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -297,7 +297,7 @@ class RoundVerdict:
     # what the request actually committed: path + bonus, cut by EOS, stop ids or max_tokens
     committed: tuple[int, ...]
     finish_reason: str | None
-    budget: int  # nodes granted for the next round (docs/engine.md, node budget)
+    node_budget: int  # nodes granted for the next round (docs/engine.md, node budget)
     budget_info: BudgetInfo | None = None
 
     def to_wire(self) -> dict[str, Any]:
@@ -305,7 +305,7 @@ class RoundVerdict:
         return {"round": t.round, "path_rows": list(t.path_rows), "bonus": t.bonus, "hits": t.hits,
                 "num_rows": t.num_rows, "root_pos": t.root_pos, "samples": list(t.samples),
                 "handoff": None if t.handoff is None else t.handoff.to_wire(), "host_s": t.host_s,
-                "committed": list(self.committed), "finish_reason": self.finish_reason, "budget": self.budget,
+                "committed": list(self.committed), "finish_reason": self.finish_reason, "node_budget": self.node_budget,
                 "budget_info": None if self.budget_info is None else self.budget_info.to_wire()}
 
     @classmethod
@@ -319,7 +319,7 @@ class RoundVerdict:
                                handoff=None if obj["handoff"] is None else Handoff.from_wire(obj["handoff"]),
                                host_s=float(obj["host_s"]))
             info = obj.get("budget_info")
-            return cls(tree, _ints(obj["committed"]) or (), obj["finish_reason"], int(obj["budget"]),
+            return cls(tree, _ints(obj["committed"]) or (), obj["finish_reason"], int(obj["node_budget"]),
                        None if info is None else BudgetInfo.from_wire(info))
         except (KeyError, TypeError, ValueError) as e:
             raise _missing(cls, e) from None
@@ -424,9 +424,16 @@ class Refusal:
 
 
 # -- the engine core's utility methods ------------------------------------------------------------------
+class _WireResult(Protocol):
+    """A contract class a utility method returns: rebuilt from its wire form."""
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> Any: ...
+
+
 #: method name -> its result type (``None``: a plain msgpack value: bool, list of str). Arguments: the
 #: wire form of a TreeSubmission for ``hyco_submit_tree``; session ids, rounds and flags otherwise.
-UTILITY_METHODS: dict[str, type | None] = {
+UTILITY_METHODS: dict[str, type[_WireResult] | None] = {
     "hyco_submit_tree": TreeAccepted,
     "hyco_take_verdict": RoundVerdict,
     "hyco_session_info": SessionInfo,
@@ -449,4 +456,4 @@ def decode_result(method: str, wire: Any) -> Any:
     if refusal is not None:
         raise refusal.error()
     cls = UTILITY_METHODS[method]
-    return wire if cls is None else cls.from_wire(wire)  # type: ignore[attr-defined]
+    return wire if cls is None else cls.from_wire(wire)

@@ -6,23 +6,29 @@ Only process-wide switches live here; everything about *how* HyCo runs is a Hyco
     >>> from vllm_hyco import envs; envs.VLLM_HYCO_SKIP_VERSION_CHECK
     True
 
-| variable | default | meaning |
-| --- | --- | --- |
-| ``VLLM_HYCO_SKIP_VERSION_CHECK`` | 0 | load the plugin on a vLLM other than 0.32.x (unsupported; for porting) |
-| ``VLLM_HYCO_DISABLE`` | 0 | the plugin's ``register()`` does nothing (vLLM behaves as if it were absent) |
-| ``HYCO_CACHE`` | ``<repo>/.cache`` | where tests and the demo build fixtures once and reuse them |
-| ``VLLM_HYCO_BENCH_TIMING`` | 0 | benchmarks only: time the engine's model calls for g (``vllm_hyco.vllm_adapter.patches.step_timing``) |
-| ``VLLM_HYCO_BENCH_TIMING_DIR`` | unset | where each engine process writes ``timing-<pid>.json`` |
-| ``VLLM_HYCO_CPU_TREE_ATTN`` | ``padded`` | CPU engine: ``padded`` (a step's trees in one attention per layer) or ``loop`` (one per tree and layer; kept for the side-by-side benchmark) |
-| ``VLLM_HYCO_CHAIN_ATTN`` | ``stock`` | ``stock``: a tree that is a chain keeps vLLM's own attention (its mask is causal); ``tree``: its rows are recomputed like any tree's (the side-by-side benchmark) |
-| ``VLLM_HYCO_ROUTE_KEY`` | ``hyco`` | this replica's routing key, the prefix of the session ids it issues (docs/protocol.md section 3); the hyco option ``replica_id`` overrides it |
+The variables, each as ``NAME`` (default): meaning:
+
+* ``VLLM_HYCO_SKIP_VERSION_CHECK`` (default 0): load the plugin on a vLLM other than 0.32.x (unsupported; for
+  porting)
+* ``VLLM_HYCO_DISABLE`` (default 0): the plugin's ``register()`` does nothing (vLLM behaves as if it were absent)
+* ``HYCO_CACHE`` (default ``<repo>/.cache``): where tests and the demo build fixtures once and reuse them
+* ``VLLM_HYCO_BENCH_TIMING`` (default 0): benchmarks only: time the engine's model calls for g
+  (``vllm_hyco.vllm_adapter.patches.step_timing``)
+* ``VLLM_HYCO_BENCH_TIMING_DIR`` (default unset): where each engine process writes ``timing-<pid>.json``
+* ``VLLM_HYCO_CPU_TREE_ATTN`` (default ``padded``): CPU engine: ``padded`` (a step's trees in one attention per
+  layer) or ``loop`` (one per tree and layer; kept for the side-by-side benchmark)
+* ``VLLM_HYCO_CHAIN_ATTN`` (default ``stock``): ``stock``: a tree that is a chain keeps vLLM's own attention (its
+  mask is causal); ``tree``: its rows are recomputed like any tree's (the side-by-side benchmark)
+* ``VLLM_HYCO_ROUTE_KEY`` (default ``hyco``): this replica's routing key, the prefix of the session ids it issues
+  (docs/protocol.md section 3); the hyco option ``replica_id`` overrides it
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 
 def _flag(name: str) -> Callable[[], bool]:

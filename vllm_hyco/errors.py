@@ -185,7 +185,7 @@ ERROR_CODES: dict[str, ErrorCode] = {
                    "the body's `model` is not the one this server serves (the message names it)"),
     "bad_hyco": _C(True, 400, "the `hyco` object in `start` is malformed (mode, epsilon, capabilities, "
                               "resume, fingerprint)"),
-    "too_many_nodes": _C(False, 400, "the tree has more nodes than `max_nodes`"),
+    "too_many_nodes": _C(False, 400, "the tree has more nodes than `max_node_budget` (the wire limit)"),
     "bad_tokens": _C(False, 400, "the tree's `tokens` is not n+1 uint32 little-endian ids in range"),
     "bad_parents": _C(False, 400, "`parents` must be n+1 bytes, 0xFF for the root, `0 <= parents[i] < i`"),
     "bad_labels": _C(False, 400, "`labels` must be n+1 bytes, 0 (ROOT) for row 0, 1..4 for the others"),

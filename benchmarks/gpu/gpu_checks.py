@@ -48,11 +48,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
-from tolerances import tol
+# Imported after the sys.path setup above (the repo root, tests/ and benchmarks/ as import roots).
+from tolerances import tol  # noqa: E402
 
-from vllm_hyco.kernels import compact_kv, gather_quantize_kv, quantize_int8
-from vllm_hyco.kernels.tree_attention import _launch_config, _num_splits, ancestor_masks_from_parents
-from vllm_hyco.kernels.tree_rows import block_major_views, paged_tree_rows_attention, tree_rows_metadata
+from vllm_hyco.handoff import tree_contract  # noqa: E402
+from vllm_hyco.kernels import compact_kv, gather_quantize_kv, quantize_int8  # noqa: E402
+from vllm_hyco.kernels._backend import next_pow2  # noqa: E402
+from vllm_hyco.kernels.tree_attention import _launch_config, _num_splits  # noqa: E402
+from vllm_hyco.kernels.tree_rows import block_major_views, paged_tree_rows_attention, tree_rows_metadata  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # name: (q heads, kv heads, head_dim, block, window)
@@ -84,11 +87,10 @@ def tree_batch(kind: str, contexts: list[int], rows: int, seed: int):
         ids = ids[n:]
     kv = vllm_cache(sum(need) + 1, hkv, block, dim, gen)
     masks, depths = [], []
-    for r in range(len(contexts)):
+    for _ in range(len(contexts)):
         parents = [-1] + [rng.randrange(max(0, j - 6), j) for j in range(1, rows)]
-        m, d = ancestor_masks_from_parents(parents)
-        masks += m
-        depths += d
+        masks += tree_contract.ancestor_mask(parents).tolist()
+        depths += tree_contract.depths(parents).tolist()
     q = torch.randn(len(contexts) * rows, hq, dim, generator=gen, device=DEVICE).to(torch.bfloat16)
     return dict(q=q, kv=kv, dim=dim, table=table.to(DEVICE), contexts=contexts, rows=[rows] * len(contexts),
                 masks=torch.tensor(masks, dtype=torch.int64, device=DEVICE),
@@ -106,8 +108,7 @@ def splits_of(c) -> int:
     meta = tree_rows_metadata(c["table"], c["contexts"], c["rows"], c["masks"], c["depths"])
     hq, dim = c["q"].shape[1], c["q"].shape[2]
     hkv = c["kv"].shape[1]
-    p2 = lambda n: 1 << max(0, (n - 1).bit_length())
-    block_q, tile_n, _ = _launch_config(max(16, p2(dim)), p2(hq // hkv), meta.max_query_len, False)
+    block_q, tile_n, _ = _launch_config(max(16, next_pow2(dim)), next_pow2(hq // hkv), meta.max_query_len, False)
     programs = meta.num_reqs * hkv * max(1, -(-meta.max_query_len // block_q))
     return _num_splits(meta, programs, tile_n, DEVICE)
 
@@ -143,7 +144,10 @@ def _compaction_case():
         s_row, d_row = [], []
         for t, n, acc in zip(prefix, need, accepted):
             table, ids = ids[:n], ids[n:]
-            slot = lambda p, table=table, block=block: table[p // block] * block + p % block
+
+            def slot(p, table=table, block=block):
+                return table[p // block] * block + p % block
+
             s_row += [slot(t + r) for r in acc[1:]] + [-1] * (rows - len(acc))
             d_row += [slot(t + i + 1) for i in range(len(acc) - 1)] + [-1] * (rows - len(acc))
         src.append(s_row)
@@ -152,10 +156,13 @@ def _compaction_case():
         for _ in range(count):
             caches.append(vllm_cache(sum(need) + 1, hkv, block, dim, gen).transpose(1, 2))  # tree_step's view
             groups.append(g)
-    as_t = lambda v: torch.tensor(v, dtype=torch.int64, device=DEVICE)
+
+    def int64_tensor(v):
+        return torch.tensor(v, dtype=torch.int64, device=DEVICE)
+
     loc = torch.arange(0, (trees + 1) * (rows - 1), rows - 1, dtype=torch.int32, device=DEVICE)
     # rows - 1 moves per request, -1 past its path: tree_step pads every request to the deepest path
-    return caches, as_t(src), as_t(dst), loc, groups
+    return caches, int64_tensor(src), int64_tensor(dst), loc, groups
 
 
 def check_compaction() -> dict:
@@ -196,7 +203,7 @@ def check_decision() -> dict:
     import bench_verify_host as bv
     from tree_reference import decide_one_tree
 
-    from vllm_hyco.vllm_adapter.worker import handoff_step, tree_step
+    from vllm_hyco.vllm_adapter.worker import tree_step
 
     out = {"ok": True}
     for name, sampled in (("greedy", False), ("sampled", True)):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import json
 import os
 import random
@@ -23,11 +24,10 @@ import time
 import urllib.request
 from pathlib import Path
 
+from hyco_lab.bench.server import cli, free_port, stop_process, wait_healthy
 from mobile_client.client import HycoClient, Timeouts
 from mobile_client.session import PhoneSession, SessionOptions
 from mobile_client.tree import DraftTree
-
-from hyco_lab.bench.server import cli, free_port, stop_process, wait_healthy
 
 API_KEY = "hyco-e2e-key"
 MODEL = "tiny"
@@ -170,12 +170,12 @@ class PlantedDrafter:
     """
 
     def __init__(self, target: list[int], vocab: int, *, seed: int = 0, p_plant: float = 0.8,
-                 max_nodes: int = 32):
+                 node_budget: int = 32):
         self.target, self.vocab, self.p_plant = list(target), vocab, p_plant
-        self.rng, self.max_nodes, self.session = random.Random(seed), max_nodes, None
+        self.rng, self.node_budget, self.session = random.Random(seed), node_budget, None
 
-    def propose(self, context, tree_budget: int) -> DraftTree:
-        budget = min(tree_budget, self.max_nodes, self.rng.randint(1, self.max_nodes))
+    def propose(self, context, node_budget: int) -> DraftTree:
+        budget = min(node_budget, self.node_budget, self.rng.randint(1, self.node_budget))
         tokens, parents = [context.root], [-1]
         children: dict[int, set[int]] = {0: set()}
 
@@ -200,7 +200,7 @@ class PlantedDrafter:
                     break
         while len(tokens) - 1 < budget:
             add(self.rng.randrange(len(tokens)), self.rng.randrange(self.vocab))
-        return DraftTree.make_dummy(tokens, parents, budget=self.max_nodes)
+        return DraftTree.make_dummy(tokens, parents, node_budget=self.node_budget)
 
 
 def make_phone(prompt_ids: list[int], prompt: str | list[int], max_tokens: int, target: list[int],
@@ -209,7 +209,7 @@ def make_phone(prompt_ids: list[int], prompt: str | list[int], max_tokens: int, 
     drafter = PlantedDrafter(target, vocab, seed=seed, p_plant=p_plant)
     body = request or {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
     session = PhoneSession(drafter, prompt_tokens=prompt_ids, request=body, endpoint=endpoint,
-                           options=SessionOptions(max_nodes=32))
+                           options=SessionOptions(node_budget=32))
     drafter.session = session
     return session
 
@@ -344,10 +344,8 @@ class KillingProxy:
         tasks = [asyncio.create_task(pipe(reader, uw)), asyncio.create_task(pipe(ur, writer))]
         if self.cut < self.kills or self.rng.random() < self.p_kill:
             self.cut += 1
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.sleep(self.rng.uniform(0.05, 0.3))
-            except asyncio.CancelledError:
-                pass
             for t in tasks:
                 t.cancel()
             writer.transport.abort()

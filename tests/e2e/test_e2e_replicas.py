@@ -29,7 +29,6 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from hyco_lab.bench.server import cli, free_port
 from test_e2e_phone_support import (
     API_KEY,
     MODEL,
@@ -44,6 +43,7 @@ from test_e2e_phone_support import (
     tree_frame,
 )
 
+from hyco_lab.bench.server import cli, free_port
 from vllm_hyco.handoff.server_frames import ErrorFrame, SessionFrame, VerdictFrame
 from vllm_hyco.handoff.session_id import route_key
 
@@ -277,11 +277,11 @@ def _act_before_round(session, drafter, rnd: int, action) -> None:
     it are committed; the tree is sent on the connection ``action`` breaks)."""
     propose, done = drafter.propose, []
 
-    def wrapped(context, budget):
+    def wrapped(context, node_budget):
         if session.round == rnd and not done and session.failovers == 0:
             done.append(True)
             action(session)
-        return propose(context, budget)
+        return propose(context, node_budget)
 
     drafter.propose = wrapped
 

@@ -73,10 +73,10 @@ def test_hyco_routes_exist(server):
 
         from vllm_hyco.handoff.frames import decode_server_frame
 
-        async with aiohttp.ClientSession() as http:
-            async with http.ws_connect(f"{server.replace('http', 'ws')}/v1/hyco/session") as ws:
-                await ws.send_bytes(b"\xc1")  # never valid msgpack: the route answers with an error frame
-                return decode_server_frame(await ws.receive_bytes(timeout=30))
+        async with aiohttp.ClientSession() as http, http.ws_connect(
+                f"{server.replace('http', 'ws')}/v1/hyco/session") as ws:
+            await ws.send_bytes(b"\xc1")  # never valid msgpack: the route answers with an error frame
+            return decode_server_frame(await ws.receive_bytes(timeout=30))
 
     frame = asyncio.run(session_frame())  # the phone protocol itself is covered by test_e2e_phone*.py
     assert frame.code == "bad_msgpack" and not frame.fatal

@@ -3,8 +3,9 @@ that cuts connections at random (they resume), and a few abandon their session m
 after the idle timeout). Every finished session equals plain greedy decoding. Once the phones are gone:
 no session held by the endpoint or the engine, no parked session in ``/metrics``, no more KV blocks in
 use than before, and the server's memory, measured once the phones of each half of the soak are gone,
-did not grow from the first half to the second past the tolerance. Measured on a steady server (``HYCO_E2E_SERVER_PID``): +2 to +4 MiB over a 60-s soak of ~530
-sessions, and the same again for a second soak.
+did not grow from the first half to the second past the tolerance. Measured on a steady server
+(``HYCO_E2E_SERVER_PID``): +2 to +4 MiB over a 60-s soak of ~530 sessions, and the same again for a second
+soak.
 60-second CI version; the ~10-minute version is marked slow.
 """
 

@@ -67,6 +67,7 @@ pytestmark = pytest.mark.skipif(len(CORES) < 2, reason="TP=2 on CPU binds one co
 @pytest.fixture(scope="module")
 def tp_fixtures():
     from conftest import cache_dir
+
     from hyco_lab.fixtures import ensure_fixtures
 
     root = ensure_fixtures(cache_dir(), progress=False, **FIXTURE).root
@@ -106,23 +107,22 @@ async def _raw_session(base: str, prompt_ids: list[int], plain: list[int]) -> li
     """Fixed trees: under the root a decoy, plain decoding's next 1-3 tokens as a chain, a decoy under its
     end. Per round: (round, path, tokens, bonus, hand-off payload)."""
     out = []
-    async with aiohttp.ClientSession() as http:
-        async with RawPhone(http, base) as phone:
-            await phone.send(start_frame(PROMPT, MAX_TOKENS))
-            assert isinstance(await phone.recv(), SessionFrame)
-            root, done = prompt_ids[-1], 0
-            while done < MAX_TOKENS:
-                rnd = len(out)
-                chain = plain[done:done + 1 + rnd % 3]
-                extra = [7, *chain, 11]
-                parents = [-1, 0, 0, *range(2, 1 + len(chain)), len(chain) + 1]
-                await phone.send(tree_frame(rnd, root, extra, parents))
-                v, handoff = await phone.recv_verdict()
-                out.append((v.round, v.path, v.tokens, v.bonus, handoff))
-                done, root = done + len(v.tokens), v.bonus
-                if v.bonus is None:
-                    break
-            assert isinstance(await phone.recv(), FinalFrame)
+    async with aiohttp.ClientSession() as http, RawPhone(http, base) as phone:
+        await phone.send(start_frame(PROMPT, MAX_TOKENS))
+        assert isinstance(await phone.recv(), SessionFrame)
+        root, done = prompt_ids[-1], 0
+        while done < MAX_TOKENS:
+            rnd = len(out)
+            chain = plain[done:done + 1 + rnd % 3]
+            extra = [7, *chain, 11]
+            parents = [-1, 0, 0, *range(2, 1 + len(chain)), len(chain) + 1]
+            await phone.send(tree_frame(rnd, root, extra, parents))
+            v, handoff = await phone.recv_verdict()
+            out.append((v.round, v.path, v.tokens, v.bonus, handoff))
+            done, root = done + len(v.tokens), v.bonus
+            if v.bonus is None:
+                break
+        assert isinstance(await phone.recv(), FinalFrame)
     return out
 
 

@@ -70,7 +70,7 @@ def _run(hy, prompts, refs, shapes, seed):
 
 
 def test_the_cost_model_is_fitted_on_the_engines_own_steps(llm, hy):
-    pol = _scheduler(llm).hyco.budget
+    pol = _scheduler(llm).hyco.budget_policy
     assert pol.policy == "adaptive" and pol.cap == 32
     before = pol.cost.steps
     prompts = S._prompts(3, seed=21)
@@ -84,7 +84,7 @@ def test_the_cost_model_is_fitted_on_the_engines_own_steps(llm, hy):
 
 def test_cut_trees_reproduce_plain_greedy_and_the_verdict_grants_the_cut(llm, hy):
     sched = _scheduler(llm)
-    pol = sched.hyco.budget
+    pol = sched.hyco.budget_policy
     saved = pol.cost
     pol.cost = _frozen(0.002, 0.001)  # rows are expensive: short prefixes
     try:
@@ -102,7 +102,7 @@ def test_cut_trees_reproduce_plain_greedy_and_the_verdict_grants_the_cut(llm, hy
 
 
 def test_static_policy_verifies_whole_trees_and_grants_the_cap(llm, hy):
-    pol = _scheduler(llm).hyco.budget
+    pol = _scheduler(llm).hyco.budget_policy
     saved = pol.cost, pol.policy
     pol.cost, pol.policy = _frozen(0.002, 0.001), "static"
     try:

@@ -21,8 +21,7 @@ import random
 
 import pytest
 import torch
-from checkpoint_shaped import (LLM_KWARGS, SHARED_TARGETS, attn, bundle, handoff_layers, owners,
-                               torchvision_stand_in)
+from checkpoint_shaped import LLM_KWARGS, SHARED_TARGETS, attn, bundle, handoff_layers, owners, torchvision_stand_in
 from test_engine_kv import _plain_greedy, _runner, _session_kv
 from tolerances import tol
 

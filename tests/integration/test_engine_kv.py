@@ -98,8 +98,9 @@ def test_kv_after_rounds_equals_fresh_prefill(llm, hy):
         got, want = _session_kv(llm, h.engine_req_id, n), _session_kv(llm, fresh.engine_req_id, n)
         for name in want:
             for a, b in zip(got[name], want[name]):
-                torch.testing.assert_close(a, b, **tol("kv_engine_vs_prefill", torch.float32),
-                                           msg=lambda m, name=name, sid=h.sid, n=n: f"{name} session {sid} len {n}: {m}")
+                torch.testing.assert_close(
+                    a, b, **tol("kv_engine_vs_prefill", torch.float32),
+                    msg=lambda m, name=name, sid=h.sid, n=n: f"{name} session {sid} len {n}: {m}")
         # the next round sees the same logits as a fresh prefill of the committed text
         toks, pars, _ = _tree(roots[h.sid], ref[len(outs[h.sid]):], "deep", rng)
         va, vb = hy.submit_many([(h.sid, 5, toks, pars), (fresh.sid, 0, toks, pars)])

@@ -114,8 +114,8 @@ def test_parked_sessions_yield_their_kv_to_a_waiting_request(small_llm):
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    from vllm_hyco.vllm_adapter.api_server.inprocess import HycoEngine
     from vllm_hyco.errors import SessionError
+    from vllm_hyco.vllm_adapter.api_server.inprocess import HycoEngine
 
     rng = random.Random(5)
     prompts = [[2] + [rng.randrange(5, VOCAB) for _ in range(89)] for _ in range(3)]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_hyco.vllm_adapter.engine_core.sessions import RoundTree, SessionRegistry, SessionState
 from vllm_hyco.errors import SessionError
+from vllm_hyco.vllm_adapter.engine_core.sessions import RoundTree, SessionRegistry, SessionState
 
 
 class Clock:

@@ -239,7 +239,7 @@ def _sampled_chain(root: int, rng: random.Random, depth: int = 4):
     """A chain of random tokens, each 'drawn' from a q over 3 ids (the chain token among them), plus one
     deterministic sibling of the first node; returns tokens, parents, draft_q."""
     tokens, parents, q = [root], [-1], {}
-    for d in range(depth):
+    for _ in range(depth):
         ids = rng.sample(range(3, VOCAB), 3)
         tokens.append(ids[0])
         parents.append(len(tokens) - 2)

@@ -59,8 +59,8 @@ def test_models_load_and_generate(fixtures_dir):
 
 
 def test_build_is_deterministic_and_options_checked(tmp_path):
-    from vllm_hyco.errors import ConfigError
     from hyco_lab.fixtures import build_fixtures
+    from vllm_hyco.errors import ConfigError
 
     small = dict(weights="random", verifier_hidden=64, verifier_intermediate=64, verifier_moe_intermediate=32,
                  assistant_hidden=32, assistant_intermediate=32, slm_hidden=32, slm_intermediate=32,

@@ -2,10 +2,12 @@
 ``python -m hyco_lab.fixtures.report``.
 
 vLLM's built-in MTP on the trained verifier + assistant must load, stay lossless, and accept drafts at a
-sane rate on the family's held-out requests (``family.eval_prompts``, never trained on); the transformers re-enactment of the same chain decoding must count the same acceptances.
+sane rate on the family's held-out requests (``family.eval_prompts``, never trained on); the transformers
+re-enactment of the same chain decoding must count the same acceptances.
 At T = 1 / top-k 64 / top-p 0.95 (the paper's sampling) it must run and accept at the trained pair's rate,
 not the rate of vLLM 0.32's broken CPU ``expand_kernel`` fallback (temperature 0 for every sampled request:
-depth-1 acceptance about 0.01, top-k crashed), which the plugin patches (vllm_hyco/vllm_adapter/patches/cpu_expand_kernel.py).
+depth-1 acceptance about 0.01, top-k crashed), which the plugin patches
+(vllm_hyco/vllm_adapter/patches/cpu_expand_kernel.py).
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ def build_moves(seed, num_reqs=3):
     n_rows = [rng.randint(1, 33) for _ in range(num_reqs)]
     accepted = [random_accepts(n, rng) for n in n_rows]
     tables, per_group = [], []
-    for bs, total in ((16, 10), (8, 6 * 8 // 8)):
+    for bs, _total in ((16, 10), (8, 6 * 8 // 8)):
         need = [-(-(t + n) // bs) for t, n in zip(prefix, n_rows)]
         pool = list(range(sum(need)))
         rng.shuffle(pool)
@@ -75,7 +75,7 @@ def test_compaction_matches_sequential_copies(backend, dtype, seed):
     want = brute_force(caches, src, dst, loc.tolist(), groups)
     compact_kv(caches, src.to(DEVICE), dst.to(DEVICE), loc.to(DEVICE), groups, backend=backend)
     for i, (a, b) in enumerate(zip(caches, want)):
-        torch.testing.assert_close(a, b, **tol("kv_copy", dtype), msg=lambda m: f"{m}\nlayer {i} seed {seed}")
+        torch.testing.assert_close(a, b, **tol("kv_copy", dtype), msg=lambda m, i=i: f"{m}\nlayer {i} seed {seed}")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

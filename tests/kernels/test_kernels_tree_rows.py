@@ -38,9 +38,9 @@ from vllm_hyco.kernels import (
 from vllm_hyco.kernels.tree_attention import first_visible_key
 from vllm_hyco.kernels.tree_rows import block_major_views, paged_tree_rows_attention, tree_rows_attention
 from vllm_hyco.vllm_adapter.worker import handoff_step, tree_step
+from vllm_hyco.vllm_adapter.worker.kv_view import BlockMajorKVView, slots_for_positions
 from vllm_hyco.vllm_adapter.worker.layers import KVLayers
 from vllm_hyco.vllm_adapter.worker.state import RunnerState
-from vllm_hyco.vllm_adapter.worker.kv_view import BlockMajorKVView, slots_for_positions
 from vllm_hyco.vllm_adapter.worker.tree_plan import TreeRows, TreeStep
 
 
@@ -258,9 +258,9 @@ def _compact(runner, tr, path_rows):
 @pytest.mark.parametrize("path_rows", [[1, 2, 3], [2, 5, 11, 30], [], [7], [1, 4, 5, 9, 10, 20, 26, 32]])
 def test_compaction_on_block_major_layout_equals_dense_reference(path_rows):
     """Two KV groups (sliding: bs 16, full: bs 32, different tables): ``tree_step.compact`` (the engine's
-    compaction: ``kernels.compact_kv`` over vLLM's slot mapping) moves rows t + r_i to t + i; afterwards positions 0 .. t + d read the committed sequence
-    (prefix, root, path) exactly, every other slot is unchanged, and ``kernels.compact_kv`` gives the same
-    caches from the same moves."""
+    compaction: ``kernels.compact_kv`` over vLLM's slot mapping) moves rows t + r_i to t + i; afterwards
+    positions 0 .. t + d read the committed sequence (prefix, root, path) exactly, every other slot is
+    unchanged, and ``kernels.compact_kv`` gives the same caches from the same moves."""
     parents = random_tree(33, 9)
     t, n = 75, 33
     groups = {"sliding": PagedRequests([t], [parents], 2, 2, 32, 16, torch.float32, seed=1),
@@ -304,7 +304,8 @@ def test_handoff_gather_after_compaction_is_the_committed_rows_in_int8():
     layers = {"full": PagedRequests([t], [parents], 2, 1, 64, 32, torch.float32, seed=6),
               "sliding": PagedRequests([t], [parents], 2, 2, 32, 16, torch.float32, seed=7)}
     gen = torch.Generator().manual_seed(3)
-    scales = {"e": torch.rand(64, generator=gen).to(DEVICE) + 0.01, "h": torch.rand(64, generator=gen).to(DEVICE) + 0.01}
+    scales = {"e": torch.rand(64, generator=gen).to(DEVICE) + 0.01,
+              "h": torch.rand(64, generator=gen).to(DEVICE) + 0.01}
     for kind, g in layers.items():
         scales[kind] = (torch.rand(g.hkv, g.dim, generator=gen).to(DEVICE) * 0.05 + 0.005,
                         torch.rand(g.hkv, g.dim, generator=gen).to(DEVICE) * 0.05 + 0.005)

@@ -1,14 +1,14 @@
 """Shared pieces of the distribution tests (test_spec_acceptance_lossless, test_spec_coupling): the
 chi-square check and a cache of validated trees (many decodes draw the same few small trees)."""
 
-from functools import lru_cache
+from functools import cache
 
 import numpy as np
 
 from vllm_hyco.spec_decode.tree import TokenTree
 
 
-@lru_cache(maxsize=None)
+@cache
 def _cached_tree(tokens: tuple, parents: tuple, vocab_size: int) -> TokenTree:
     return TokenTree.from_parents(tokens, parents, vocab_size=vocab_size)
 

@@ -11,8 +11,8 @@ import json
 import pytest
 
 from hyco_lab.bench import configs
-from vllm_hyco.vllm_adapter.patches import step_timing as timing
 from vllm_hyco.errors import ConfigError
+from vllm_hyco.vllm_adapter.patches import step_timing as timing
 
 
 def _snapshot(path, pid: int, kernel: str) -> None:

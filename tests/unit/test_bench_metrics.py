@@ -8,9 +8,9 @@ import json
 import pytest
 
 from hyco_lab.bench import configs, metrics, report
-from vllm_hyco.vllm_adapter.patches import step_timing as timing
 from hyco_lab.bench.metrics import RequestRecord, RoundRecord, RunRecord
 from vllm_hyco.errors import ConfigError
+from vllm_hyco.vllm_adapter.patches import step_timing as timing
 
 
 def _phone_run(config: str, run: int, mat_bias: int) -> RunRecord:

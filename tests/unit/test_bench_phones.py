@@ -9,13 +9,13 @@ import typing
 import numpy as np
 import pytest
 import torch
+from tolerances import tol
+
+from hyco_lab.bench import configs, phones
 from mobile_client.drafters.base import HybridDrafter, SpecEdgeDrafter
 from mobile_client.drafters.slm import SlmDrafter
 from mobile_client.drafters.spec import random_slm_state_dict, toy_slm_spec
 from mobile_client.tree import DraftTree, FrontierPlan
-from tolerances import tol
-
-from hyco_lab.bench import configs, phones
 
 SPEC = toy_slm_spec()
 SD = random_slm_state_dict(SPEC)

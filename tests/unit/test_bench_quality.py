@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from hyco_lab import quality as Q
 
 
@@ -83,6 +84,7 @@ def test_exact_within_noise_and_eps_flagged_on_fixture_verifier(fixtures_dir):
     plain-vs-plain bound); ε = 0.001 accepts the greedy chain and is flagged by the same measure."""
     import torch
     import transformers
+
     from hyco_lab.bench import tvsim
     from hyco_lab.bench.__main__ import TV_PROMPTS, prompts_by_id
     from hyco_lab.bench.phones import prompt_ids
@@ -130,7 +132,8 @@ def test_quality_results_and_report(tmp_path):
     qual = qreport.quality_results(records, refs)
     assert set(qual) == {"cloud-mtp", "hyco-exact", "hyco-eps-0.001", "specedge"}  # no warm-up, no TV passes
     assert qual["cloud-mtp"]["answers"] == 60 and qual["cloud-mtp"]["rouge_l"] == 1.0
-    assert qual["hyco-exact"]["delta_rouge_l"]["diff"] == 0.0 and not qual["hyco-exact"]["delta_rouge_l"]["excludes_zero"]
+    exact = qual["hyco-exact"]["delta_rouge_l"]
+    assert exact["diff"] == 0.0 and not exact["excludes_zero"]
     lax = qual["hyco-eps-0.001"]
     assert lax["delta_exact"]["diff"] == -1.0 and lax["delta_exact"]["excludes_zero"]
     assert lax["repetition_4"] == 0.5 and lax["distinct_2"] < qual["cloud-mtp"]["distinct_2"]
@@ -139,7 +142,9 @@ def test_quality_results_and_report(tmp_path):
     # "number {i}" and "{i} of", 2 of its 5
     assert lax["novel_2"] == 0.0 and qual["cloud-mtp"]["novel_2"] == 0.4
     assert lax["delta_novel_2"]["diff"] == -0.4 and lax["delta_novel_2"]["excludes_zero"]
-    spread = lambda m, g: {"spread": {"mat": {"mean": m}, "g_ratio": {"mean": g}}}
+    def spread(m, g):
+        return {"spread": {"mat": {"mean": m}, "g_ratio": {"mean": g}}}
+
     results = {"env": {"prompt_set": "family"}, "quality": qual,
                "summary": {"cloud-mtp": spread(2.0, 1.0), "hyco-exact": spread(2.5, 0.9),
                            "hyco-eps-0.001": spread(4.0, 0.6), "specedge": spread(2.2, 1.1)}}
@@ -213,6 +218,7 @@ def test_replay_reproduces_an_exact_round(fixtures_dir):
     """A logged exact round re-decided exactly gives the logged path; lowering ε never shortens it."""
     import torch
     import transformers
+
     from hyco_lab.bench import replay
     from hyco_lab.bench.tvsim import T1
 

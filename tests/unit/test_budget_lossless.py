@@ -12,7 +12,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
 from distcheck import cached_tree
 
 from vllm_hyco.spec_decode.budget import BudgetPolicy, StepCostModel

@@ -10,9 +10,18 @@ import pytest
 
 from vllm_hyco.errors import TreeValidationError
 from vllm_hyco.handoff.tree_contract import NodeLabel
-from vllm_hyco.spec_decode.budget import (PRIOR_ACCEPT, AcceptanceModel, BudgetPolicy, Plan, StepCostModel,
-                                          bound_values, calibration_error, chain_prefix, choose_nodes,
-                                          reliability_table)
+from vllm_hyco.spec_decode.budget import (
+    PRIOR_ACCEPT,
+    AcceptanceModel,
+    BudgetPolicy,
+    Plan,
+    StepCostModel,
+    bound_values,
+    calibration_error,
+    chain_prefix,
+    choose_nodes,
+    reliability_table,
+)
 
 CHAIN8 = [-1, 0, 1, 2, 3, 4, 5, 6, 7]  # root + a chain of 8
 # root, chain of 4 (rows 1-4), a runner-up beside each of the first two chain nodes (rows 5, 6),
@@ -202,7 +211,8 @@ def test_the_budget_and_the_cost_fit_are_prometheus_metrics():
     before = REGISTRY.get_sample_value("vllm_hyco_node_budget_count") or 0.0
     pol = BudgetPolicy(32)
     pol.cost = fitted(0.004, 0.0002)
-    info = BudgetInfo(pol.policy, pol.cap, nodes_sent=8, nodes_verified=5, cost=CostFit.from_snapshot(pol.cost.snapshot()))
+    info = BudgetInfo(pol.policy, pol.cap, nodes_sent=8, nodes_verified=5,
+                      cost=CostFit.from_snapshot(pol.cost.snapshot()))
     m.node_budget(info, 6)
     assert REGISTRY.get_sample_value("vllm_hyco_node_budget_count") == before + 1
     assert REGISTRY.get_sample_value("vllm_hyco_verified_nodes_bucket", {"le": "8.0"}) >= 1

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 
 from vllm_hyco.config import ADDITIONAL_CONFIG_KEY, HycoConfig
+from vllm_hyco.errors import ConfigError
 from vllm_hyco.vllm_adapter import CPU_WORKER, GPU_WORKER, NULL_PROPOSER, SCHEDULER
 from vllm_hyco.vllm_adapter.api_server.expansion import expand_engine_args, speculative_tokens
-from vllm_hyco.errors import ConfigError
 
 
 def test_bare_word_is_exact_default():

@@ -1,5 +1,5 @@
-"""The engine client's request checks (vllm_hyco/vllm_adapter/api_server/engine_client.py), without an engine: every client
-mistake in a `start` body is a typed error with a client code naming the field (the code the OpenAI
+"""The engine client's request checks (vllm_hyco/vllm_adapter/api_server/engine_client.py), without an engine:
+every client mistake in a `start` body is a typed error with a client code naming the field (the code the OpenAI
 routes' 4xx would carry), never an untyped exception that would reach the phone as ``internal_error``;
 both callers (the phone route and the in-process harness) share the one list of sampling fields."""
 
@@ -8,7 +8,8 @@ import pytest
 pytest.importorskip("vllm")
 
 from vllm_hyco.errors import ERROR_CODES, FrameError, RequestFieldError
-from vllm_hyco.vllm_adapter.api_server import inprocess as api, engine_client as bridge
+from vllm_hyco.vllm_adapter.api_server import engine_client as bridge
+from vllm_hyco.vllm_adapter.api_server import inprocess as api
 
 BASE = {"model": "tiny", "prompt": "x", "max_tokens": 8, "temperature": 0.0}
 CASES = [
@@ -82,3 +83,19 @@ def test_the_harness_uses_the_same_fields_and_checks():
     with pytest.raises(RequestFieldError) as e:
         bridge.session_params({"temperature": 0.0, "frequency_penalty": 1.0}, "s", None)
     assert e.value.code == "unsupported_field" and e.value.field == "frequency_penalty"
+
+
+def test_the_engine_client_implements_the_phone_routes_engine_port():
+    """``serving.engine_port.EngineClient`` is the real interface: the adapter's client has every member
+    with the port's parameters (the route is written against the port, the adapter passes its client in)."""
+    import inspect
+
+    from vllm_hyco.serving.engine_port import EngineClient
+
+    b = bridge.EngineBridge(_Client(), "tiny", max_model_len=64, vocab_size=100)
+    for name in ("model_name", "max_model_len", "vocab_size"):
+        assert hasattr(b, name), name
+    for name in ("open", "round", "close", "stats"):
+        port, ours = getattr(EngineClient, name), getattr(bridge.EngineBridge, name)
+        assert inspect.iscoroutinefunction(ours), name
+        assert list(inspect.signature(ours).parameters)[1:] == list(inspect.signature(port).parameters)[1:], name

@@ -27,12 +27,12 @@ from vllm.v1.attention.backend import AttentionCGSupport
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
 
-from vllm_hyco.vllm_adapter.worker import gpu_attention, tree_plan
-from vllm_hyco.vllm_adapter.api_server.expansion import expand_engine_args
-from vllm_hyco.vllm_adapter.worker.kv_view import BlockMajorKVView, slots_for_positions
-from vllm_hyco.vllm_adapter.worker.tree_plan import TreeRows
 from vllm_hyco.errors import ConfigError, HardwareUnsupportedError
 from vllm_hyco.kernels import tree_attention_dense_ref
+from vllm_hyco.vllm_adapter.api_server.expansion import expand_engine_args
+from vllm_hyco.vllm_adapter.worker import gpu_attention, tree_plan
+from vllm_hyco.vllm_adapter.worker.kv_view import BlockMajorKVView, slots_for_positions
+from vllm_hyco.vllm_adapter.worker.tree_plan import TreeRows
 
 SENTINEL = -7.0
 

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from vllm_hyco.errors import ConfigError
 from hyco_lab.fixtures import corpus
 from hyco_lab.fixtures import tokenizer as tk
+from vllm_hyco.errors import ConfigError
 
 
 def test_corpus_is_the_whole_kjv():

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from vllm_hyco.errors import ConfigError
 from hyco_lab.fixtures import report, train, trained
+from vllm_hyco.errors import ConfigError
 
 pytestmark = pytest.mark.skipif(not trained.available(), reason="no trained fixtures shipped")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from hyco_lab.fixtures import confident, family
 
 

@@ -8,10 +8,10 @@ import json
 
 import pytest
 
+from vllm_hyco.errors import VllmVersionError
 from vllm_hyco.vllm_adapter import plugin
 from vllm_hyco.vllm_adapter.api_server.cli import plugins_env
 from vllm_hyco.vllm_adapter.api_server.endpoint import error_body, unsupported_field
-from vllm_hyco.errors import VllmVersionError
 from vllm_hyco.vllm_adapter.patches import Patch
 from vllm_hyco.vllm_adapter.patches.cpu_version_lookup import _make as make_version_lookup
 from vllm_hyco.vllm_adapter.patches.engine_config import plugins_gate_error

@@ -12,15 +12,15 @@ import dataclasses
 import numpy as np
 import pytest
 
+from vllm_hyco.engine_contract import Handoff, HandoffSeed, KVRows, RoundVerdict, TreeVerdict
 from vllm_hyco.handoff.client_frames import HycoOptions, ResumeRequest, StartFrame, TreeFrame
 from vllm_hyco.handoff.frames import decode_server_frame
 from vllm_hyco.handoff.golden import golden_scales, golden_spec
 from vllm_hyco.handoff.server_frames import SessionFrame, VerdictFrame
 from vllm_hyco.handoff.session_id import route_key
+from vllm_hyco.serving.engine_port import RoundResult
 from vllm_hyco.serving.handoffs import ServerModel
 from vllm_hyco.serving.service import HycoService, WireError
-from vllm_hyco.engine_contract import Handoff, HandoffSeed, KVRows, RoundVerdict, TreeVerdict
-from vllm_hyco.serving.engine_port import RoundResult
 from vllm_hyco.vllm_adapter.api_server.engine_client import EngineSession
 
 PROMPT = [1, 2, 3, 4, 5]
@@ -52,7 +52,7 @@ class FakeBridge:
                     layers={}, kv=self._rows(1), seed=seed)
         tree_verdict = TreeVerdict(round=round_, path_rows=(), bonus=100 + round_, hits=0, num_rows=len(tree.tokens),
                                    root_pos=position, samples=(), handoff=h, host_s=0.0)
-        verdict = RoundVerdict(tree_verdict, committed=(100 + round_,), finish_reason=None, budget=32)
+        verdict = RoundVerdict(tree_verdict, committed=(100 + round_,), finish_reason=None, node_budget=32)
         return RoundResult(verdict, [100 + round_], f"<{100 + round_}>", None)
 
 
@@ -76,7 +76,7 @@ def test_session_frames_and_the_schema_confirmation():
         s, frames = await svc.open(start(), owner="c1")
         ack = decode_server_frame(frames[0])
         assert isinstance(ack, SessionFrame) and len(frames) == 1
-        assert route_key(ack.session_id) == "r7" and ack.last_round == -1 and ack.budget == 32
+        assert route_key(ack.session_id) == "r7" and ack.last_round == -1 and ack.node_budget == 32
         assert ack.schema == spec and ack.schema_hash == spec.schema_hash
         tree = TreeFrame.from_lists(0, [PROMPT[-1]], [-1])
         with pytest.raises(WireError) as e:

@@ -7,7 +7,7 @@ from vllm_hyco.serving.table import UNCONFIRMED_GRACE_S, HeldSession, SessionTab
 
 def _session(sid: bytes, **kw) -> HeldSession:
     s = HeldSession(sid=sid, engine=SimpleNamespace(), endpoint="completions", caps=None, completion_id="c",
-                    created=0, ring=None, root=1, root_position=3, budget=32)
+                    created=0, ring=None, root=1, root_position=3, node_budget=32)
     s.last_active = 0.0
     for k, v in kw.items():
         setattr(s, k, v)

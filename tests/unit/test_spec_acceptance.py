@@ -14,7 +14,6 @@ from vllm_hyco.spec_decode.stats import RoundStats
 from vllm_hyco.spec_decode.tree import TokenTree
 from vllm_hyco.spec_decode.verify import PackedTrees, verify_batch, verify_batch_from_probs
 
-
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 V = 6

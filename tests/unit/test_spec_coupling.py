@@ -19,7 +19,6 @@ from vllm_hyco.spec_decode.sampling import SamplingSpec, sampling_probs
 from vllm_hyco.spec_decode.tree import TokenTree
 from vllm_hyco.spec_decode.verify import PackedTrees, verify_batch
 
-
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 

@@ -12,7 +12,6 @@ from vllm_hyco.spec_decode.sampling import (
     sampling_support,
 )
 
-
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 

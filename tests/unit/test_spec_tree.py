@@ -10,7 +10,6 @@ from vllm_hyco.errors import TreeValidationError
 from vllm_hyco.handoff.tree_contract import validate_tree
 from vllm_hyco.spec_decode.tree import TokenTree
 
-
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 V = 100
@@ -48,7 +47,7 @@ def test_masks_and_depths_match_brute_force_on_random_trees():
 
 
 def test_full_64_row_mask_uses_the_sign_bit():
-    tree = TokenTree.from_parents(list(range(64)), [-1] + list(range(63)), vocab_size=V, budget=63)
+    tree = TokenTree.from_parents(list(range(64)), [-1] + list(range(63)), vocab_size=V, node_budget=63)
     assert tree.ancestor_mask[-1].item() == -1  # all 64 bits set
 
 
@@ -79,11 +78,11 @@ BAD_TREES = [
 @pytest.mark.parametrize("code,tokens,parents,labels,budget", BAD_TREES)
 def test_bad_trees_are_rejected_with_their_code(code, tokens, parents, labels, budget):
     with pytest.raises(TreeValidationError) as err:
-        validate_tree(tokens, parents, vocab_size=V, budget=budget, labels=labels)
+        validate_tree(tokens, parents, vocab_size=V, node_budget=budget, labels=labels)
     assert err.value.code == code, str(err.value)
     assert str(err.value)  # a message that says what to fix
     with pytest.raises(TreeValidationError):
-        TokenTree.from_parents(tokens, parents, vocab_size=V, budget=budget, labels=labels)
+        TokenTree.from_parents(tokens, parents, vocab_size=V, node_budget=budget, labels=labels)
 
 
 def test_random_corruptions_are_all_rejected():
@@ -107,7 +106,7 @@ def test_random_corruptions_are_all_rejected():
             pars.append(pars[i])
             code = "duplicate_sibling"
         with pytest.raises(TreeValidationError) as err:
-            validate_tree(toks, pars, vocab_size=V, budget=40)
+            validate_tree(toks, pars, vocab_size=V, node_budget=40)
         assert err.value.code == code
 
 

@@ -38,8 +38,10 @@ def test_hold_is_bounded_by_one_predicted_step():
 
 def test_round_trip_is_an_average_and_submission_ends_the_wait():
     g = StepGather(alpha=0.5)
-    g.taken("a", 0.0); g.submitted("a", 0.2)
-    g.taken("a", 1.0); g.submitted("a", 1.1)
+    g.taken("a", 0.0)
+    g.submitted("a", 0.2)
+    g.taken("a", 1.0)
+    g.submitted("a", 1.1)
     assert g.gap["a"] == pytest.approx(0.15)
     assert g.expected("a") is None  # submitted: no longer in its round trip
     g.taken("a", 2.0)

@@ -59,9 +59,11 @@ def test_padded_matches_the_per_tree_path(window, softcap, shared):
     T, R = pt.rows.shape
     L = prefix_slots.shape[1]
     q = query.view(-1, HQ, D)[pt.rows]
-    k_pre, v_pre = cache_k[prefix_slots.reshape(-1)].view(T, L, HKV, D), cache_v[prefix_slots.reshape(-1)].view(T, L, HKV, D)
+    k_pre = cache_k[prefix_slots.reshape(-1)].view(T, L, HKV, D)
+    v_pre = cache_v[prefix_slots.reshape(-1)].view(T, L, HKV, D)
     if shared:
-        k_tree, v_tree = cache_k[tree_slots.reshape(-1)].view(T, R, HKV, D), cache_v[tree_slots.reshape(-1)].view(T, R, HKV, D)
+        k_tree = cache_k[tree_slots.reshape(-1)].view(T, R, HKV, D)
+        v_tree = cache_v[tree_slots.reshape(-1)].view(T, R, HKV, D)
     else:
         k_tree, v_tree = key.view(-1, HKV, D)[pt.rows], value.view(-1, HKV, D)[pt.rows]
     out = torch.zeros(rows, HQ * D)

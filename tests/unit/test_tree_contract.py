@@ -84,13 +84,12 @@ def test_limits():
 def test_every_default_budget_is_the_contracts():
     from mobile_client.session import SessionOptions
     from mobile_client.tree import DraftTree
-
     from vllm_hyco.config import HycoConfig
     from vllm_hyco.handoff.client_frames import ClientCapabilities
     from vllm_hyco.handoff.limits import WireLimits
 
-    assert HycoConfig().node_budget == WireLimits().max_nodes == ClientCapabilities().max_nodes \
-        == DraftTree.make_dummy([1], [-1]).budget == SessionOptions().max_nodes == DEFAULT_NODE_BUDGET
+    assert HycoConfig().node_budget == WireLimits().max_node_budget == ClientCapabilities().node_budget \
+        == DraftTree.make_dummy([1], [-1]).node_budget == SessionOptions().node_budget == DEFAULT_NODE_BUDGET
 
 
 def test_one_definition_of_the_label_enum():
@@ -106,7 +105,7 @@ def test_one_definition_of_the_label_enum():
     from vllm_hyco.handoff import NodeLabel as wire_label
     from vllm_hyco.spec_decode import stats
 
-    assert wire_label is NodeLabel and stats.NUM_SOURCES == len(NodeLabel)
+    assert wire_label is NodeLabel and len(NodeLabel) == stats.NUM_SOURCES
     assert not hasattr(phone_tree, "Source") and not hasattr(phone_tree, "BUDGET")
 
 
@@ -165,10 +164,10 @@ def test_every_prefix_of_a_tree_is_a_tree(seed):
     fields are the prefix of the whole tree's."""
     rng = random.Random(1000 + seed)
     tokens, parents = random_tree(rng.randrange(1, MAX_TREE_ROWS + 1), rng)
-    validate_tree(tokens, parents, vocab_size=V, budget=MAX_NODE_BUDGET)
+    validate_tree(tokens, parents, vocab_size=V, node_budget=MAX_NODE_BUDGET)
     full_d, full_m, full_a = depths(parents), ancestor_mask(parents), ancestor_matrix(parents)
     for k in range(1, len(parents) + 1):
-        validate_tree(tokens[:k], parents[:k], vocab_size=V, budget=k - 1)
+        validate_tree(tokens[:k], parents[:k], vocab_size=V, node_budget=k - 1)
         assert depths(parents[:k]).tolist() == full_d[:k].tolist()
         assert ancestor_mask(parents[:k]).tolist() == full_m[:k].tolist()
         assert (ancestor_matrix(parents[:k]) == full_a[:k, :k]).all()
@@ -262,19 +261,19 @@ BAD = [
 @pytest.mark.parametrize("code,tokens,parents,labels,budget,fix", BAD)
 def test_bad_trees_name_the_rule_and_the_fix(code, tokens, parents, labels, budget, fix):
     with pytest.raises(TreeValidationError) as err:
-        validate_tree(tokens, parents, vocab_size=V, budget=budget, labels=labels)
+        validate_tree(tokens, parents, vocab_size=V, node_budget=budget, labels=labels)
     assert err.value.code == code, str(err.value)
     assert fix in str(err.value)
 
 
 def test_valid_trees_of_every_input_form():
-    validate_tree([5], [-1], vocab_size=V, budget=0)  # root only: verifies to a bonus token
+    validate_tree([5], [-1], vocab_size=V, node_budget=0)  # root only: verifies to a bonus token
     validate_tree((7, 11, 12), (-1, 0, 1), vocab_size=V, labels=(0, 1, 3))
     validate_tree(np.array([7, 11], np.uint32), np.array([-1, 0], np.int8), vocab_size=V,
                   labels=np.array([0, 2], np.uint8))
     validate_tree([np.int64(7), np.int32(8)], [-1, 0], vocab_size=V)
     tokens = list(range(MAX_TREE_ROWS))
-    validate_tree(tokens, [-1] + tokens[:-1], vocab_size=V, budget=MAX_NODE_BUDGET)
+    validate_tree(tokens, [-1] + tokens[:-1], vocab_size=V, node_budget=MAX_NODE_BUDGET)
 
 
 def test_random_corruptions_are_rejected_with_their_code():
@@ -297,6 +296,6 @@ def test_random_corruptions_are_rejected_with_their_code():
             parents.append(parents[i])
             code = "duplicate_sibling"
         with pytest.raises(TreeValidationError) as err:
-            validate_tree(tokens, parents, vocab_size=V, budget=40)
+            validate_tree(tokens, parents, vocab_size=V, node_budget=40)
         assert err.value.code == code
 

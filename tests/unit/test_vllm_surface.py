@@ -73,7 +73,8 @@ def _is_vllm(cls: type) -> bool:
     return cls.__module__.split(".")[0] == "vllm"
 
 
-IGNORED = {"__abstractmethods__", "__module__", "__doc__", "__qualname__", "__dict__", "__weakref__", "_abc_impl", "__annotations__",
+IGNORED = {"__abstractmethods__", "__module__", "__doc__", "__qualname__", "__dict__", "__weakref__", "_abc_impl",
+           "__annotations__",
            "__firstlineno__", "__static_attributes__", "__parameters__", "__orig_bases__"}
 
 
@@ -241,7 +242,9 @@ def test_every_patch_applies_and_reverts(patch):
     missing = object()
 
     def current():
-        return owner.__dict__.get(patch.attr, missing) if isinstance(owner, type) else getattr(owner, patch.attr, missing)
+        if isinstance(owner, type):
+            return owner.__dict__.get(patch.attr, missing)
+        return getattr(owner, patch.attr, missing)
 
     was_applied = patch.applied
     if was_applied:
@@ -313,3 +316,21 @@ def test_private_vllm_names_appear_only_in_surface_or_as_pinned_hooks():
         elif name in reads and modules - {"surface.py"}:
             problems.append(f"{name}: read outside surface.py ({', '.join(sorted(modules - {'surface.py'}))})")
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("key", sorted(surface.CARRIERS))
+def test_contract_carriers_take_hyco_attributes_and_pickle_them(key):
+    """``SchedulerOutput.hyco_trees`` and ``ModelRunnerOutput.hyco_verdicts`` are attributes HyCo sets on
+    vLLM's objects: the classes must have no ``__slots__`` and the attribute must survive pickling (how
+    vLLM's multiprocess executor ships them)."""
+    import pickle
+
+    from vllm_hyco.engine_contract import StepTree
+
+    module, _, name = key.partition(":")
+    cls = getattr(importlib.import_module(module), name)
+    assert not any("__slots__" in vars(c) for c in cls.__mro__ if c is not object), key
+    obj = cls.__new__(cls)
+    value = {"r": StepTree(0, (1, 2), (-1, 0), None)}
+    setattr(obj, surface.CARRIERS[key], value)
+    assert getattr(pickle.loads(pickle.dumps(obj)), surface.CARRIERS[key]) == value

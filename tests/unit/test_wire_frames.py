@@ -47,7 +47,7 @@ def verdict(**kw):
         bonus=9,
         handoff=HandoffPayload.make_dummy(SPEC, 10, 13, bonus_token=9),
         handoff_ref=None,
-        budget=32,
+        node_budget=32,
         chunk=openai_chunk("chat.completion.chunk", "c", "m", "abc", created=5),
     )
     args.update(kw)
@@ -94,7 +94,7 @@ SERVER_FRAMES = [
         bonus=None,
         handoff=None,
         tokens=(7,),
-        budget=0,
+        node_budget=0,
         chunk=openai_chunk("text_completion", "c", "m", "x", "length", created=5),
     ),
     HandoffChunkFrame(0, 1, 2, b"ab"),
@@ -199,7 +199,7 @@ def test_draft_q_round_trips_and_its_defects_say_what_to_fix():
 
 
 def test_tree_node_limit_follows_the_limits():
-    err(decode_client_frame, encode_frame(tree32()), "too_many_nodes", limits=WireLimits(max_nodes=16))
+    err(decode_client_frame, encode_frame(tree32()), "too_many_nodes", limits=WireLimits(max_node_budget=16))
 
 
 def test_parent_error_message_says_what_to_fix():
@@ -294,7 +294,7 @@ def test_completions_start_needs_a_prompt():
         (dict(tokens=(7, 9)), "bad_verdict"),
         (dict(path=(3, 1)), "bad_verdict"),
         (dict(path=(0, 1)), "bad_verdict"),
-        (dict(budget=0), "bad_verdict"),
+        (dict(node_budget=0), "bad_verdict"),
         (dict(handoff=None), "bad_verdict"),
         (dict(handoff_ref=HandoffRef(2, 10, 8, bytes(32))), "bad_verdict"),
         (dict(handoff=HandoffPayload.make_dummy(SPEC, 10, 13, bonus_token=5)), "bad_verdict"),
@@ -440,7 +440,7 @@ def test_frame_size_limits_per_direction():
 
 
 def test_limits_are_validated():
-    for bad in (dict(max_nodes=0), dict(max_nodes=300), dict(chunk_bytes=4 << 20), dict(max_round=True)):
+    for bad in (dict(max_node_budget=0), dict(max_node_budget=300), dict(chunk_bytes=4 << 20), dict(max_round=True)):
         with pytest.raises(ConfigError):
             WireLimits(**bad)
 

@@ -6,6 +6,7 @@ unknown one) mutations of every golden-style frame of both directions and of a h
 still decodes must re-encode to bytes that decode and re-encode to the same bytes.
 """
 
+import contextlib
 import random
 
 import msgpack
@@ -78,10 +79,8 @@ def mutate_structure(rng: random.Random, data: bytes) -> bytes:
         elif op == 1 and isinstance(parent, dict):
             parent[rng.choice(["extra", "v", "type", "round", "tokens", "x"])] = random_value(rng)
         else:
-            try:
+            with contextlib.suppress(IndexError):
                 parent[key] = random_value(rng)
-            except IndexError:
-                pass
     return msgpack.packb(obj, use_bin_type=True)
 
 

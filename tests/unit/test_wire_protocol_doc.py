@@ -23,7 +23,7 @@ def test_the_fatal_set_is_derived_from_the_one_table():
     from vllm_hyco.handoff import limits
 
     assert limits.ERROR_CODES is ERROR_CODES and limits.FATAL_CODES is FATAL_CODES
-    assert FATAL_CODES == {c for c, e in ERROR_CODES.items() if e.fatal}
+    assert {c for c, e in ERROR_CODES.items() if e.fatal} == FATAL_CODES
     assert {"chunk_missing", "chunk_duplicate", "chunk_out_of_order", "chunk_corrupt"} <= FATAL_CODES
     assert all(e.side == ("client" if e.status < 500 else "server") for e in ERROR_CODES.values())
     assert ERROR_CODES["internal_error"].side == "server" and ERROR_CODES["bad_request"].side == "client"

@@ -216,3 +216,19 @@ def test_v_rows_for_a_layer_declared_without_v_cannot_be_built():
     p = HandoffPayload.make_dummy(spec, 0, 1)
     with pytest.raises(HandoffSchemaError, match="has_v=False"):
         dataclasses.replace(p, v=(p.v[0], np.zeros((1, 1, 8), np.int8)))
+
+
+def test_quantized_refuses_a_layer_whose_v_rows_have_no_scale():
+    """A scales file without a V scale for a layer that sends V would quantize the rows to zeros (a None
+    scale reads as NaN): the payload is refused with ``scales_mismatch`` instead."""
+    from vllm_hyco.handoff.quant import HandoffScales
+    from vllm_hyco.handoff.schema import HandoffHeader, HandoffPayload, HandoffSpec, LayerSpec
+
+    spec = HandoffSpec(fingerprint=bytes(16), hidden_size=4, scales_id=bytes(16),
+                       layers=(LayerSpec(3, "full", kv_heads=1, head_dim=2, window=0),))
+    one = np.ones(4, np.float32)
+    scales = HandoffScales(e=one, h=one, layers=((3, np.ones((1, 2), np.float32), None),), model="no-v")
+    rows = np.ones((2, 1, 2), np.float32)
+    with pytest.raises(HandoffSchemaError, match="no V scale for layer 3") as err:
+        HandoffPayload.quantized(HandoffHeader(spec, 5, 7), scales, 9, one, one, [rows], [rows])
+    assert err.value.code == "scales_mismatch"

@@ -3,7 +3,6 @@
 import pytest
 
 from vllm_hyco.handoff.limits import AIOHTTP_DEFAULT_MAX_MSG
-from vllm_hyco.models.gemma4 import GEMMA4_26B_A4B_CONFIG
 from vllm_hyco.handoff.sizes import (
     FIXTURE_VERIFIER_CONFIG,
     handoff_bytes,
@@ -15,6 +14,7 @@ from vllm_hyco.handoff.sizes import (
     spec_from_hf_config,
     tree_frame_bytes,
 )
+from vllm_hyco.models.gemma4 import GEMMA4_26B_A4B_CONFIG
 
 
 def test_26b_a4b_value_counts_match_the_paper():

@@ -6,13 +6,16 @@ message naming the field, so no decoder ever lets a KeyError/TypeError/ValueErro
 
 from __future__ import annotations
 
-from typing import Any
+import builtins
+from typing import Any, Literal, TypeVar, overload
 
 import msgpack
 
 from vllm_hyco.errors import HycoError
 
 _MISSING = object()
+_T = TypeVar("_T")
+_D = TypeVar("_D")
 
 # bool is an int subclass in Python; these helpers never accept a bool where an int is asked for.
 _TYPE_NAMES = {int: "int", str: "str", bytes: "bin", bool: "bool", float: "float", dict: "map", list: "array"}
@@ -53,12 +56,30 @@ def unpack(data: Any, err: type[HycoError], max_bytes: int, what: str) -> Any:
 class Fields:
     """Reads one decoded map, checking types; ``done()`` rejects keys nobody read (strict schema)."""
 
-    def __init__(self, obj: Any, err: type[HycoError], where: str):
+    # ``int`` is also a method name here, so the annotations in this class spell the type ``builtins.int``.
+    # The overloads say what a getter returns: ``optional=True`` adds None (or the ``default`` given).
+    obj: dict[Any, Any]  # the decoded map
+    err: type[HycoError]
+    where: str
+    seen: set[str]  # the keys read so far
+
+    def __init__(self, obj: Any, err: type[HycoError], where: str) -> None:
         if not isinstance(obj, dict):
             raise err(f"{where}: expected a map, got {_type_name(obj)}", code="bad_field_type")
         self.obj, self.err, self.where, self.seen = obj, err, where, set()
 
-    def get(self, key: str, typ: type | tuple[type, ...], *, optional: bool = False, default: Any = None):
+    @overload
+    def get(self, key: str, typ: type[_T], *, optional: Literal[False] = ..., default: Any = ...) -> _T: ...
+    @overload
+    def get(self, key: str, typ: type[_T], *, optional: bool, default: None = ...) -> _T | None: ...
+    @overload
+    def get(self, key: str, typ: type[_T], *, optional: bool, default: _D) -> _T | _D: ...
+    @overload
+    def get(self, key: str, typ: tuple[type, ...], *, optional: bool = ..., default: Any = ...) -> Any: ...
+
+    def get(
+        self, key: str, typ: type | tuple[type, ...], *, optional: bool = False, default: Any = None
+    ) -> Any:
         self.seen.add(key)
         value = self.obj.get(key, _MISSING)
         if value is _MISSING or (optional and value is None):
@@ -72,7 +93,16 @@ class Fields:
             )
         return value
 
-    def int(self, key: str, lo: int, hi: int, *, optional: bool = False):
+    @overload
+    def int(
+        self, key: str, lo: builtins.int, hi: builtins.int, *, optional: Literal[False] = ...
+    ) -> builtins.int: ...
+    @overload
+    def int(self, key: str, lo: builtins.int, hi: builtins.int, *, optional: bool) -> builtins.int | None: ...
+
+    def int(
+        self, key: str, lo: builtins.int, hi: builtins.int, *, optional: bool = False
+    ) -> builtins.int | None:
         value = self.get(key, int, optional=optional)
         if value is not None and not lo <= value <= hi:
             raise self.err(
@@ -80,10 +110,26 @@ class Fields:
             )
         return value
 
+    @overload
+    def bin(self, key: str, *, optional: Literal[False] = ...) -> bytes: ...
+    @overload
+    def bin(self, key: str, *, optional: bool) -> bytes | None: ...
+
     def bin(self, key: str, *, optional: bool = False) -> bytes | None:
         return self.get(key, bytes, optional=optional)
 
-    def choice(self, key: str, allowed: tuple[str, ...], *, optional: bool = False, default: Any = None):
+    @overload
+    def choice(
+        self, key: str, allowed: tuple[str, ...], *, optional: Literal[False] = ..., default: str | None = ...
+    ) -> str: ...
+    @overload
+    def choice(
+        self, key: str, allowed: tuple[str, ...], *, optional: bool, default: str | None = ...
+    ) -> str | None: ...
+
+    def choice(
+        self, key: str, allowed: tuple[str, ...], *, optional: bool = False, default: str | None = None
+    ) -> str | None:
         value = self.get(key, str, optional=optional, default=default)
         if value is not None and value not in allowed:
             raise self.err(

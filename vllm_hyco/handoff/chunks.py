@@ -45,7 +45,7 @@ def plan_handoff(
     round: int,
     limits: WireLimits = DEFAULT_LIMITS,
     client_max_message_bytes: int | None = None,
-):
+) -> tuple[HandoffPayload | None, HandoffRef | None, list[HandoffChunkFrame]]:
     """How the server sends one hand-off: ``(inline_payload, ref, chunk_frames)``.
 
     Inline (``(payload, None, [])``) when the encoding fits in one chunk, else ``(None, ref, frames)``.

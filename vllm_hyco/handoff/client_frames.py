@@ -23,7 +23,9 @@ b'\\xff\\x00\\x00'
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any, SupportsInt
 
 import numpy as np
 
@@ -40,25 +42,27 @@ ENDPOINTS = ("chat.completions", "completions")
 MODES = ("exact", "epsilon")
 MIN_CLIENT_MESSAGE_BYTES = 64 << 10
 _E = FrameError
+# ``{row: (ids, weights)}``: the sampled rows' distributions as the phone holds them (``DraftQ.of``)
+DraftQItems = Mapping[int, tuple[Iterable[SupportsInt], Iterable[SupportsInt]]]
 
 
 @dataclass(frozen=True)
 class ClientCapabilities:
-    max_nodes: int = DEFAULT_NODE_BUDGET  # the most draft nodes this phone can build per tree
+    node_budget: int = DEFAULT_NODE_BUDGET  # the largest tree this phone builds (wire key "max_nodes")
     labels: bool = True  # the phone sends per-node source labels
     handoff_schemas: tuple[int, ...] = (HANDOFF_SCHEMA_VERSION,)  # hand-off schema versions it decodes
     max_message_bytes: int = AIOHTTP_DEFAULT_MAX_MSG  # its WebSocket receive limit
 
     def to_wire(self) -> dict:
         return {
-            "max_nodes": self.max_nodes,
+            "max_nodes": self.node_budget,
             "labels": self.labels,
             "handoff_schemas": list(self.handoff_schemas),
             "max_message_bytes": self.max_message_bytes,
         }
 
     @classmethod
-    def from_wire(cls, obj, limits: WireLimits) -> ClientCapabilities:
+    def from_wire(cls, obj: Any, limits: WireLimits) -> ClientCapabilities:
         f = Fields(obj, _E, "start.hyco.capabilities")
         schemas = f.get("handoff_schemas", list)
         if not schemas or len(schemas) > 16 or not all(type(s) is int and 1 <= s <= 255 for s in schemas):
@@ -67,7 +71,7 @@ class ClientCapabilities:
                 code="bad_hyco",
             )
         caps = cls(
-            max_nodes=f.int("max_nodes", 1, 254),
+            node_budget=f.int("max_nodes", 1, 254),
             labels=f.get("labels", bool),
             handoff_schemas=tuple(schemas),
             max_message_bytes=f.int("max_message_bytes", MIN_CLIENT_MESSAGE_BYTES, 1 << 40),
@@ -86,7 +90,7 @@ class ResumeRequest:
         return {"session_id": self.session_id, "last_round": self.last_round, "need_seed": self.need_seed}
 
     @classmethod
-    def from_wire(cls, obj, limits: WireLimits) -> ResumeRequest:
+    def from_wire(cls, obj: Any, limits: WireLimits) -> ResumeRequest:
         f = Fields(obj, _E, "start.hyco.resume")
         sid = f.get("session_id", str)
         problem = session_id_problem(sid)
@@ -123,7 +127,7 @@ class HycoOptions:
         return out
 
     @classmethod
-    def from_wire(cls, obj, limits: WireLimits) -> HycoOptions:
+    def from_wire(cls, obj: Any, limits: WireLimits) -> HycoOptions:
         f = Fields(obj, _E, "start.hyco")
         mode = f.choice("mode", MODES)
         eps = f.get("epsilon", float, optional=True)
@@ -230,8 +234,9 @@ class TreeFrame:
         return len(self.tokens) - 1
 
     @classmethod
-    def from_lists(cls, round: int, tokens, parents, labels=None, values=None, schema=None,
-                   draft_q=None) -> TreeFrame:
+    def from_lists(cls, round: int, tokens: Iterable[SupportsInt], parents: Iterable[SupportsInt],
+                   labels: Iterable[SupportsInt] | None = None, values: Iterable[SupportsInt] | None = None,
+                   schema: bytes | None = None, draft_q: DraftQ | DraftQItems | None = None) -> TreeFrame:
         """``draft_q``: ``{row: (ids, weights)}`` (or a ``DraftQ``) for the rows drawn from a distribution."""
         return cls(
             int(round),
@@ -285,8 +290,8 @@ class TreeFrame:
                 code="bad_tokens",
             )
         n = len(tokens_raw) // 4 - 1
-        if n > limits.max_nodes:
-            raise _E(f"tree has {n} nodes, over the limit of {limits.max_nodes}", code="too_many_nodes")
+        if n > limits.max_node_budget:
+            raise _E(f"tree has {n} nodes, over the limit of {limits.max_node_budget}", code="too_many_nodes")
         tokens = np.frombuffer(tokens_raw, dtype="<u4")
         if int(tokens.max()) > limits.max_token_id:
             raise _E(
@@ -317,7 +322,7 @@ class DraftQ:
     weights: tuple[tuple[int, ...], ...]
 
     @classmethod
-    def of(cls, value) -> DraftQ:
+    def of(cls, value: DraftQ | DraftQItems) -> DraftQ:
         if isinstance(value, DraftQ):
             return value
         items = sorted((int(r), v) for r, v in dict(value).items())

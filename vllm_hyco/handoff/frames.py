@@ -24,6 +24,8 @@ True
 
 from __future__ import annotations
 
+from typing import Any
+
 from vllm_hyco.errors import FrameError
 from vllm_hyco.handoff._fields import Fields, pack, unpack
 from vllm_hyco.handoff.client_frames import StartFrame, TreeFrame
@@ -53,7 +55,7 @@ SERVER_FRAMES = {
 }
 
 
-def frame_to_wire(frame, version: int = PROTOCOL_VERSION) -> dict:
+def frame_to_wire(frame: ClientFrame | ServerFrame, version: int = PROTOCOL_VERSION) -> dict:
     return {"type": frame.TYPE, "v": version, **frame.to_wire()}
 
 
@@ -67,7 +69,7 @@ def encode_frame(frame: ClientFrame | ServerFrame, version: int = PROTOCOL_VERSI
     return pack(frame_to_wire(frame, version))
 
 
-def reply_version(data) -> int:
+def reply_version(data: Any) -> int:
     """The version to answer a (possibly undecodable) phone message in: the message's own ``v`` when it is
     one whose error frame we can write, else ours. Never raises."""
     try:
@@ -78,14 +80,14 @@ def reply_version(data) -> int:
     return v if type(v) is int and v in ERROR_FRAME_VERSIONS else PROTOCOL_VERSION
 
 
-def decode_client_frame(data, limits: WireLimits = DEFAULT_LIMITS) -> ClientFrame:
+def decode_client_frame(data: Any, limits: WireLimits = DEFAULT_LIMITS) -> ClientFrame:
     """What the server calls on each message from a phone."""
     f, ftype = _envelope(data, limits.max_client_frame_bytes, CLIENT_FRAMES, "phone -> server")
     return CLIENT_FRAMES[ftype].from_wire(f, limits)
 
 
 def decode_server_frame(
-    data, limits: WireLimits = DEFAULT_LIMITS, schema: HandoffSpec | None = None
+    data: Any, limits: WireLimits = DEFAULT_LIMITS, schema: HandoffSpec | None = None
 ) -> ServerFrame:
     """What the phone calls on each message from the server; ``schema`` (the session's, from its
     ``session`` frame) reads inline hand-offs."""
@@ -95,7 +97,7 @@ def decode_server_frame(
     return SERVER_FRAMES[ftype].from_wire(f, limits)
 
 
-def _envelope(data, max_bytes: int, allowed: dict, direction: str) -> tuple[Fields, str]:
+def _envelope(data: Any, max_bytes: int, allowed: dict, direction: str) -> tuple[Fields, str]:
     obj = unpack(data, FrameError, max_bytes, f"{direction} frame")
     f = Fields(obj, FrameError, f"{direction} frame")
     ftype = f.get("type", str)

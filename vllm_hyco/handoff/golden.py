@@ -28,7 +28,7 @@ from vllm_hyco.handoff.client_frames import (
     StartFrame,
     TreeFrame,
 )
-from vllm_hyco.handoff.frames import PROTOCOL_VERSION, UPGRADE_HINT, encode_frame
+from vllm_hyco.handoff.frames import PROTOCOL_VERSION, UPGRADE_HINT, ClientFrame, ServerFrame, encode_frame
 from vllm_hyco.handoff.quant import HandoffScales, save_scales
 from vllm_hyco.handoff.schema import HANDOFF_SCHEMA_VERSION, HandoffPayload, HandoffSpec, encode_handoff
 from vllm_hyco.handoff.server_frames import ErrorFrame, FinalFrame, SessionFrame, VerdictFrame, openai_chunk
@@ -46,7 +46,7 @@ def golden_scales() -> HandoffScales:
     """Deterministic positive float32 scales for the fixture layout (powers of two: exact in any dtype)."""
     hidden, layers = layers_from_hf_config(FIXTURE_VERIFIER_CONFIG)
 
-    def pat(shape, salt):
+    def pat(shape: tuple[int, ...], salt: int) -> np.ndarray:
         n = int(np.prod(shape))
         return (
             np.ldexp(np.float32(1.0), ((np.arange(n) * 7 + salt) % 5 - 9)).astype(np.float32).reshape(shape)
@@ -97,14 +97,14 @@ def golden_files() -> dict[str, tuple[str, bytes]]:
         "temperature": 0.0,
         "stream": True,
     }
-    caps = ClientCapabilities(max_nodes=32, labels=True, handoff_schemas=(HANDOFF_SCHEMA_VERSION,))
+    caps = ClientCapabilities(node_budget=32, labels=True, handoff_schemas=(HANDOFF_SCHEMA_VERSION,))
     round_handoff = HandoffPayload.make_dummy(spec, 40, 43, bonus_token=77, salt=5)
     seed = HandoffPayload.make_dummy(spec, 0, SEED_POSITIONS, bonus_token=55, salt=9)
     seed_ref, seed_chunks = split_handoff(encode_handoff(seed), 0, SEED_CHUNK_BYTES)
     chat_chunk = lambda text, reason=None, role=None: openai_chunk(  # noqa: E731
         "chat.completion.chunk", "chatcmpl-golden", "hyco-tiny", text, reason, created=CREATED, role=role
     )
-    frames = {
+    frames: dict[str, ClientFrame] = {
         "start_chat": StartFrame(
             "chat.completions", chat, HycoOptions("exact", None, caps, KEEP_SET_HASH, fingerprint=fp)
         ),
@@ -126,7 +126,7 @@ def golden_files() -> dict[str, tuple[str, bytes]]:
                                              draft_q={1: ([90, 95, 96], [40000, 20000, 5535]), 2: ([91], [1]),
                                                       3: ([92, 7], [3, 1]), 4: ([93, 94], [65535, 1])}),
     }
-    server = {
+    server: dict[str, ServerFrame] = {
         "session": SessionFrame(SESSION_ID, -1, 32, spec),
         "session_resume": SessionFrame(SESSION_ID, 2, 24, spec),
         "verdict_seed": VerdictFrame(0, (), (55,), 55, None, seed_ref, 32, chat_chunk("Hi", role="assistant")),

@@ -19,7 +19,7 @@ AIOHTTP_DEFAULT_MAX_MSG = 4 * 1024 * 1024  # aiohttp ClientSession.ws_connect(ma
 class WireLimits:
     """Structural limits every decoder checks. Defaults fit the paper's setting (B = 32, W = 1,024)."""
 
-    max_nodes: int = DEFAULT_NODE_BUDGET  # draft nodes per tree, root excluded (tree_contract)
+    max_node_budget: int = DEFAULT_NODE_BUDGET  # draft nodes per tree, root excluded (tree_contract)
     max_client_frame_bytes: int = 1 << 20  # any phone -> server frame
     max_prompt_bytes: int = 768 << 10  # the msgpack-encoded OpenAI body inside `start`
     max_server_frame_bytes: int = AIOHTTP_DEFAULT_MAX_MSG  # any server -> phone frame
@@ -33,14 +33,14 @@ class WireLimits:
     max_round: int = 2**31 - 1
     max_string_bytes: int = 64 << 10  # ids, messages and texts inside frames
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"WireLimits.{f.name} must be a positive int, got {value!r}")
-        if self.max_nodes > 254:
+        if self.max_node_budget > 254:
             raise ConfigError(
-                f"WireLimits.max_nodes={self.max_nodes}: parents travel as uint8 with 0xFF for "
+                f"WireLimits.max_node_budget={self.max_node_budget}: parents travel as uint8 with 0xFF for "
                 f"the root, so at most 254 nodes fit; lower it"
             )
         if self.chunk_bytes + 1024 > self.max_server_frame_bytes:

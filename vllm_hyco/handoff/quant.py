@@ -35,6 +35,7 @@ import json
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -106,7 +107,7 @@ class HandoffScales:
     layers: tuple[tuple[int, np.ndarray, np.ndarray | None], ...]
     model: str = ""
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         arrays = [("e", self.e), ("h", self.h)]
         for lid, k, v in self.layers:
             arrays.append((f"k.{lid}", k))
@@ -161,7 +162,7 @@ class HandoffScales:
         return digest.digest()[:SCALES_ID_BYTES]
 
 
-def _canonical_json(obj) -> bytes:
+def _canonical_json(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
 
 

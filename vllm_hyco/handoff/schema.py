@@ -41,6 +41,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 import numpy as np
 
@@ -153,7 +154,7 @@ class HandoffSpec:
         return hashlib.sha256(pack(self.to_wire())).digest()[:SCHEMA_HASH_BYTES]
 
     @classmethod
-    def from_wire(cls, obj, limits: WireLimits = DEFAULT_LIMITS) -> HandoffSpec:
+    def from_wire(cls, obj: Any, limits: WireLimits = DEFAULT_LIMITS) -> HandoffSpec:
         """A decoded schema map -> HandoffSpec; HandoffSchemaError (``handoff_version``, ``bad_handoff``)."""
         f = Fields(obj, _E, "hand-off schema")
         version = f.get("version", int)
@@ -209,7 +210,7 @@ class HandoffHeader:
         return self.root_position - self.span_start
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # its own __eq__ compares the arrays; unhashable (it holds arrays)
 class HandoffPayload:
     header: HandoffHeader
     bonus_token: int
@@ -222,10 +223,13 @@ class HandoffPayload:
     # per schema layer: [positions, kv_heads, head_dim] int8, or None where the layer has has_v=False
     v: tuple[np.ndarray | None, ...]
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         """Arrays must match the header (the encoder's guard against a mis-built payload)."""
         spec, n = self.header.spec, self.header.num_positions
-        want = [("e", self.e_bonus, (spec.hidden_size,)), ("h", self.h, (spec.hidden_size,))]
+        # (what, the array or None, the shape it must have; None: it must be absent)
+        want: list[tuple[str, np.ndarray | None, tuple[int, ...] | None]] = [
+            ("e", self.e_bonus, (spec.hidden_size,)), ("h", self.h, (spec.hidden_size,))
+        ]
         if len(self.k) != len(spec.layers) or len(self.v) != len(spec.layers):
             raise _E(
                 f"hand-off payload has {len(self.k)} K and {len(self.v)} V entries for "
@@ -233,7 +237,7 @@ class HandoffPayload:
                 code="bad_handoff",
             )
         for layer, k, v in zip(spec.layers, self.k, self.v):
-            shape = (n, layer.kv_heads, layer.head_dim)
+            shape: tuple[int, ...] | None = (n, layer.kv_heads, layer.head_dim)
             want.append((f"k of layer {layer.layer_id}", k, shape))
             if layer.has_v or v is not None:
                 want.append(
@@ -244,7 +248,7 @@ class HandoffPayload:
                 got = (arr.dtype, arr.shape) if isinstance(arr, np.ndarray) else type(arr).__name__
                 raise _E(f"hand-off payload: {name} must be int8 {shape}, got {got}", code="bad_handoff")
 
-    def __eq__(self, other):
+    def __eq__(self, other: object) -> bool:
         if not isinstance(other, HandoffPayload):
             return NotImplemented
         arrays = lambda p: [p.e_bonus, p.h, *p.k, *p.v]  # noqa: E731
@@ -254,21 +258,35 @@ class HandoffPayload:
             and all(_same(a, b) for a, b in zip(arrays(self), arrays(other)))
         )
 
-    __hash__ = None
+    __hash__ = None  # type: ignore[assignment]  # a class with __eq__ and arrays is not hashable
 
     @classmethod
     def quantized(
-        cls, header: HandoffHeader, scales: HandoffScales, bonus_token: int, e_bonus, h, k: list, v: list
+        cls,
+        header: HandoffHeader,
+        scales: HandoffScales,
+        bonus_token: int,
+        e_bonus: np.ndarray,
+        h: np.ndarray,
+        k: list[np.ndarray],
+        v: list[np.ndarray | None],
     ) -> HandoffPayload:
         """Quantize float rows with the model's fixed scales (the numpy twin of the server's quantizer).
 
         Shape: e_bonus, h [hidden]; k[i], v[i] [positions, kv_heads, head_dim] (v[i] None if not has_v).
         """
-        qk, qv = [], []
+        qk: list[np.ndarray] = []
+        qv: list[np.ndarray | None] = []
         for layer, ki, vi in zip(header.spec.layers, k, v):
             k_scale, v_scale = scales.layer(layer.layer_id)
             qk.append(quantize(ki, k_scale))
-            qv.append(None if vi is None else quantize(vi, v_scale))
+            if vi is None:
+                qv.append(None)
+                continue
+            if v_scale is None:  # quantize would read None as NaN and send zeros
+                raise _E(f"the scales file {scales.model!r} has no V scale for layer {layer.layer_id}, whose V "
+                         f"rows the hand-off sends; re-calibrate it with V scales", code="scales_mismatch")
+            qv.append(quantize(vi, v_scale))
         return cls(
             header, int(bonus_token), quantize(e_bonus, scales.e), quantize(h, scales.h), tuple(qk), tuple(qv)
         )
@@ -280,7 +298,8 @@ class HandoffPayload:
         """A payload with deterministic int8 patterns (no RNG, so golden files never drift)."""
         header = HandoffHeader(spec, span_start, root_position)
         n, hid = header.num_positions, spec.hidden_size
-        ks, vs = [], []
+        ks: list[np.ndarray] = []
+        vs: list[np.ndarray | None] = []
         for i, layer in enumerate(spec.layers):
             shape = (n, layer.kv_heads, layer.head_dim)
             ks.append(_pattern(shape, salt + 3 + 2 * i))
@@ -302,7 +321,7 @@ def _same(a: np.ndarray | None, b: np.ndarray | None) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and bool(np.array_equal(a, b))
 
 
-def canonical_json(obj) -> bytes:
+def canonical_json(obj: Any) -> bytes:
     try:
         return json.dumps(
             obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
@@ -341,7 +360,7 @@ def encode_handoff(p: HandoffPayload) -> bytes:
     return pack(handoff_to_wire(p))
 
 
-def decode_handoff(data, schema: HandoffSpec, *, limits: WireLimits = DEFAULT_LIMITS) -> HandoffPayload:
+def decode_handoff(data: Any, schema: HandoffSpec, *, limits: WireLimits = DEFAULT_LIMITS) -> HandoffPayload:
     """bytes (or an already-unpacked map) -> HandoffPayload, validating everything against ``schema``.
 
     ``schema``: the session's schema (its ``session`` frame); a hand-off cannot be read without it. Any
@@ -374,7 +393,8 @@ def decode_handoff(data, schema: HandoffSpec, *, limits: WireLimits = DEFAULT_LI
             f"hand-off: kv has {len(kv)} entries for the schema's {len(schema.layers)} layers",
             code="bad_handoff",
         )
-    ks, vs = [], []
+    ks: list[np.ndarray] = []
+    vs: list[np.ndarray | None] = []
     for layer, pair in zip(schema.layers, kv):
         if not isinstance(pair, list) or len(pair) != 2:
             raise _E(f"hand-off: kv entry of layer {layer.layer_id} must be [k, v|nil]", code="bad_handoff")
@@ -391,7 +411,7 @@ def decode_handoff(data, schema: HandoffSpec, *, limits: WireLimits = DEFAULT_LI
     return HandoffPayload(header, bonus, e, h, tuple(ks), tuple(vs))
 
 
-def _int8(raw, shape: tuple[int, ...], what: str) -> np.ndarray:
+def _int8(raw: Any, shape: tuple[int, ...], what: str) -> np.ndarray:
     want = int(np.prod(shape, dtype=np.int64))
     if not isinstance(raw, bytes) or len(raw) != want:
         got = f"{len(raw)} bytes" if isinstance(raw, bytes) else type(raw).__name__
@@ -409,7 +429,7 @@ def _bin16(raw: bytes, what: str) -> bytes:
     return raw
 
 
-def _layer_from_wire(obj, index: int, limits: WireLimits) -> LayerSpec:
+def _layer_from_wire(obj: Any, index: int, limits: WireLimits) -> LayerSpec:
     f = Fields(obj, _E, f"hand-off schema layer {index}")
     layer = LayerSpec(
         layer_id=f.int("id", 0, 1 << 16),

@@ -3,10 +3,11 @@
 ``session`` acknowledges every accepted ``start`` (new or resumed): the session id (with the replica's
 routing key, ``session_id.py``), the round of the last verdict (-1: none; on a resume a replay of it
 follows), the node budget for the next round, and the session's hand-off schema with its hash, which the
-phone confirms in its next tree (protocol version 2). A verdict answers tree round r: the accepted path (rows of that tree, root excluded), the committed
-token ids (the path's tokens, then the bonus), the bonus (the next root), the hand-off for the next
-round (inline, or ``handoff_ref`` plus ``handoff_chunk`` frames when it is bigger than one chunk), the
-node budget granted for round r + 1 (docs/decisions.md D3) and the new text as an OpenAI streaming chunk.
+phone confirms in its next tree (protocol version 2). A verdict answers tree round r: the accepted path
+(rows of that tree, root excluded), the committed token ids (the path's tokens, then the bonus), the bonus
+(the next root), the hand-off for the next round (inline, or ``handoff_ref`` plus ``handoff_chunk`` frames
+when it is bigger than one chunk), the node budget granted for round r + 1 (docs/decisions.md D3) and the
+new text as an OpenAI streaming chunk.
 When the request finishes (the chunk's ``finish_reason`` is set) the verdict carries no bonus, no
 hand-off and budget 0, and its tokens may stop early (EOS, stop string, max_tokens).
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -104,7 +106,7 @@ class HandoffRef:
         }
 
     @classmethod
-    def from_wire(cls, obj, limits: WireLimits) -> HandoffRef:
+    def from_wire(cls, obj: Any, limits: WireLimits) -> HandoffRef:
         f = Fields(obj, _E, "verdict.handoff_ref")
         ref = cls(
             f.int("chunks", 1, 1 << 20),
@@ -131,7 +133,7 @@ class SessionFrame:
     TYPE = "session"
     session_id: str  # "<routing-key>.<random>"
     last_round: int  # the round of the server's last verdict; -1: none (a new session)
-    budget: int  # draft nodes granted for the next round (0 once finished)
+    node_budget: int  # draft nodes granted for the next round (0 once finished; wire key "budget")
     schema: HandoffSpec  # the layout of every hand-off of this session
 
     @property
@@ -142,7 +144,7 @@ class SessionFrame:
         return {
             "sid": self.session_id,
             "last_round": self.last_round,
-            "budget": self.budget,
+            "budget": self.node_budget,
             "schema": self.schema.to_wire(),
             "schema_hash": self.schema.schema_hash,
         }
@@ -151,7 +153,7 @@ class SessionFrame:
     def from_wire(cls, f: Fields, limits: WireLimits) -> SessionFrame:
         sid = _sid(f.get("sid", str), "session")
         last_round = f.int("last_round", -1, limits.max_round)
-        budget = f.int("budget", 0, limits.max_nodes)
+        node_budget = f.int("budget", 0, limits.max_node_budget)
         schema = HandoffSpec.from_wire(f.get("schema", dict), limits)
         stated = f.bin("schema_hash")
         f.done()
@@ -161,7 +163,7 @@ class SessionFrame:
                 f"({schema.schema_hash.hex()}: the first {SCHEMA_HASH_BYTES} bytes of sha256 of its encoding)",
                 code="bad_field_value",
             )
-        return cls(sid, last_round, budget, schema)
+        return cls(sid, last_round, node_budget, schema)
 
 
 @dataclass(frozen=True)
@@ -173,7 +175,7 @@ class VerdictFrame:
     bonus: int | None  # the next root; None once finished
     handoff: HandoffPayload | None
     handoff_ref: HandoffRef | None
-    budget: int  # draft nodes granted for the next round; 0 once finished
+    node_budget: int  # draft nodes granted for the next round; 0 once finished (wire key "budget")
     chunk: dict  # OpenAI streaming chunk with this round's text
 
     @property
@@ -191,7 +193,7 @@ class VerdictFrame:
             out["handoff"] = handoff_to_wire(self.handoff)
         if self.handoff_ref is not None:
             out["handoff_ref"] = self.handoff_ref.to_wire()
-        out["budget"] = self.budget
+        out["budget"] = self.node_budget
         out["chunk"] = self.chunk
         return out
 
@@ -203,17 +205,17 @@ class VerdictFrame:
         bonus = f.int("bonus", 0, limits.max_token_id, optional=True)
         handoff_raw = f.get("handoff", dict, optional=True)
         ref_raw = f.get("handoff_ref", dict, optional=True)
-        budget = f.int("budget", 0, limits.max_nodes)
+        node_budget = f.int("budget", 0, limits.max_node_budget)
         chunk = f.get("chunk", dict)
         f.done()
         reason = chunk_finish_reason(chunk, limits)
         if (
-            len(path) > limits.max_nodes
-            or any(not 1 <= r <= limits.max_nodes for r in path)
+            len(path) > limits.max_node_budget
+            or any(not 1 <= r <= limits.max_node_budget for r in path)
             or any(a >= b for a, b in zip(path, path[1:]))
         ):
             raise _E(
-                f"verdict.path {list(path)} must be increasing tree rows in 1..{limits.max_nodes}",
+                f"verdict.path {list(path)} must be increasing tree rows in 1..{limits.max_node_budget}",
                 code="bad_verdict",
             )
         if len(tokens_raw) % 4 or not 4 <= len(tokens_raw) <= 4 * (len(path) + 1):
@@ -223,20 +225,22 @@ class VerdictFrame:
             )
         tokens = tuple(int(t) for t in np.frombuffer(tokens_raw, dtype="<u4"))
         ref = None if ref_raw is None else HandoffRef.from_wire(ref_raw, limits)
-        if handoff_raw is not None and schema is None:
-            raise _E(
-                "verdict: an inline hand-off arrived before the session frame stated the schema",
-                code="bad_verdict",
-            )
-        handoff = None if handoff_raw is None else decode_handoff(handoff_raw, schema, limits=limits)
-        verdict = cls(rnd, tuple(path), tokens, bonus, handoff, ref, budget, chunk)
+        handoff = None
+        if handoff_raw is not None:
+            if schema is None:
+                raise _E(
+                    "verdict: an inline hand-off arrived before the session frame stated the schema",
+                    code="bad_verdict",
+                )
+            handoff = decode_handoff(handoff_raw, schema, limits=limits)
+        verdict = cls(rnd, tuple(path), tokens, bonus, handoff, ref, node_budget, chunk)
         _check_verdict(verdict, reason)
         return verdict
 
 
 def _check_verdict(v: VerdictFrame, reason: str | None) -> None:
     if reason is not None:
-        if v.bonus is not None or v.handoff is not None or v.handoff_ref is not None or v.budget != 0:
+        if v.bonus is not None or v.handoff is not None or v.handoff_ref is not None or v.node_budget != 0:
             raise _E(
                 "verdict: a finished round (finish_reason set) carries no bonus, no hand-off and budget 0",
                 code="bad_verdict",
@@ -248,7 +252,7 @@ def _check_verdict(v: VerdictFrame, reason: str | None) -> None:
             f"{v.bonus}, got tokens {list(v.tokens)}",
             code="bad_verdict",
         )
-    if (v.handoff is None) == (v.handoff_ref is None) or v.budget < 1:
+    if (v.handoff is None) == (v.handoff_ref is None) or v.node_budget < 1:
         raise _E(
             "verdict: an unfinished round carries exactly one of handoff / handoff_ref and budget >= 1",
             code="bad_verdict",
@@ -353,9 +357,9 @@ class FinalFrame:
             )
         u.done()
         rounds, mat = s.int("rounds", 0, big), s.get("mat", float)
-        if not 0.0 <= mat <= limits.max_nodes + 1:
+        if not 0.0 <= mat <= limits.max_node_budget + 1:
             raise _E(
-                f"final.stats.mat = {mat} is outside [0, {limits.max_nodes + 1}]", code="bad_field_value"
+                f"final.stats.mat = {mat} is outside [0, {limits.max_node_budget + 1}]", code="bad_field_value"
             )
         out = cls(
             sid, prompt, completion, rounds, mat, s.int("bytes_up", 0, big), s.int("bytes_down", 0, big)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import re
 import secrets
+from typing import Any
 
 from vllm_hyco.errors import ConfigError
 
@@ -47,7 +48,7 @@ def new_session_id(key: str) -> str:
     return f"{check_route_key(key)}.{secrets.token_hex(RANDOM_HEX_CHARS // 2)}"
 
 
-def is_session_id(value) -> bool:
+def is_session_id(value: Any) -> bool:
     return isinstance(value, str) and SESSION_ID_RE.fullmatch(value) is not None
 
 
@@ -59,7 +60,7 @@ def route_key(session_id: str) -> str:
     return m.group(1)
 
 
-def session_id_problem(value) -> str | None:
+def session_id_problem(value: Any) -> str | None:
     """None for a well-formed session id, else what is wrong with it (for error messages)."""
     if is_session_id(value):
         return None

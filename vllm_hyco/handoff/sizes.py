@@ -91,10 +91,10 @@ def tree_frame_bytes(
     return len(encode_frame(frame))
 
 
-def session_frame_bytes(spec: HandoffSpec, route_key: str = "r1", budget: int = 32) -> int:
+def session_frame_bytes(spec: HandoffSpec, route_key: str = "r1", node_budget: int = 32) -> int:
     """Downlink once per session (and per resume): the ``session`` frame with the schema."""
     sid = f"{route_key}.{'0' * RANDOM_HEX_CHARS}"
-    return len(encode_frame(SessionFrame(sid, -1, budget, spec)))
+    return len(encode_frame(SessionFrame(sid, -1, node_budget, spec)))
 
 
 def verdict_bytes(
@@ -124,7 +124,7 @@ def verdict_bytes(
         100_000,
         payload,
         None,
-        limits.max_nodes,
+        limits.max_node_budget,
         chunk,
     )
     frame = len(encode_frame(verdict))
@@ -165,7 +165,7 @@ def size_report(
         "handoff_bytes_per_position": two - one,
         "paper_fixed_bytes": PAPER_HEADER_BYTES + spec.values_per_round,
         "handoff_over_paper_bytes": one - paper_handoff_bytes(spec, 1),  # the same at every P
-        "session_frame_bytes": session_frame_bytes(spec, budget=limits.max_nodes),
+        "session_frame_bytes": session_frame_bytes(spec, node_budget=limits.max_node_budget),
         "tree_frame_bytes": {n: tree_frame_bytes(n) for n in (0, 8, 16, 32)},
         "tree_frame_bytes_values": {n: tree_frame_bytes(n, values=True) for n in (0, 8, 16, 32)},
         "tree_frame_bytes_no_labels": {n: tree_frame_bytes(n, labels=False) for n in (0, 8, 16, 32)},

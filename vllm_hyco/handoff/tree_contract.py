@@ -239,7 +239,7 @@ def pad_tree(
 # ------------------------------------------------------------------------------------------ validation
 
 
-def _check_shape(tokens: list[int], parents: list[int], labels: list[int] | None, budget: int) -> None:
+def _check_shape(tokens: list[int], parents: list[int], labels: list[int] | None, node_budget: int) -> None:
     if len(tokens) != len(parents):
         raise TreeValidationError(
             f"tokens has {len(tokens)} rows but parents has {len(parents)}; send one parent per token",
@@ -254,10 +254,10 @@ def _check_shape(tokens: list[int], parents: list[int], labels: list[int] | None
         raise TreeValidationError(
             "tree has no rows; send at least the root (row 0, parent -1)", code="tree_empty"
         )
-    if len(tokens) - 1 > budget:
+    if len(tokens) - 1 > node_budget:
         raise TreeValidationError(
-            f"tree has {len(tokens) - 1} nodes (plus the root) but the node budget is {budget}; "
-            f"trim it to the {budget} best nodes",
+            f"tree has {len(tokens) - 1} nodes (plus the root) but the node budget is {node_budget}; "
+            f"trim it to the {node_budget} best nodes",
             code="tree_too_large",
         )
 
@@ -310,12 +310,12 @@ def validate_tree(
     parents: Sequence[int] | np.ndarray,
     *,
     vocab_size: int,
-    budget: int = DEFAULT_NODE_BUDGET,
+    node_budget: int = DEFAULT_NODE_BUDGET,
     labels: Sequence[int] | np.ndarray | None = None,
 ) -> None:
     """Raise ``TreeValidationError`` (with a rule-specific ``.code``) unless the tree is well formed.
 
-    Codes: ``bad_budget`` (budget outside [0, MAX_NODE_BUDGET]), ``bad_shape``/``bad_dtype`` (not a 1-D int
+    Codes: ``bad_budget`` (node_budget outside [0, MAX_NODE_BUDGET]), ``bad_shape``/``bad_dtype`` (not a 1-D int
     sequence), ``length_mismatch``, ``tree_empty``, ``tree_too_large``, ``bad_root_parent``,
     ``parent_out_of_range``, ``parent_not_before_child``, ``token_out_of_vocab``, ``duplicate_sibling``,
     ``bad_label``.
@@ -326,16 +326,16 @@ def validate_tree(
     ...
     vllm_hyco.errors.TreeValidationError: rows 1 and 2 are both children of row 0 with token 11; ...
     """
-    if not 0 <= budget <= MAX_NODE_BUDGET:
+    if not 0 <= node_budget <= MAX_NODE_BUDGET:
         raise TreeValidationError(
-            f"node budget {budget} is outside [0, {MAX_NODE_BUDGET}]; a tree holds at most "
+            f"node budget {node_budget} is outside [0, {MAX_NODE_BUDGET}]; a tree holds at most "
             f"{MAX_TREE_ROWS} rows, the root included",
             code="bad_budget",
         )
     tok = _int_list("tokens", tokens)
     par = _int_list("parents", parents)
     lab = None if labels is None else _int_list("labels", labels)
-    _check_shape(tok, par, lab, budget)
+    _check_shape(tok, par, lab, node_budget)
     _check_parents(par)
     _check_tokens(tok, par, vocab_size)
     if lab is not None:
@@ -361,7 +361,7 @@ def check_draft_q(tokens: Sequence[int], parents: Sequence[int], rows: Sequence[
     """
     n = len(tokens) - 1
 
-    def bad(msg: str):
+    def bad(msg: str) -> TreeValidationError:
         return TreeValidationError(f"draft_q {msg}", code="bad_draft_q")
 
     if not (len(rows) == len(ids) == len(weights)):

@@ -4,7 +4,8 @@ The CPU engine records a few real tree batches (its twin output included) with
 :func:`record_tree_attention_case`; ``tests/kernels/test_kernels_replay.py`` replays every
 ``benchmarks/gpu/replay/*.pt`` through the Triton kernel (the interpreter on CPU, the compiled kernel when
 run by hand on a GPU), so the kernel sees the metadata the engine really produces. The GPU check script
-no longer runs them: they are tiny fp32 batches, not the variant the engine launches on a GPU. The caches are stored compactly: only the blocks the batch uses, renumbered.
+no longer runs them: they are tiny fp32 batches, not the variant the engine launches on a GPU. The caches
+are stored compactly: only the blocks the batch uses, renumbered.
 
 K/V must be given in the Triton layout ``[num_blocks, block_size, num_kv_heads, head_dim]``; the CPU
 engine converts its own (K-transposed) layout first, or records gathered K/V through a trivial block table

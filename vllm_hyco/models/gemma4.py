@@ -33,12 +33,12 @@ LAYER_TYPES = {"sliding_attention": SLIDING, "full_attention": FULL}
 
 class Gemma4:
     name = "gemma4"
-    model_types = ("gemma4", "gemma4_text")
+    model_types: tuple[str, ...] = ("gemma4", "gemma4_text")
     drafter_kv = DrafterKV.SHARED
     kv_layout = KVLayout.PER_HEAD
     mtp_method = "mtp"
     mtp_proposer = "vllm.v1.spec_decode.gemma4.Gemma4Proposer"
-    mtp_model_types = ("gemma4_assistant",)
+    mtp_model_types: tuple[str, ...] = ("gemma4_assistant",)
     #: the hand-off sends the last cache-owning layer of each kind, in this order of kinds
     handoff_kinds = (SLIDING, FULL)
 
@@ -85,8 +85,9 @@ def _layer_dims(text: Mapping[str, Any], lid: int, global_kv: bool) -> tuple[int
     per_layer = text.get("per_layer_config")
     if per_layer is not None:
         # transformers writes zero-padded keys ("05" in a 12-layer model)
-        over = next((v for k, v in per_layer.items() if int(k) == lid), {})
-        return int(over.get("num_key_value_heads", text["num_key_value_heads"])), int(over.get("head_dim", text["head_dim"]))
+        over: Mapping[str, Any] = next((v for k, v in per_layer.items() if int(k) == lid), {})
+        heads = over.get("num_key_value_heads", text["num_key_value_heads"])
+        return int(heads), int(over.get("head_dim", text["head_dim"]))
     if global_kv:
         heads = text.get("num_global_key_value_heads") or text["num_key_value_heads"]
         return int(heads), int(text.get("global_head_dim", 512))

@@ -5,8 +5,9 @@ The loop reads one binary message at a time, decodes it with the wire owner
 :class:`~vllm_hyco.serving.service.HycoService`. Every violation after the handshake gets an ``error``
 frame with a code and a message; the connection is closed only after ``too_many_sessions``,
 ``idle_timeout`` and ``internal_error``. A frame of another protocol version gets ``unsupported_version``
-in that version's envelope when it has one (a version-1 phone can read it: it says what to upgrade). A phone that disappears leaves its session in the table for
-resume (``idle_timeout_s``); nothing it committed is lost.
+in that version's envelope when it has one (a version-1 phone can read it: it says what to upgrade). A phone
+that disappears leaves its session in the table for resume (``idle_timeout_s``); nothing it committed is
+lost.
 """
 
 from __future__ import annotations

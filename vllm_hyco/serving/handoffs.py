@@ -4,7 +4,8 @@ The engine's hand-off (``vllm_hyco.engine_contract.Handoff``, docs/engine.md) ca
 quantized on the engine's device with this module's scales (``vllm_adapter/worker/tree_step.py`` loads them
 with :meth:`ServerModel.load`): ``e_bonus`` and ``h`` ``[hidden]``, per hand-off layer kind K and V rows
 ``[d + 1, kv_heads, head_dim]`` for positions ``start .. position`` (the root and the accepted path), and
-in round 0 a ``seed`` with the last W positions. The wire hand-off (docs/protocol.md section 5) covers ``[a, t')`` with ``t' = position + 1``.
+in round 0 a ``seed`` with the last W positions. The wire hand-off (docs/protocol.md section 5) covers
+``[a, t')`` with ``t' = position + 1``.
 
 :class:`KvRing` keeps each session's last W quantized positions, so a phone that lost its drafter state
 (``resume.need_seed``) gets a seed for *any* round from the endpoint, without asking the engine again.

@@ -2,24 +2,26 @@
 
 The WebSocket route runs in the API-server process, so these live in that process's
 ``prometheus_client`` registry, which vLLM's ``/metrics`` exposes. Multiprocess caveat: with several API
-servers (``--api-server-count > 1``, refused for HyCo by docs/decisions.md D7) vLLM switches prometheus_client to
-multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``); counters would then aggregate across processes and the
-gauge would need a ``multiprocess_mode``. Created once per process (idempotent :func:`get`).
+servers (``--api-server-count > 1``, refused for HyCo by docs/decisions.md D7) vLLM switches
+prometheus_client to multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``); counters would then aggregate across
+processes and the gauge would need a ``multiprocess_mode``. Created once per process (idempotent :func:`get`).
 
-| metric | type | labels |
-| --- | --- | --- |
-| ``vllm_hyco_sessions_total`` | counter | ``outcome``: opened, finished, resumed, expired, refused |
-| ``vllm_hyco_rounds_total`` | counter | |
-| ``vllm_hyco_accepted_tokens_total`` | counter | ``depth`` (1..32), ``source`` (chain, runner_up, slm, other, unlabelled) |
-| ``vllm_hyco_bonus_tokens_total`` | counter | |
-| ``vllm_hyco_bytes_total`` | counter | ``direction``: up (frames received), down (frames sent) |
-| ``vllm_hyco_parked_sessions`` | gauge | sessions held by the endpoint (connected or waiting for a resume) |
-| ``vllm_hyco_rejected_trees_total`` | counter | ``code`` (bad_round, bad_tree, budget_exceeded, ...) |
-| ``vllm_hyco_error_frames_total`` | counter | ``code`` |
-| ``vllm_hyco_node_budget`` | histogram | nodes granted per verdict (the budget policy's choice) |
-| ``vllm_hyco_verified_nodes`` | histogram | nodes of the phone's tree the server verified (after its cut) |
-| ``vllm_hyco_step_cost_seconds`` | gauge | ``term``: fixed, per_row, per_row_kctx, per_tree, per_branching, per_plain, rmse: the step-cost model's fit |
-| ``vllm_hyco_step_cost_steps`` | gauge | steps the cost model was fitted on |
+The metrics, each as ``name`` (type): labels:
+
+* ``vllm_hyco_sessions_total`` (counter): ``outcome``: opened, finished, resumed, expired, refused
+* ``vllm_hyco_rounds_total`` (counter): none
+* ``vllm_hyco_accepted_tokens_total`` (counter): ``depth`` (1..32), ``source`` (chain, runner_up, slm, other,
+  unlabelled)
+* ``vllm_hyco_bonus_tokens_total`` (counter): none
+* ``vllm_hyco_bytes_total`` (counter): ``direction``: up (frames received), down (frames sent)
+* ``vllm_hyco_parked_sessions`` (gauge): sessions held by the endpoint (connected or waiting for a resume)
+* ``vllm_hyco_rejected_trees_total`` (counter): ``code`` (bad_round, bad_tree, budget_exceeded, ...)
+* ``vllm_hyco_error_frames_total`` (counter): ``code``
+* ``vllm_hyco_node_budget`` (histogram): nodes granted per verdict (the budget policy's choice)
+* ``vllm_hyco_verified_nodes`` (histogram): nodes of the phone's tree the server verified (after its cut)
+* ``vllm_hyco_step_cost_seconds`` (gauge): ``term``: fixed, per_row, per_row_kctx, per_tree, per_branching,
+  per_plain, rmse: the step-cost model's fit
+* ``vllm_hyco_step_cost_steps`` (gauge): steps the cost model was fitted on
 """
 
 from __future__ import annotations

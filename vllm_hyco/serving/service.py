@@ -30,8 +30,15 @@ from typing import Any
 
 from vllm_hyco.config import resolve_session_eps
 from vllm_hyco.engine_contract import Handoff, TreeSubmission
-from vllm_hyco.errors import (EngineError, FrameError, HycoError, RequestFieldError, SessionError, TreeValidationError,
-                              WireError)
+from vllm_hyco.errors import (
+    EngineError,
+    FrameError,
+    HycoError,
+    RequestFieldError,
+    SessionError,
+    TreeValidationError,
+    WireError,
+)
 from vllm_hyco.handoff.chunks import plan_handoff
 from vllm_hyco.handoff.client_frames import StartFrame, TreeFrame
 from vllm_hyco.handoff.frames import encode_frame
@@ -117,7 +124,7 @@ class HycoService:
     def session_frame(self, s: HeldSession) -> bytes:
         """The start acknowledgement; the next tree must confirm its schema hash."""
         s.confirmed = False
-        ack = SessionFrame(s.sid, s.last_round, 0 if s.finished else s.budget, self.model.spec)
+        ack = SessionFrame(s.sid, s.last_round, 0 if s.finished else s.node_budget, self.model.spec)
         return encode_frame(ack)
 
     async def open(self, frame: StartFrame, owner: Any) -> tuple[HeldSession, list[bytes]]:
@@ -152,7 +159,7 @@ class HycoService:
                         completion_id=("chatcmpl-" if frame.endpoint == "chat.completions" else "cmpl-")
                         + uuid.uuid4().hex, created=int(time.time()), ring=KvRing(self.model.window),
                         root=es.root, root_position=len(es.prompt_ids) - 1,
-                        budget=grant_node_budget(self.node_budget, caps.max_nodes), owner=owner)
+                        node_budget=grant_node_budget(self.node_budget, caps.node_budget), owner=owner)
         self.table.add(s)
         self.metrics.sessions.labels(outcome="opened").inc()
         self.metrics.parked.set(self.table.active())
@@ -180,16 +187,17 @@ class HycoService:
         if t.round != s.expected_round:
             raise self._reject(f"tree round {t.round} is not the session's next round {s.expected_round}",
                                "bad_round", t.round)
-        if t.num_nodes > s.budget:
-            raise self._reject(f"the tree has {t.num_nodes} nodes; the last verdict granted {s.budget}: resend "
+        if t.num_nodes > s.node_budget:
+            raise self._reject(f"the tree has {t.num_nodes} nodes; the last verdict granted {s.node_budget}: resend "
                                f"a smaller tree for round {t.round}", "budget_exceeded", t.round)
         if t.tokens[0] != s.root:
             raise self._reject(f"the tree's root is token {t.tokens[0]}; round {t.round}'s root must be "
                                f"{s.root} ({'the last prompt token' if t.round == 0 else 'the last bonus'})",
                                "bad_tree", t.round)
         try:
+            labels = list(t.labels) if t.labels is not None else None
             validate_tree(list(t.tokens), list(t.parents), vocab_size=self.bridge.vocab_size,
-                          budget=self.limits.max_nodes, labels=list(t.labels) if t.labels is not None else None)
+                          node_budget=self.limits.max_node_budget, labels=labels)
         except TreeValidationError as e:
             raise self._reject(f"{e} ({e.code})", "bad_tree", t.round) from None
 
@@ -254,10 +262,10 @@ class HycoService:
             s.last_payload = payload
             handoff, ref, chunks = plan_handoff(payload, t.round, self.limits, s.caps.max_message_bytes)
             s.root, s.root_position = bonus, payload.header.root_position
-            s.budget = grant_node_budget(verdict.budget, self.node_budget, s.caps.max_nodes)
-            m.node_budget(verdict.budget_info, s.budget)
+            s.node_budget = grant_node_budget(verdict.node_budget, self.node_budget, s.caps.node_budget)
+            m.node_budget(verdict.budget_info, s.node_budget)
         v = VerdictFrame(t.round, tuple(path), tuple(committed), None if finished else verdict.tree.bonus,
-                         handoff, ref, 0 if finished else s.budget, chunk)
+                         handoff, ref, 0 if finished else s.node_budget, chunk)
         frames = [encode_frame(v), *(encode_frame(c) for c in chunks)]
         s.last_verdict, s.last_frames, s.last_round = v, list(frames), t.round  # a copy: `final` is apart
         s.expected_round = t.round + 1
@@ -328,5 +336,5 @@ class HycoService:
         start, rows = s.ring.seed_rows(s.root_position)
         payload = self.model.payload(start, s.root_position, last.bonus_token, last.e_bonus, last.h, rows)
         handoff, ref, chunks = plan_handoff(payload, v.round, self.limits, s.caps.max_message_bytes)
-        seeded = VerdictFrame(v.round, v.path, v.tokens, v.bonus, handoff, ref, v.budget, v.chunk)
+        seeded = VerdictFrame(v.round, v.path, v.tokens, v.bonus, handoff, ref, v.node_budget, v.chunk)
         return [encode_frame(seeded), *(encode_frame(c) for c in chunks)]

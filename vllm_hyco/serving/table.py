@@ -42,7 +42,7 @@ class HeldSession:
     ring: KvRing
     root: int  # the next tree's root token
     root_position: int
-    budget: int  # nodes granted for the next round
+    node_budget: int  # nodes granted for the next round (tree_contract.grant_node_budget)
     expected_round: int = 0
     last_round: int = -1
     last_verdict: VerdictFrame | None = None

@@ -52,7 +52,7 @@ def acceptance_mode(epsilon: float | None) -> AcceptanceMode:
     return AcceptanceMode.EXACT if normalize_epsilon(epsilon) is None else AcceptanceMode.EPSILON
 
 
-def _ints(values) -> list[int]:
+def _ints(values: Sequence[int] | torch.Tensor) -> list[int]:
     if isinstance(values, torch.Tensor):
         return [int(v) for v in values.tolist()]
     return [int(v) for v in values]
@@ -62,7 +62,8 @@ def _select_exact(tokens: list[int], parents: list[int], samples: list[int]) -> 
     children: dict[int, list[int]] = {}
     for row in range(1, len(tokens)):
         children.setdefault(parents[row], []).append(row)
-    path, cur = [], 0
+    path: list[int] = []
+    cur = 0
     while True:
         nxt = [c for c in children.get(cur, []) if tokens[c] == samples[cur]]
         if not nxt:
@@ -93,6 +94,7 @@ def select_path(
     eps = normalize_epsilon(epsilon)
     if eps is None:
         return _select_exact(tok, par, smp)
+    assert probs is not None, "epsilon mode reads p̃: pass probs"
     n = len(tok)
     rows = torch.tensor(par[1:], dtype=torch.int64)
     cols = torch.tensor(tok[1:], dtype=torch.int64)
@@ -130,7 +132,7 @@ class Decision:
     hit: torch.Tensor
 
 
-def _segment_max(values: torch.Tensor, seg: torch.Tensor, num_seg: int, fill) -> torch.Tensor:
+def _segment_max(values: torch.Tensor, seg: torch.Tensor, num_seg: int, fill: float) -> torch.Tensor:
     out = torch.full((num_seg,), fill, dtype=values.dtype, device=values.device)
     return out.scatter_reduce(0, seg, values, reduce="amax", include_self=True)
 
@@ -178,7 +180,14 @@ def decide(
     )
 
 
-def _lexicographic_best(accepted, depth, hits, logp, req, num_req) -> torch.Tensor:
+def _lexicographic_best(
+    accepted: torch.Tensor,
+    depth: torch.Tensor,
+    hits: torch.Tensor,
+    logp: torch.Tensor,
+    req: torch.Tensor,
+    num_req: int,
+) -> torch.Tensor:
     """[B] global row maximizing (depth, hits, log p̃ sum, -row) among each request's accepted rows."""
     cand = accepted
     for key, fill in ((depth, -1), (hits, -1), (logp, float("-inf"))):
@@ -193,7 +202,9 @@ def _lexicographic_best(accepted, depth, hits, logp, req, num_req) -> torch.Tens
     return first
 
 
-def _trace_paths(endpoint, parent, depth, max_depth: int) -> torch.Tensor:
+def _trace_paths(
+    endpoint: torch.Tensor, parent: torch.Tensor, depth: torch.Tensor, max_depth: int
+) -> torch.Tensor:
     """[B, max_depth] global rows from depth 1 to the endpoint, -1 beyond."""
     num_req = endpoint.numel()
     path = torch.full((num_req, max(max_depth, 1)), -1, dtype=torch.int64, device=endpoint.device)

@@ -19,11 +19,12 @@ its expected committed tokens. This module holds the three parts of the decision
   requests of rows times context, in thousands of tokens), ``trees`` its HyCo rounds (what a tree costs
   whatever its size: its decision, KV compaction, hand-off and utility calls), ``branching`` those of its
   trees that are not chains (only those pay the tree-attention override) and ``plain`` its other requests
-  (prefills, ordinary decodes), fitted online by recursive least squares on the measured steps. No cost constant is set by hand: until ``min_steps`` steps whose row counts spread
-  (three distinct counts, the largest at least twice the smallest) were seen the model is not ``ready``
-  and the policy probes: it cuts trees in turn to all their nodes, their chain, a quarter, their chain and
-  one node more, and a half (a lone phone's full trees would give every step the same rows, from which
-  no per-row cost can be fitted, and big trees branch while small ones are chains).
+  (prefills, ordinary decodes), fitted online by recursive least squares on the measured steps. No cost
+  constant is set by hand: until ``min_steps`` steps whose row counts spread (three distinct counts, the
+  largest at least twice the smallest) were seen the model is not ``ready`` and the policy probes: it cuts
+  trees in turn to all their nodes, their chain, a quarter, their chain and one node more, and a half (a
+  lone phone's full trees would give every step the same rows, from which no per-row cost can be fitted,
+  and big trees branch while small ones are chains).
 * :func:`choose_nodes`: the cut rule. A session whose round shares a step with ``n`` requests pays
   ``c0 / n + c3`` (its share of the step's fixed cost and its own per-tree cost), ``c4`` when the kept
   prefix is not a chain, plus the marginal cost ``m = c1 + c2 * ctx / 1000`` per row (the root
@@ -341,7 +342,7 @@ def recomputed(parents: Sequence[int]) -> bool:
     return envs.VLLM_HYCO_CHAIN_ATTN != "stock" or chain_prefix(parents) < len(parents) - 1
 
 
-def choose_nodes(values: Sequence[float], *, fixed: float, per_row: float, branch: float = 0.0,
+def choose_nodes(values: Sequence[float] | np.ndarray, *, fixed: float, per_row: float, branch: float = 0.0,
                  chain: int | None = None) -> int:
     """Nodes to keep (``1 <= k <= n``; 0 for a root-only tree): the prefix minimising the expected cost per
     committed token ``(fixed + per_row * (k + 1) + branch * [k > chain]) / (1 + values[1] + ... +

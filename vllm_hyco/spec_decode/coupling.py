@@ -66,10 +66,11 @@ class SampledDrafts:
         for b, q in enumerate(per_tree):
             n = 0
             limit = None if num_rows is None else int(num_rows[b])
-            for r in sorted(q or {}):
+            items: DraftQMap = q or {}
+            for r in sorted(items):
                 if limit is not None and r >= limit:
                     continue
-                i, w = q[r]
+                i, w = items[r]
                 rows.append(int(offsets[b]) + int(r))
                 ids.append([int(x) for x in i])
                 weights.append([float(x) for x in w])

@@ -103,7 +103,9 @@ def _rows_per_chunk(width: int) -> int:
     return max(1, (1 << 22) // max(width, 1))
 
 
-def _per_row(value, num_rows: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _per_row(
+    value: float | torch.Tensor, num_rows: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
     t = torch.as_tensor(value, dtype=dtype, device=device)
     if t.dim() == 0:
         t = t.expand(num_rows)
@@ -111,7 +113,13 @@ def _per_row(value, num_rows: int, dtype: torch.dtype, device: torch.device) -> 
     return t.to(dtype)
 
 
-def _candidates(logits, temperature, k_on, k, random_rows):
+def _candidates(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    k_on: torch.Tensor,
+    k: torch.Tensor,
+    random_rows: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """Scaled candidate logits and their ids per row: enough of the top to cover every value >= the
     k-th largest (ties included), or the whole vocabulary. Returns ([R, S] float32, [R, S] int64).
 
@@ -134,7 +142,7 @@ def _candidates(logits, temperature, k_on, k, random_rows):
     return x, torch.arange(vocab, device=logits.device).expand(num_rows, vocab), True
 
 
-def _ascending(vals: torch.Tensor, ids: torch.Tensor, dense: bool):
+def _ascending(vals: torch.Tensor, ids: torch.Tensor, dense: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Order candidates ascending by value, ties by *descending* id (so the lowest ids come last)."""
     if dense:  # ids = arange(V) on every row: descending id order is a flip
         vals, ids = vals.flip(1), ids.flip(1)
@@ -145,8 +153,8 @@ def _ascending(vals: torch.Tensor, ids: torch.Tensor, dense: bool):
     return vals.gather(1, by_val), ids.gather(1, by_val)
 
 
-def _truncate(asc: torch.Tensor, k: torch.Tensor, k_on: torch.Tensor, p: torch.Tensor):
-    """Top-k then top-p on ascending logits [R, S]; returns the kept mask and the renormalized p̃."""
+def _truncate(asc: torch.Tensor, k: torch.Tensor, k_on: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Top-k then top-p on ascending logits [R, S]; returns the renormalized p̃ [R, S] (0 where dropped)."""
     width = asc.shape[1]
     # Top-k: keep logits >= the k-th largest (all ties at the k-th value survive).
     kth_pos = (width - k.clamp(1, width)).unsqueeze(1)  # [R, 1]
@@ -164,7 +172,9 @@ def _truncate(asc: torch.Tensor, k: torch.Tensor, k_on: torch.Tensor, p: torch.T
     return e / torch.cumsum(e, dim=1)[:, -1:]
 
 
-def _support_chunk(logits, temperature, top_k, top_p) -> SparseProbs:
+def _support_chunk(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> SparseProbs:
     """p̃ of one chunk of rows: sparse (ids ascending, padding ids >= V) or dense over the vocabulary."""
     num_rows, vocab = logits.shape
     dev = logits.device
@@ -200,7 +210,9 @@ def _softmax_rows(logits: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return e / torch.cumsum(e, dim=1)[:, -1:]
 
 
-def _sparse_chunk(ids, probs, rows, arg, vocab: int) -> SparseProbs:
+def _sparse_chunk(
+    ids: torch.Tensor, probs: torch.Tensor, rows: torch.Tensor, arg: torch.Tensor, vocab: int
+) -> SparseProbs:
     """Greedy rows to one-hot, zero-mass entries to padding, columns in id order."""
     first = torch.arange(ids.shape[1], device=ids.device) == 0
     ids[rows] = torch.where(first, arg.unsqueeze(1), ids[rows])
@@ -211,7 +223,12 @@ def _sparse_chunk(ids, probs, rows, arg, vocab: int) -> SparseProbs:
     return SparseProbs(ids=ids.gather(1, order), probs=probs.gather(1, order), vocab_size=vocab)
 
 
-def sampling_support(logits, temperature=1.0, top_k=-1, top_p=1.0) -> SparseProbs:
+def sampling_support(
+    logits: torch.Tensor,
+    temperature: float | torch.Tensor = 1.0,
+    top_k: int | torch.Tensor = -1,
+    top_p: float | torch.Tensor = 1.0,
+) -> SparseProbs:
     """p̃ per row on its support (see the module docstring).
 
     Shape: logits [R, V] (any float dtype); temperature/top_k/top_p scalars or [R] -> SparseProbs [R, S].
@@ -227,8 +244,9 @@ def sampling_support(logits, temperature=1.0, top_k=-1, top_p=1.0) -> SparseProb
         parts.append(_support_chunk(logits[sl], temperature[sl], top_k[sl], top_p[sl]))
     if any(p.ids is None for p in parts):
         return SparseProbs(ids=None, probs=torch.cat([p.to_dense() for p in parts]), vocab_size=vocab)
-    width = max(p.ids.shape[1] for p in parts)
-    ids = torch.cat([_pad_support(p.ids, width, vocab) for p in parts])
+    part_ids = [p.ids for p in parts if p.ids is not None]  # every part, all sparse here
+    width = max(i.shape[1] for i in part_ids)
+    ids = torch.cat([_pad_support(i, width, vocab) for i in part_ids])
     probs = torch.cat([torch.nn.functional.pad(p.probs, (0, width - p.probs.shape[1])) for p in parts])
     # Trim columns that are padding in every row.
     used = max(int((ids < vocab).sum(dim=1).max()) if num_rows else 1, 1)
@@ -243,7 +261,12 @@ def _pad_support(ids: torch.Tensor, width: int, vocab: int) -> torch.Tensor:
     return torch.cat([ids, pad], dim=1)
 
 
-def sampling_probs(logits, temperature=1.0, top_k=-1, top_p=1.0) -> torch.Tensor:
+def sampling_probs(
+    logits: torch.Tensor,
+    temperature: float | torch.Tensor = 1.0,
+    top_k: int | torch.Tensor = -1,
+    top_p: float | torch.Tensor = 1.0,
+) -> torch.Tensor:
     """p̃ [R, V] float32: the distribution vLLM 0.32's sampler samples from for these parameters.
 
     Shape: logits [R, V]; temperature, top_k, top_p: scalars or [R] tensors -> [R, V] float32.

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from vllm_hyco.handoff.tree_contract import NodeLabel
@@ -36,8 +37,8 @@ class RoundStats:
     eps_only_per_source: list[int] = field(default_factory=lambda: [0] * NUM_SOURCES)
 
     @classmethod
-    def from_counts(cls, *, accepted: int, hits: int, per_depth, per_source, eps_only_per_source,
-                    drafted: int = 0) -> RoundStats:
+    def from_counts(cls, *, accepted: int, hits: int, per_depth: Iterable[int], per_source: Iterable[int],
+                    eps_only_per_source: Iterable[int], drafted: int = 0) -> RoundStats:
         """One round's stats."""
         assert 0 <= hits <= accepted, (hits, accepted)
         return cls(

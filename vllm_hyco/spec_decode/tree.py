@@ -14,7 +14,6 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -31,14 +30,14 @@ from vllm_hyco.handoff.tree_contract import (
 )
 
 
-def _host(values: Any) -> Any:
+def _host(values: Sequence[int] | torch.Tensor) -> Sequence[int] | np.ndarray:
     """A torch tensor as a host numpy array (the contract is numpy-only); anything else as is."""
     if isinstance(values, torch.Tensor):
         return np.asarray(values.detach().cpu().tolist())
     return values
 
 
-def _long(values: Any) -> torch.Tensor:
+def _long(values: Sequence[int] | np.ndarray) -> torch.Tensor:
     """[n] int64 tensor of validated host values."""
     return torch.as_tensor(np.asarray(values, dtype=np.int64))
 
@@ -68,7 +67,7 @@ class TokenTree:
         parents: Sequence[int] | torch.Tensor,
         *,
         vocab_size: int,
-        budget: int = DEFAULT_NODE_BUDGET,
+        node_budget: int = DEFAULT_NODE_BUDGET,
         labels: Sequence[int] | torch.Tensor | None = None,
     ) -> TokenTree:
         """Validate (``tree_contract.validate_tree``) and derive depth and ancestor masks.
@@ -76,15 +75,15 @@ class TokenTree:
         >>> TokenTree.from_parents([7, 11, 12, 21], [-1, 0, 1, 0], vocab_size=100).depth.tolist()
         [0, 1, 2, 1]
         """
-        tokens, parents = _host(tokens), _host(parents)
-        labels = None if labels is None else _host(labels)
-        validate_tree(tokens, parents, vocab_size=vocab_size, budget=budget, labels=labels)
+        host_tokens, host_parents = _host(tokens), _host(parents)
+        host_labels = None if labels is None else _host(labels)
+        validate_tree(host_tokens, host_parents, vocab_size=vocab_size, node_budget=node_budget, labels=host_labels)
         return cls(
-            tokens=_long(tokens),
-            parents=_long(parents),
-            depth=torch.from_numpy(depths(parents)),
-            ancestor_mask=torch.from_numpy(ancestor_mask(parents)),
-            labels=None if labels is None else _long(labels),
+            tokens=_long(host_tokens),
+            parents=_long(host_parents),
+            depth=torch.from_numpy(depths(host_parents)),
+            ancestor_mask=torch.from_numpy(ancestor_mask(host_parents)),
+            labels=None if host_labels is None else _long(host_labels),
         )
 
     @property
@@ -127,14 +126,14 @@ class TokenTree:
 
     @classmethod
     def from_wire(
-        cls, wire: dict[str, Sequence[int]], *, vocab_size: int, budget: int = DEFAULT_NODE_BUDGET
+        cls, wire: dict[str, Sequence[int]], *, vocab_size: int, node_budget: int = DEFAULT_NODE_BUDGET
     ) -> TokenTree:
         """Inverse of ``to_wire``; validates like ``from_parents``."""
         missing = [k for k in ("tokens", "parents") if k not in wire]
         if missing:
             raise TreeValidationError(f"wire tree lacks {missing}", code="length_mismatch")
         return cls.from_parents(
-            wire["tokens"], wire["parents"], vocab_size=vocab_size, budget=budget,
+            wire["tokens"], wire["parents"], vocab_size=vocab_size, node_budget=node_budget,
             labels=wire.get("labels"),
         )
 
@@ -174,5 +173,5 @@ class TokenTree:
         labels = None
         if labelled:
             labels = [0] + [rng.choice([1, 2, 3, 4]) for _ in range(num_nodes)]
-        return cls.from_parents(tokens, parents, vocab_size=vocab_size, budget=max(num_nodes, 0),
+        return cls.from_parents(tokens, parents, vocab_size=vocab_size, node_budget=max(num_nodes, 0),
                                 labels=labels)

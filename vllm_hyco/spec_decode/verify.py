@@ -26,7 +26,7 @@ import torch
 
 from vllm_hyco.errors import TreeValidationError
 from vllm_hyco.handoff.tree_contract import NodeLabel
-from vllm_hyco.spec_decode.acceptance import decide, normalize_epsilon
+from vllm_hyco.spec_decode.acceptance import Decision, decide, normalize_epsilon
 from vllm_hyco.spec_decode.coupling import DraftQMap, SampledDrafts, couple_samples
 from vllm_hyco.spec_decode.sampling import (
     SAMPLING_EPS,
@@ -179,12 +179,14 @@ class BatchVerdict:
         return total
 
 
-def _as_packed(trees, device: torch.device) -> PackedTrees:
+def _as_packed(trees: Sequence[TokenTree] | PackedTrees, device: torch.device) -> PackedTrees:
     packed = trees if isinstance(trees, PackedTrees) else PackedTrees.pack(list(trees))
     return packed.to(device)
 
 
-def _eps_rows(packed: PackedTrees, epsilon) -> tuple[torch.Tensor, bool]:
+def _eps_rows(
+    packed: PackedTrees, epsilon: Sequence[float | None] | float | None
+) -> tuple[torch.Tensor, bool]:
     if epsilon is None or isinstance(epsilon, (float, int)):
         epsilon = [epsilon] * packed.num_requests
     eps = [normalize_epsilon(e) for e in epsilon]
@@ -284,14 +286,17 @@ def verify_batch_with_uniforms(
         every = len(sub) == num_rows
         rows = None if every else torch.tensor(sub, dtype=torch.int64).to(dev, non_blocking=True)
         req = packed.req if every else packed.req[rows]
-        pick = lambda vals: vals[req]  # per-request values to the sampled rows
+
+        def pick(vals: torch.Tensor) -> torch.Tensor:
+            return vals[req]  # per-request values to the sampled rows
+
         temp = pick(torch.tensor([s.temperature for s in sampling], dtype=torch.float32).to(dev))
         top_k = pick(torch.tensor([s.top_k for s in sampling], dtype=torch.int64).to(dev))
         top_p = pick(torch.tensor([s.top_p for s in sampling], dtype=torch.float32).to(dev))
         support = sampling_support(logits if every else logits[rows], temp, top_k, top_p)
         u = uniforms.to(device=dev, dtype=torch.float64)
         drawn = sample_sparse(support, u if every else u[rows])
-        if every:
+        if rows is None:  # every row is sampled
             samples = drawn
             local = torch.arange(num_rows, device=dev)
         else:
@@ -299,9 +304,10 @@ def verify_batch_with_uniforms(
             local = torch.full((num_rows,), -1, dtype=torch.int64, device=dev)
             local[rows] = torch.arange(len(sub), device=dev)
         if drafts is not None:  # before p_edge: ε's p̃ lookup does not depend on the samples
+            assert draft_uniforms is not None, "drafts come with their draft_uniforms"
             samples = _couple(samples, support, local, packed, drafts.to(dev), u,
                               draft_uniforms.to(device=dev, dtype=torch.float64))
-        if every:
+        if rows is None:  # every row is sampled
             p_edge = support.lookup(packed.parent, packed.tokens)
         else:
             p_edge = p_edge.index_copy(0, rows, support.lookup(local[packed.parent[rows]], packed.tokens[rows]))
@@ -311,7 +317,15 @@ def verify_batch_with_uniforms(
     return _verdict(packed, dec, samples.to(torch.int64))
 
 
-def _couple(samples, support: SparseProbs, local, packed: PackedTrees, drafts: SampledDrafts, u, u2):
+def _couple(
+    samples: torch.Tensor,
+    support: SparseProbs,
+    local: torch.Tensor,
+    packed: PackedTrees,
+    drafts: SampledDrafts,
+    u: torch.Tensor,
+    u2: torch.Tensor,
+) -> torch.Tensor:
     """The coupled draw at the parents of sampled children in sampled requests (greedy rows keep argmax)."""
     parents = packed.parent[drafts.rows]
     loc = local[parents]
@@ -326,7 +340,7 @@ def _couple(samples, support: SparseProbs, local, packed: PackedTrees, drafts: S
                           drafts, u[parents], u2)
 
 
-def _verdict(packed: PackedTrees, dec, samples: torch.Tensor) -> BatchVerdict:
+def _verdict(packed: PackedTrees, dec: Decision, samples: torch.Tensor) -> BatchVerdict:
     num_req = packed.num_requests
     path = dec.path  # [B, D] global rows
     on = path >= 0

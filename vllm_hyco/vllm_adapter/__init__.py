@@ -6,11 +6,15 @@ tree core (``vllm_hyco.spec_decode``), the wire (``vllm_hyco.handoff``), the ker
 (``vllm_hyco.serving``) are engine-agnostic. vLLM runs a server in three processes (in one, for the tests'
 in-process ``LLM``), and each package here runs in one of them; import-linter keeps the three apart:
 
-| package | process | extends (vLLM 0.32) |
-| --- | --- | --- |
-| ``api_server`` | the API server (``vllm serve``'s frontend) or the process holding an offline ``LLM`` | ``EngineArgs`` (option expansion, via ``patches``), the OpenAI app (endpoint plugin), the CLI; the engine client of sessions |
-| ``engine_core`` | the engine core | ``Scheduler`` (``HycoScheduler``: sessions, rounds, node budget, step gathering) |
-| ``worker`` | each worker | ``Worker``/``CPUWorker``, ``GPUModelRunner``/``CPUModelRunner``, the CPU_ATTN and Triton attention backends; the tree step, the KV views, the hand-off gather, the null proposer |
+The packages, each as ``package`` (process): what it extends (vLLM 0.32):
+
+* ``api_server`` (the API server, ``vllm serve``'s frontend, or the process holding an offline ``LLM``):
+  ``EngineArgs`` (option expansion, via ``patches``), the OpenAI app (endpoint plugin), the CLI; the engine
+  client of sessions
+* ``engine_core`` (the engine core): ``Scheduler`` (``HycoScheduler``: sessions, rounds, node budget, step
+  gathering)
+* ``worker`` (each worker): ``Worker``/``CPUWorker``, ``GPUModelRunner``/``CPUModelRunner``, the CPU_ATTN and
+  Triton attention backends; the tree step, the KV views, the hand-off gather, the null proposer
 
 Allowed in every process: ``plugin`` (the ``vllm.general_plugins`` entry point vLLM calls in each),
 ``patches`` (every change to vLLM's classes, each a recorded ``Patch`` with why / how / upstream /

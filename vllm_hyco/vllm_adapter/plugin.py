@@ -14,9 +14,9 @@ more than once. It is:
 What it installs (see ``vllm_hyco/vllm_adapter/patches``): the ``--speculative-config hyco`` parser, the
 engine-argument expansion and, on the CPU build, the fix of its ``expand_kernel`` fallback (sampled
 speculative decoding, ours and vLLM's own MTP alike) and of its generator rewind for seeded requests whose
-chunked-prefill samples are discarded (``vllm_adapter/patches/cpu_seeded_discard.py``). The HTTP side is the separate
-``vllm.endpoint_plugins`` entry point (``vllm_hyco.vllm_adapter.api_server.endpoint``), which vLLM loads only when ``VLLM_PLUGINS``
-names ``hyco``.
+chunked-prefill samples are discarded (``vllm_adapter/patches/cpu_seeded_discard.py``). The HTTP side is the
+separate ``vllm.endpoint_plugins`` entry point (``vllm_hyco.vllm_adapter.api_server.endpoint``), which vLLM
+loads only when ``VLLM_PLUGINS`` names ``hyco``.
 """
 
 from __future__ import annotations
@@ -74,8 +74,14 @@ def register() -> None:
     if _REGISTERED or envs.VLLM_HYCO_DISABLE:
         return
     check_vllm_version()
-    from vllm_hyco.vllm_adapter.patches import (cpu_expand_kernel, cpu_seeded_discard, engine_config,
-                                                 engine_core_methods, speculative_config_arg, step_timing)
+    from vllm_hyco.vllm_adapter.patches import (
+        cpu_expand_kernel,
+        cpu_seeded_discard,
+        engine_config,
+        engine_core_methods,
+        speculative_config_arg,
+        step_timing,
+    )
 
     speculative_config_arg.PATCH.apply()
     engine_config.PATCH.apply()

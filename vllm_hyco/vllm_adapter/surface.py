@@ -89,7 +89,8 @@ SIGNATURES: dict[str, str | None] = {
     "vllm.v1.worker.gpu_model_runner:GPUModelRunner.propose_draft_token_ids":
         "self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states, sample_hidden_states, "
         "aux_hidden_states, spec_decode_metadata, common_attn_metadata, slot_mappings",
-    "vllm.v1.sample.rejection_sampler:RejectionSampler.forward": "self, metadata, draft_probs, logits, sampling_metadata",
+    "vllm.v1.sample.rejection_sampler:RejectionSampler.forward":
+        "self, metadata, draft_probs, logits, sampling_metadata",
     # private names read through the accessors below (no override, no patch)
     "vllm.engine.arg_utils:EngineArgs._api_process_count": None,
     "vllm.v1.attention.selector._cached_get_attn_backend": None,
@@ -98,6 +99,12 @@ SIGNATURES: dict[str, str | None] = {
 #: the rows above that HyCo only reads, through this module's accessors (nowhere else in the adapter)
 PRIVATE_READS = ("vllm.engine.arg_utils:EngineArgs._api_process_count",
                  "vllm.v1.attention.selector._cached_get_attn_backend")
+
+#: the vLLM objects that carry the engine contract between processes, and the attribute HyCo sets on each
+#: (``vllm_hyco.engine_contract``: StepTree to the worker, TreeVerdict back): they must take a new attribute
+#: (no ``__slots__``) and carry it through vLLM's transport (pickled with the object)
+CARRIERS = {"vllm.v1.core.sched.output:SchedulerOutput": "hyco_trees",
+            "vllm.v1.outputs:ModelRunnerOutput": "hyco_verdicts"}
 
 # Targets that exist only in vLLM's CPU build (skipped, not failed, on another platform).
 CPU_ONLY_MODULES = ("vllm.utils.cpu_triton_utils", "vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner",

@@ -29,10 +29,7 @@ def plugins_env(current: str | None, general_plugins: list[str]) -> str:
     >>> plugins_env("hyco", [])
     'hyco'
     """
-    if current is None:
-        names = list(general_plugins)
-    else:
-        names = [n.strip() for n in current.split(",") if n.strip()]
+    names = list(general_plugins) if current is None else [n.strip() for n in current.split(",") if n.strip()]
     if PLUGIN_NAME not in names:
         names.append(PLUGIN_NAME)
     return ",".join(dict.fromkeys(names))

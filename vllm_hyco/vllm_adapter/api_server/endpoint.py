@@ -3,12 +3,14 @@
 vLLM attaches these routes to its OpenAI server when ``VLLM_PLUGINS`` names ``hyco`` (``vllm-hyco serve``
 sets it; plain ``vllm serve --speculative-config hyco`` without it is refused at startup):
 
-| route | what | status |
-| --- | --- | --- |
-| ``GET /v1/hyco/info`` | plugin and vLLM versions, and the server's HycoConfig (null if HyCo is off) | done |
-| ``WS /v1/hyco/session`` | the phone's session (trees in, verdicts + hand-offs out, docs/protocol.md; ``vllm_hyco.serving``) | done |
-| ``GET /v1/hyco/stats`` | sessions held by the endpoint and the engine's live/parked sessions and KV blocks (soak checks) | done |
-| ``GET /metrics`` | vLLM's own route; HyCo adds ``vllm_hyco_*`` series (``vllm_hyco.serving.metrics``) | done |
+The routes, each as ``route`` (status): what:
+
+* ``GET /v1/hyco/info`` (done): plugin and vLLM versions, and the server's HycoConfig (null if HyCo is off)
+* ``WS /v1/hyco/session`` (done): the phone's session (trees in, verdicts + hand-offs out, docs/protocol.md;
+  ``vllm_hyco.serving``)
+* ``GET /v1/hyco/stats`` (done): sessions held by the endpoint and the engine's live/parked sessions and KV
+  blocks (soak checks)
+* ``GET /metrics`` (done): vLLM's own route; HyCo adds ``vllm_hyco_*`` series (``vllm_hyco.serving.metrics``)
 
 The API key (``--api-key``) guards the WebSocket at the handshake (401 with a JSON body,
 ``vllm_hyco.serving.auth``).
@@ -130,7 +132,7 @@ class HycoEndpointPlugin:
                 return {"enabled": False}
             await service.sweep()
             return {"enabled": True, "sessions": service.table.active(), "held": len(service.table),
-                    "engine": await service.bridge.stats()}
+                    "engine": (await service.bridge.stats()).to_wire()}
 
         @router.websocket(SESSION_PATH)
         async def hyco_session(websocket: WebSocket) -> None:

@@ -104,8 +104,9 @@ def _refuse(flag: str, value: Any) -> ConfigError:
 
 def check_topology(args: Any) -> None:
     """Refuse what a HyCo server cannot run, each with why and what to use instead (``REFUSALS``): one
-    engine per server (no PP/DP, no context parallelism), one API server, synchronous scheduling. Tensor parallelism runs (each
-    rank verifies on its KV heads, the hand-off gathers them: ``tp_heads``; docs/engine.md "Scale-out")."""
+    engine per server (no PP/DP, no context parallelism), one API server, synchronous scheduling. Tensor
+    parallelism runs (each rank verifies on its KV heads, the hand-off gathers them: ``tp_heads``;
+    docs/engine.md "Scale-out")."""
     for name, flag in (("pipeline_parallel_size", "--pipeline-parallel-size"),
                        ("decode_context_parallel_size", "--decode-context-parallel-size"),
                        ("prefill_context_parallel_size", "--prefill-context-parallel-size"),
@@ -164,8 +165,8 @@ def check_capture(args: Any, *, is_cpu: bool) -> None:
         missing = [op for op in CAPTURE_OPS if op not in ops]
         if missing:
             raise ConfigError(f"--speculative-config hyco needs {', '.join(missing)} among the compilation "
-                              f"splitting_ops (tree rows' writes are recorded and their attention recomputed there, eagerly): add them "
-                              f"to --compilation-config splitting_ops or leave splitting_ops unset")
+                              "splitting_ops (tree rows' writes are recorded and their attention recomputed there, "
+                              "eagerly): add them to --compilation-config splitting_ops or leave splitting_ops unset")
 
 
 def _select_tree_attention(args: Any) -> None:

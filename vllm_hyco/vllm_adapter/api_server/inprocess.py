@@ -242,7 +242,7 @@ class HycoEngine:
             bonus=t.bonus, committed=list(verdict.committed), text=text, finished=finished,
             finish_reason=next((str(o.outputs[0].finish_reason) for o in outs
                                 if o.finished and o.outputs), None),
-            handoff=t.handoff, node_budget=grant_node_budget(verdict.budget, self.node_budget),
+            handoff=t.handoff, node_budget=grant_node_budget(verdict.node_budget, self.node_budget),
             stats={"num_rows": t.num_rows, "accepted": len(path_rows), "hits": t.hits,
                    "root_position": t.root_pos, "wall_s": wall, "host_s": t.host_s,
                    **({"logits": t.logits} if t.logits is not None else {})})

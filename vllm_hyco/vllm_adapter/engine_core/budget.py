@@ -28,7 +28,7 @@ MAX_PENDING_STEPS = 16  # scheduled steps whose update never came (an engine err
 def cut_trees(sched: Any) -> None:
     """Cut every tree submitted since the last step to the prefix that pays, before vLLM schedules it."""
     st: SchedulerState = sched.hyco
-    pol, reg = st.budget, st.sessions
+    pol, reg = st.budget_policy, st.sessions
     live = {s.sid for s in reg.live()}
     for sid in [k for k in pol.acceptance.sessions if k not in live]:
         pol.forget(sid)
@@ -54,7 +54,7 @@ def cut_trees(sched: Any) -> None:
 
 def grant(st: SchedulerState, s: Session, verdict: TreeVerdict) -> tuple[int, BudgetInfo]:
     """Learn from the round and return the nodes granted for the next one, with how they were chosen."""
-    pol, t = st.budget, s.tree
+    pol, t = st.budget_policy, s.tree
     plan = None if t is None else t.plan
     if t is not None:
         n = min(verdict.num_rows, len(t.parents))  # rows actually verified
@@ -104,4 +104,4 @@ def step_end(sched: Any, scheduler_output: Any) -> None:
     if len(clock.branching) > 4 * max(sched.max_num_running_reqs, 1):  # trees never scheduled: do not grow
         clock.branching.clear()
     plain = len(scheduler_output.num_scheduled_tokens) - trees
-    st.budget.observe_step(rows, kctx, seconds, trees, branching, plain)
+    st.budget_policy.observe_step(rows, kctx, seconds, trees, branching, plain)

@@ -47,7 +47,7 @@ def holding(sched: Any) -> bool:
     wake, reg = st.wake, st.sessions
     if wake is None or len(sched.waiting) or sched.has_finished_requests():
         return False
-    pol = st.budget
+    pol = st.budget_policy
     if not pol.cost.ready:
         return False
     gather = st.gather

@@ -36,7 +36,7 @@ def submit(sched: Any, tree: TreeSubmission) -> TreeAccepted:
         raise SessionError(f"session {tree.sid!r} is finished", code="session_finished")
     tokens, parents, labels = list(tree.tokens), list(tree.parents), None if tree.labels is None else list(tree.labels)
     vocab = sched.vllm_config.model_config.get_vocab_size()
-    validate_tree(tokens, parents, vocab_size=vocab, budget=sched.hyco.budget.cap, labels=labels)
+    validate_tree(tokens, parents, vocab_size=vocab, node_budget=sched.hyco.budget_policy.cap, labels=labels)
     draft_q = dict(tree.draft_q) if tree.draft_q else None
     if draft_q is not None:
         rows = sorted(draft_q)

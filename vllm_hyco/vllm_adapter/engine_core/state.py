@@ -7,7 +7,7 @@ the step clock the budget's cost model is fitted on, and the sessions a policy e
 frontend has not been told yet. Nothing of HyCo lives in other attributes of the scheduler.
 
     >>> st = SchedulerState.create(None, num_kv_blocks=100, max_num_running_reqs=4, on_cpu=True)
-    >>> st.budget.cap, st.sessions.idle_timeout_s, st.gathers
+    >>> st.budget_policy.cap, st.sessions.idle_timeout_s, st.gathers
     (32, 300.0, False)
 """
 
@@ -64,7 +64,7 @@ class SchedulerState:
 
     config: HycoConfig | None
     sessions: SessionRegistry
-    budget: BudgetPolicy
+    budget_policy: BudgetPolicy
     gather: StepGather
     clock: StepClock
     # (client index, request id) of sessions a policy finished: their ABORT output goes out next update
@@ -80,7 +80,8 @@ class SchedulerState:
         policy = cfg.budget_policy if cfg is not None else "adaptive"
         # steps with more rows than the largest verification step (long prefill chunks) are not fitted
         budget = BudgetPolicy(cap, policy, max_rows=max_num_running_reqs * (cap + 1))
-        return cls(config=cfg, sessions=SessionRegistry(**registry_options(cfg, num_kv_blocks)), budget=budget,
+        return cls(config=cfg, sessions=SessionRegistry(**registry_options(cfg, num_kv_blocks)),
+                   budget_policy=budget,
                    gather=StepGather(), clock=StepClock(on_cpu=on_cpu))
 
     @property

@@ -4,17 +4,21 @@ Each patch is one :class:`Patch` object per upstream target, with its **Why / Ho
 Removal** notes next to the code. ``apply()`` is idempotent (a second call is a no-op), remembers the
 original and ``revert()`` restores it, so tests can exercise a patch on a dummy class.
 
-Registry (vLLM 0.32):
+Registry (vLLM 0.32), each patch as ``patch``: target; applied by:
 
-| patch | target | applied by |
-| --- | --- | --- |
-| ``speculative_config_arg.PATCH`` | ``vllm.engine.arg_utils.EngineArgs.add_cli_args`` | ``plugin.register()`` |
-| ``engine_config.PATCH`` | ``vllm.engine.arg_utils.EngineArgs.create_engine_config`` | ``plugin.register()`` |
-| ``cpu_expand_kernel.PATCH`` | ``vllm.utils.cpu_triton_utils._expand_kernel_impl`` (CPU build) | ``plugin.register()`` |
-| ``cpu_seeded_discard.PATCHES`` | ``vllm.v1.worker.gpu_model_runner:GPUModelRunner.sample_tokens`` / ``_bookkeeping_sync`` (CPU platform) | ``plugin.register()`` |
-| ``cpu_version_lookup.PATCH`` | ``importlib.metadata.version`` (for the name ``vllm`` only) | ``vllm-hyco`` CLI |
-| ``step_timing.PATCHES`` | ``vllm.v1.worker.gpu_worker:Worker.execute_model`` / ``sample_tokens`` / ``take_draft_token_ids`` (wrapped), ``Worker.hyco_bench_timing`` (added); ``vllm.v1.worker.cpu_worker:CPUWorker``'s own overrides of the three, if any | ``plugin.register()`` when ``VLLM_HYCO_BENCH_TIMING=1`` (benchmarks only) |
-| ``vllm_adapter.patches.engine_core_methods.PATCHES`` | ``vllm.v1.engine.core:EngineCore.hyco_*`` (six methods **added**, none replaced) | ``plugin.register()``, ``HycoScheduler.__init__`` |
+* ``speculative_config_arg.PATCH``: ``vllm.engine.arg_utils.EngineArgs.add_cli_args``; ``plugin.register()``
+* ``engine_config.PATCH``: ``vllm.engine.arg_utils.EngineArgs.create_engine_config``; ``plugin.register()``
+* ``cpu_expand_kernel.PATCH``: ``vllm.utils.cpu_triton_utils._expand_kernel_impl`` (CPU build);
+  ``plugin.register()``
+* ``cpu_seeded_discard.PATCHES``: ``vllm.v1.worker.gpu_model_runner:GPUModelRunner.sample_tokens`` /
+  ``_bookkeeping_sync`` (CPU platform); ``plugin.register()``
+* ``cpu_version_lookup.PATCH``: ``importlib.metadata.version`` (for the name ``vllm`` only); ``vllm-hyco`` CLI
+* ``step_timing.PATCHES``: ``vllm.v1.worker.gpu_worker:Worker.execute_model`` / ``sample_tokens`` /
+  ``take_draft_token_ids`` (wrapped), ``Worker.hyco_bench_timing`` (added);
+  ``vllm.v1.worker.cpu_worker:CPUWorker``'s own overrides of the three, if any; ``plugin.register()`` when
+  ``VLLM_HYCO_BENCH_TIMING=1`` (benchmarks only)
+* ``vllm_adapter.patches.engine_core_methods.PATCHES``: ``vllm.v1.engine.core:EngineCore.hyco_*`` (six methods
+  **added**, none replaced); ``plugin.register()``, ``HycoScheduler.__init__``
 
 A Patch with ``adds=True`` puts a new attribute on its target (``make`` gets None; nothing is replaced;
 ``revert()`` deletes it). tests/unit/test_vllm_surface.py checks that every target above still exists in the
@@ -24,8 +28,9 @@ installed vLLM with the signature HyCo expects.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 
 @dataclass

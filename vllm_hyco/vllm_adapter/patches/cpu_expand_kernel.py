@@ -26,7 +26,8 @@ Removal:  when a vLLM CPU release expands float/int32 tensors correctly;
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from vllm_hyco.vllm_adapter.patches import Patch
 

@@ -15,8 +15,8 @@ Removal:  when the CPU wheel ships ``vllm`` distribution metadata, or vLLM reads
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError
-from typing import Callable
 
 from vllm_hyco.vllm_adapter.patches import Patch
 

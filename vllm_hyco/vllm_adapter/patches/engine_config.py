@@ -20,7 +20,8 @@ Removal:  with ``speculative_config_arg``.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from vllm_hyco.config import HycoConfig
 from vllm_hyco.errors import ConfigError

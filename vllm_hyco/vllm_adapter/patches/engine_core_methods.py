@@ -17,14 +17,15 @@ back as a ``Refusal`` and the caller raises it again (``engine_contract.decode_r
 (the in-process harness, calling the method directly) returns the typed object and raises instead: the
 same types, no copy of the hand-off's tensors.
 
-| method | argument(s) | result |
-| --- | --- | --- |
-| ``hyco_submit_tree`` | ``TreeSubmission`` (wire form) | ``TreeAccepted`` (``server_busy`` when every batch slot is taken: the scheduler's guard, one for both callers) |
-| ``hyco_take_verdict`` | sid, round | ``RoundVerdict`` |
-| ``hyco_session_info`` | sid | ``SessionInfo`` (``unknown_session`` when the engine does not know the sid) |
-| ``hyco_close`` | sid, forget | True when it aborted a live session (``forget``: the registry drops the sid too) |
-| ``hyco_poll`` | | the sids the idle-timeout/eviction policies finished now |
-| ``hyco_stats`` | | ``EngineStats`` |
+The methods, each as ``method(arguments)``: result:
+
+* ``hyco_submit_tree(TreeSubmission (wire form))``: ``TreeAccepted`` (``server_busy`` when every batch slot is
+  taken: the scheduler's guard, one for both callers)
+* ``hyco_take_verdict(sid, round)``: ``RoundVerdict``
+* ``hyco_session_info(sid)``: ``SessionInfo`` (``unknown_session`` when the engine does not know the sid)
+* ``hyco_close(sid, forget)``: True when it aborted a live session (``forget``: the registry drops the sid too)
+* ``hyco_poll()``: the sids the idle-timeout/eviction policies finished now
+* ``hyco_stats()``: ``EngineStats``
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ Removal:  when vLLM lets a plugin register a speculative method name (or the fla
 from __future__ import annotations
 
 import argparse
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from vllm_hyco.config import HycoConfig
 from vllm_hyco.errors import ConfigError

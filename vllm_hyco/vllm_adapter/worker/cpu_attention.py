@@ -34,10 +34,10 @@ import torch
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
 from vllm_hyco import envs
+from vllm_hyco.kernels.tree_attention import tree_attention_dense_ref, tree_attention_padded
 from vllm_hyco.vllm_adapter import surface
 from vllm_hyco.vllm_adapter.worker import tree_plan
 from vllm_hyco.vllm_adapter.worker.kv_view import cpu_kv_view, slots_for_positions
-from vllm_hyco.kernels.tree_attention import tree_attention_dense_ref, tree_attention_padded
 
 
 def install() -> None:
@@ -89,9 +89,10 @@ class HycoCPUAttentionImpl(CPUAttentionBackendImpl):
                 k_tree = key[rows].view(tr.num_rows, self.num_kv_heads, self.head_size)
                 v_tree = value[rows].view(tr.num_rows, self.num_kv_heads, self.head_size)
             window = self.sliding_window if self.sliding_window > 0 else None
-            res = tree_attention_dense_ref(q, torch.cat([k_pre.to(q.dtype), k_tree]), torch.cat([v_pre.to(q.dtype), v_tree]),
-                                           t - lo, tr.masks, tr.depths, self.scale, sliding_window=window,
-                                           softcap=float(self.logits_soft_cap or 0.0) or None)
+            k_all = torch.cat([k_pre.to(q.dtype), k_tree])  # [L + rows, Hkv, D]
+            v_all = torch.cat([v_pre.to(q.dtype), v_tree])
+            res = tree_attention_dense_ref(q, k_all, v_all, t - lo, tr.masks, tr.depths, self.scale,
+                                           sliding_window=window, softcap=float(self.logits_soft_cap or 0.0) or None)
             out[rows] = res.reshape(out[rows].shape)
         return out
 

@@ -51,11 +51,11 @@ from vllm.v1.attention.backends.triton_attn import (
     TritonAttentionMetadataBuilder,
 )
 
+from vllm_hyco.errors import HardwareUnsupportedError
+from vllm_hyco.kernels.tree_rows import block_major_views, paged_tree_rows_attention
 from vllm_hyco.vllm_adapter import surface
 from vllm_hyco.vllm_adapter.worker import tree_plan
 from vllm_hyco.vllm_adapter.worker.kv_view import BlockMajorKVView
-from vllm_hyco.errors import HardwareUnsupportedError
-from vllm_hyco.kernels.tree_rows import block_major_views, paged_tree_rows_attention
 
 BACKEND_PATH = f"{__name__}.HycoTritonAttentionBackend"
 

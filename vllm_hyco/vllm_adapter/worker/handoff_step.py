@@ -32,11 +32,14 @@ def handoff_scales(runner: Any) -> dict[str, Any]:
 
         model = ServerModel.load(runner.model_config.model, st.window)
         dev = runner.device
-        as_t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dev)
-        out = {"e": as_t(model.scales.e), "h": as_t(model.scales.h)}
+
+        def to_device(a):
+            return torch.from_numpy(np.ascontiguousarray(a)).to(dev)
+
+        out = {"e": to_device(model.scales.e), "h": to_device(model.scales.h)}
         for spec in model.spec.layers:
             k, v = model.scales.layer(spec.layer_id)
-            out[spec.kind] = (as_t(k), as_t(v) if v is not None else as_t(k))
+            out[spec.kind] = (to_device(k), to_device(v) if v is not None else to_device(k))
         st.scales = out
     return st.scales
 

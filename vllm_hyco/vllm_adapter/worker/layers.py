@@ -29,8 +29,10 @@ Example (a KV-shared model: layers 2 and 3 read layers 0 and 1)::
     ...        ((0, 8, None), (1, None, None), (2, 8, "m.layers.0.self_attn.attn"),
     ...         (3, None, "m.layers.1.self_attn.attn"))}
     >>> kv = discover(ctx, handoff={"sliding": 0, "full": 1})
-    >>> kv.owners, kv.handoff["sliding"], kv.handoff["full"]
-    (('m.layers.0.self_attn.attn', 'm.layers.1.self_attn.attn'), 'm.layers.0.self_attn.attn', 'm.layers.1.self_attn.attn')
+    >>> kv.owners
+    ('m.layers.0.self_attn.attn', 'm.layers.1.self_attn.attn')
+    >>> kv.handoff["sliding"], kv.handoff["full"]
+    ('m.layers.0.self_attn.attn', 'm.layers.1.self_attn.attn')
 """
 
 from __future__ import annotations

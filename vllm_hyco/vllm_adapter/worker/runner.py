@@ -45,7 +45,8 @@ import torch
 
 from vllm_hyco.config import HycoConfig
 from vllm_hyco.engine_contract import StepTree, TreeVerdict
-from vllm_hyco.models import family_of
+from vllm_hyco.errors import HardwareUnsupportedError
+from vllm_hyco.models import DrafterKV, KVLayout, family_of
 from vllm_hyco.vllm_adapter.worker import handoff_step, tree_plan, tree_step, warmup
 from vllm_hyco.vllm_adapter.worker.layers import check_captured
 from vllm_hyco.vllm_adapter.worker.state import RunnerState
@@ -55,10 +56,18 @@ PLACEHOLDER = -1
 
 
 def runner_state(vllm_config: Any) -> RunnerState:
-    """A runner's HyCo state: the engine's HycoConfig and the hand-off window of the model seam."""
+    """A runner's HyCo state: the engine's HycoConfig and the hand-off window of the model seam. A model no
+    family serves, or a family whose drafter or KV layout the tree path does not handle yet, stops the
+    engine here, at startup, by name."""
     cfg = HycoConfig.maybe_from_vllm_config(vllm_config)
     hf = vllm_config.model_config.hf_config.to_dict()
-    return RunnerState(config=cfg, window=family_of(hf).handoff_window(hf, cfg.window if cfg is not None else None))
+    family = family_of(hf)
+    if family.drafter_kv is not DrafterKV.SHARED or family.kv_layout is not KVLayout.PER_HEAD:
+        raise HardwareUnsupportedError(
+            f"--speculative-config hyco: the {family.name} family's MTP drafter keeps {family.drafter_kv.value} KV "
+            f"in a {family.kv_layout.value} layout; the tree step and the hand-off handle a drafter reading the "
+            f"verifier's per-head K/V only (vllm_hyco/models/base.py)")
+    return RunnerState(config=cfg, window=family.handoff_window(hf, cfg.window if cfg is not None else None))
 
 
 class HycoRunnerMixin:

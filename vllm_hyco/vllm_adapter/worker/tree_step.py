@@ -75,7 +75,10 @@ class StepTrees:
             labels += [ROOT_LABEL] + [OTHER_LABEL] * (tr.num_rows - 1)
             flat += range(lo, lo + tr.num_rows)
             offsets.append(base + tr.num_rows)
-        as64 = lambda v: torch.tensor(v, dtype=torch.int64)
+
+        def as64(v):
+            return torch.tensor(v, dtype=torch.int64)
+
         host = torch.stack([as64(tokens), as64(parent), as64(depth), as64(req), as64(labels), as64(flat)])
         dev = host.to(device, non_blocking=True)  # one host-to-device copy for the step's row indices
         small = as64(offsets + [tr.num_rows for tr in trees] + [tr.q_start for tr in trees]).to(device)

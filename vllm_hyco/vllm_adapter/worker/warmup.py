@@ -11,7 +11,6 @@ from vllm_hyco.kernels import compact_kv, gather_quantize_kv, quantize_int8
 from vllm_hyco.vllm_adapter.worker.handoff_step import handoff_scales, head_shard
 from vllm_hyco.vllm_adapter.worker.tree_step import cache_layer, cache_layers, kv_layers
 
-
 WARM_TREE_ROWS = (1, 2, 4, 8, 16, 33)  # max rows per tree: BLOCK_Q follows next_pow2 of it, up to its cap
 WARM_CONTEXTS = (0, 8192)  # without and with key splits (flash-decoding) on a GPU
 
@@ -27,7 +26,7 @@ def warm_up(runner: Any) -> list[str]:
     """
     if runner.device.type != "cuda":
         return []  # the torch twins run on CPU: nothing to compile
-    from vllm_hyco.kernels.tree_attention import ancestor_masks_from_parents
+    from vllm_hyco.handoff import tree_contract
     from vllm_hyco.kernels.tree_rows import block_major_views, paged_tree_rows_attention
 
     dev, done, seen = runner.device, [], set()
@@ -44,9 +43,9 @@ def warm_up(runner: Any) -> list[str]:
         seen.add(key)
         k_cache, v_cache = block_major_views(cache, impl.head_size)
         for rows in WARM_TREE_ROWS:
-            masks, depths = ancestor_masks_from_parents([-1] + list(range(rows - 1)))
-            masks_t = torch.tensor(masks, dtype=torch.int64, device=dev)
-            depths_t = torch.tensor(depths, dtype=torch.int32, device=dev)
+            chain = [-1] + list(range(rows - 1))
+            masks_t = torch.from_numpy(tree_contract.ancestor_mask(chain)).to(dev)  # [rows] int64
+            depths_t = torch.from_numpy(tree_contract.depths(chain)).to(device=dev, dtype=torch.int32)  # [rows]
             q = torch.zeros(rows, impl.num_heads, impl.head_size, dtype=cache.dtype, device=dev)
             for ctx in WARM_CONTEXTS:
                 table = torch.zeros(1, -(-(ctx + rows) // cache.shape[2]), dtype=torch.int32, device=dev)

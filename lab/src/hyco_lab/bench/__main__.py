@@ -28,7 +28,6 @@ from hyco_lab.bench.report import build_results, fixture_weights, handoff_values
 from hyco_lab.bench.server import BenchServer, budget_counters, counters_delta, spec_counters
 from vllm_hyco.errors import ConfigError, HycoError
 
-
 #: --tv's default prompts: two held-out family requests whose first answer token is uncertain under the
 #: family's verifier (its top token, "It", holds 0.494 and 0.576 of the first token's probability, "And"
 #: next; a locate and a repeat request; transformers, fp32; docs/fixtures.md, "The TV prompts changed")
@@ -104,8 +103,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def fixtures_dir(arg: str | None) -> Path:
     if arg:
         return Path(arg)
-    from vllm_hyco import envs
     from hyco_lab.fixtures import ensure_fixtures
+    from vllm_hyco import envs
 
     return ensure_fixtures(envs.HYCO_CACHE, fp32=True, window=128, seed=0).root
 
@@ -348,7 +347,7 @@ class Bench:
                 load = [self.prompts[i % len(self.prompts)] for i in range(phones)]
                 ids = [self.ids()[i % len(self.prompts)] for i in range(phones)] if cfg.kind == "phone" else None
 
-                async def both():
+                async def both(cfg, load, ids):
                     if cfg.kind == "phone":
                         bg = run_phones(srv.url, cfg, 900, load, ids, self.fx, self.sampling, concurrency=phones,
                                         link=self.link, seed0=900_000)
@@ -361,11 +360,12 @@ class Bench:
                     return await asyncio.gather(bg, fg)
 
                 before, wall0, cpu0 = srv.timing(), time.perf_counter(), time.process_time()
-                (_bg, _), (recs, _) = asyncio.run(both())
+                (_bg, _), (recs, _) = asyncio.run(both(cfg, load, ids))
                 wall, client_cpu = time.perf_counter() - wall0, time.process_time() - cpu0
                 eng = M_delta(before, srv.timing())
                 tpot, tpot_alone = _tpot(recs), _tpot(alone)
                 steps = eng.get("steps") or 0
+                core_cpu_s = eng.get("core_cpu_s", 0.0)
                 out.append({"server": name, "phones": phones, "requests": len(recs),
                             "tpot_ms_mean": round(sum(tpot) / len(tpot), 2) if tpot else None,
                             "tpot_alone_ms_mean": round(sum(tpot_alone) / len(tpot_alone), 2) if tpot_alone else None,
@@ -374,7 +374,7 @@ class Bench:
                             # where the wall time went: the engine's CPU per step, and the CPU of this
                             # process (the simulated phones' drafting, the clients) on the same cores
                             "engine_steps": steps,
-                            "engine_cpu_ms_per_step": round(1e3 * eng.get("core_cpu_s", 0.0) / steps, 2) if steps else None,
+                            "engine_cpu_ms_per_step": round(1e3 * core_cpu_s / steps, 2) if steps else None,
                             "wall_ms_per_step": round(1e3 * wall / steps, 2) if steps else None,
                             "bench_cpu_share": round(client_cpu / wall, 3) if wall > 0 else None})
                 _log(f"  ordinary beside {phones} on {name}: {out[-1]}")
@@ -438,7 +438,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     env: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                            "machine": args.machine or machine(), "fixtures": str(bench.fx),
-                           "weights": fixture_weights(bench.fx), "link": bench.link.to_dict(), "prompts": len(bench.prompts),
+                           "weights": fixture_weights(bench.fx), "link": bench.link.to_dict(),
+                           "prompts": len(bench.prompts),
                            "prompt_set": args.prompt_set, "runs": args.runs, "phones": args.phones,
                            "node_budget": args.node_budget or None,
                            "max_tokens": args.max_tokens, "temperature": args.temperature, "top_k": args.top_k,

@@ -1,23 +1,26 @@
 """The benchmark's configurations (paper Table 5), each selectable by name, and the phone device model.
 
-| name | server | phone tree | acceptance |
-| --- | --- | --- | --- |
-| ``cloud-mtp`` | vLLM's built-in MTP (the assistant on the server), K = 4 | none: plain ``openai`` requests | exact |
-| ``cloud-mtp-prob`` | same, ``"draft_sample_method": "probabilistic"`` (drafts sampled from the head) | same | exact |
-| ``specedge`` | ``--speculative-config hyco`` | 32 nodes from 4 SLM passes | exact |
-| ``specedge-pd`` | same | + proactive drafting during the wait | exact |
-| ``specedge-eps`` | hyco, ε = 0.005 | 32 nodes from 4 SLM passes | ε = 0.005 |
-| ``hyco`` | hyco, ε = 0.005 | MTP chain K = 4 + runner-ups + 1 SLM pass | ε = 0.005 |
-| ``hyco-2p`` | hyco, ε = 0.005 | same, 2 SLM passes | ε = 0.005 |
-| ``hyco-exact`` | hyco | same as hyco | exact |
-| ``hyco-exact-prob`` | hyco | same, the MTP chain sampled (``draft_sampling`` probabilistic) | exact |
-| ``hyco-exact-s4`` .. ``-s32`` | hyco, ``budget_policy`` static, ``node_budget`` 4, 8, 16, 32 | same as hyco, that many nodes | exact |
-| ``hyco-exact-prob-s4`` .. ``-s32`` | same | same as hyco-exact-prob, that many nodes | exact |
+The configurations, each as ``name``: server; phone tree; acceptance.
+
+* ``cloud-mtp``: vLLM's built-in MTP (the assistant on the server), K = 4; none: plain ``openai`` requests;
+  exact
+* ``cloud-mtp-prob``: same, ``"draft_sample_method": "probabilistic"`` (drafts sampled from the head); same;
+  exact
+* ``specedge``: ``--speculative-config hyco``; 32 nodes from 4 SLM passes; exact
+* ``specedge-pd``: same; + proactive drafting during the wait; exact
+* ``specedge-eps``: hyco, ε = 0.005; 32 nodes from 4 SLM passes; ε = 0.005
+* ``hyco``: hyco, ε = 0.005; MTP chain K = 4 + runner-ups + 1 SLM pass; ε = 0.005
+* ``hyco-2p``: hyco, ε = 0.005; same, 2 SLM passes; ε = 0.005
+* ``hyco-exact``: hyco; same as hyco; exact
+* ``hyco-exact-prob``: hyco; same, the MTP chain sampled (``draft_sampling`` probabilistic); exact
+* ``hyco-exact-s4`` .. ``-s32``: hyco, ``budget_policy`` static, ``node_budget`` 4, 8, 16, 32; same as hyco,
+  that many nodes; exact
+* ``hyco-exact-prob-s4`` .. ``-s32``: same; same as hyco-exact-prob, that many nodes; exact
+* ``server-head``: dropped (``DROPPED``): the engine runs no MTP head for phone sessions
+* ``slm-only``: none: modelled from the paper's device numbers (no server)
 
 Every ``hyco`` server without a static budget runs the default ``budget_policy`` ``adaptive`` (cap 32):
 the server cuts each tree to the prefix that pays and grants each phone its next tree's nodes.
-| ``server-head`` | dropped (``DROPPED``): the engine runs no MTP head for phone sessions | | |
-| ``slm-only`` | none: modelled from the paper's device numbers (no server) | | |
 
 Phone compute is **modelled** (docs/decisions.md D8) from the paper's device numbers unless a phone measured
 it: one SLM pass over 32 rows 15.7 ms; a HyCo round 52.9 ms of device time (MTP head K steps, one SLM
@@ -32,6 +35,7 @@ pass, the tree); the on-device head is about 20 ms of that. So: SpecEdge-style 4
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass, replace
 
@@ -186,10 +190,8 @@ def select(names: str | list[str] | None) -> list[BenchConfig]:
     out = []
     for n in filter(None, items):
         if n not in CONFIGS and n.split("-eps-")[0] in ("hyco", "specedge") and "-eps-" in n:
-            try:
+            with contextlib.suppress(ValueError):
                 epsilon_config(n.split("-eps-")[0], float(n.split("-eps-")[1]))
-            except ValueError:
-                pass
         if n in DROPPED:
             raise ConfigError(f"configuration {n!r} is not run: {DROPPED[n]}")
         if n not in CONFIGS:

@@ -25,11 +25,11 @@ from typing import Any
 
 import numpy as np
 
-# the multi-pass wrapper lives in the phone package (HyCo-2P is a phone option); re-exported here
-from mobile_client.drafters.multipass import ROWS, MultiPassSlm
-
 from hyco_lab.bench.configs import SLM_PASS_MS, BenchConfig
 from hyco_lab.bench.metrics import RoundRecord
+
+# the multi-pass wrapper lives in the phone package (HyCo-2P is a phone option); re-exported here
+from mobile_client.drafters.multipass import ROWS, MultiPassSlm
 
 WINDOW = 1024
 

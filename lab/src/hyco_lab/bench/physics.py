@@ -153,7 +153,7 @@ def replay(rounds: Sequence[dict], shape: GpuShape, experts_fn, *, policy: str =
         chain = k <= chain_prefix(parents)
         step = hyco_round_ms(shape, k + 1, experts_fn, ctx, chain)
         pol.observe_step(k + 1, (k + 1) * ctx / 1000.0, step / 1e3, trees=1, branching=int(not chain))
-        kept = [r for r in itertools.takewhile(lambda r: r <= k, path)]
+        kept = [r for r in itertools.takewhile(lambda r, k=k: r <= k, path)]
         pol.observe_round(sid, parents[: k + 1], None if labels is None else labels[: k + 1], kept,
                           plan.predicted)
         grant = pol.next_budget(plan)
@@ -205,7 +205,7 @@ def measure_expert_overlap(checkpoint: str | Path, *, rows: Sequence[int] = (1, 
         for _ in range(prompts):
             prompt = torch.randint(10, min(vocab, 4000), (prompt_len,), generator=g).tolist()
 
-            def run(path):
+            def run(path, prompt=prompt):
                 picks.clear()
                 with torch.no_grad():
                     logits = model(input_ids=torch.tensor([prompt + path])).logits[0, -1]

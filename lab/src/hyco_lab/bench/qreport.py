@@ -140,7 +140,8 @@ def markdown(results: dict[str, Any]) -> list[str]:
             "is on the per-answer rate, x100). novel-2: per question, the share of its answers' word bigrams that no "
             "other question's answer contains (answers collapsing toward one phrasing lower it), with its paired "
             "Δ (x100)."), "",
-           "| configuration | ROUGE-L | Δ ROUGE-L [95 % CI] | exact | Δ exact [95 % CI] | distinct-1 | distinct-2 | novel-2 | Δ novel-2 [95 % CI] | repetition-4 | Δ repetition-4 [95 % CI] | questions |",
+           ("| configuration | ROUGE-L | Δ ROUGE-L [95 % CI] | exact | Δ exact [95 % CI] | distinct-1 | distinct-2 "
+            "| novel-2 | Δ novel-2 [95 % CI] | repetition-4 | Δ repetition-4 [95 % CI] | questions |"),
            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, e in qual.items():
         cfg = config_of(name)
@@ -162,7 +163,8 @@ def markdown(results: dict[str, Any]) -> list[str]:
     rows = eps_rows(results)
     if len(rows) > 2:
         out += ["", "## ε trade-off (paper Figure 3): HyCo's trees and SLM-only trees (SpecEdge-ε)", "",
-                "| tree | ε | MAT | g ratio | ROUGE-L | Δ ROUGE-L [95 % CI] | exact | Δ exact [95 % CI] | distinct-2 | novel-2 | Δ novel-2 [95 % CI] | repetition-4 | Δ repetition-4 [95 % CI] |",
+                ("| tree | ε | MAT | g ratio | ROUGE-L | Δ ROUGE-L [95 % CI] | exact | Δ exact [95 % CI] | distinct-2 "
+                 "| novel-2 | Δ novel-2 [95 % CI] | repetition-4 | Δ repetition-4 [95 % CI] |"),
                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             out.append(f"| {r['tree']} | {r['epsilon'] if r['epsilon'] is not None else 'exact'} | "
@@ -211,7 +213,8 @@ def plot(results: dict[str, Any], out_dir: Path) -> list[Path]:
     except ImportError:
         return []
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, key, label in ((axes[0], "mat", "MAT (tokens per round)"), (axes[1], "g_ratio", "g ratio vs Cloud+MTP (CPU)")):
+    panels = ((axes[0], "mat", "MAT (tokens per round)"), (axes[1], "g_ratio", "g ratio vs Cloud+MTP (CPU)"))
+    for ax, key, label in panels:
         for tree, marker in (("hyco", "o"), ("specedge", "s")):
             pts = [r for r in rows if r["tree"] == tree and r[key] is not None]
             if not pts:

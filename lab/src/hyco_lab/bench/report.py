@@ -16,7 +16,8 @@ from hyco_lab.bench.configs import CONFIGS, DROPPED, SLM_ONLY_MS_PER_TOKEN, SLM_
 from hyco_lab.bench.metrics import disjoint, spread, summarize, with_ratios
 
 LABELS = {
-    "g": "CPU-measured (engine process CPU seconds in the model calls, prefill included, / output tokens; compare only as ratios in one run)",
+    "g": ("CPU-measured (engine process CPU seconds in the model calls, prefill included, / output tokens; "
+          "compare only as ratios in one run)"),
     "gpu_model_g": ("modelled (`hyco_lab.bench.physics`, H200 memory-bound, batch 1, independent expert routing): "
                     "Cloud+MTP's verify forward plus its K head steps, HyCo's verify forward of the rows the server "
                     "verified plus its stated GPU handicaps, / MAT; no prefill"),
@@ -112,7 +113,8 @@ def _bytes_md(results: dict[str, Any]) -> list[str]:
     out = ["## Bytes per round: measured frames vs the paper's count for this model", "",
            (f"Paper's count (Algorithm 4 line 14) for the fixture verifier: {hv['header']} B + "
             f"{hv['per_round']} B per round + {hv['per_position']} B per committed position (26B-A4B: 44 + "
-            "5,632 + 6,144; tree 2.2 KB up)."), "", "| configuration | up B/round | down B/round | paper's count at this MAT | seed B |",
+            "5,632 + 6,144; tree 2.2 KB up)."), "",
+           "| configuration | up B/round | down B/round | paper's count at this MAT | seed B |",
            "|---|---|---|---|---|"]
     for name, entry in results["summary"].items():
         runs = entry.get("runs") or []

@@ -2,9 +2,9 @@
 
 Every server (HyCo or plain vLLM with ``--speculative-config mtp``) is started through the ``vllm-hyco``
 console script, so the plugin loads in every process and ``VLLM_HYCO_BENCH_TIMING=1`` turns on the
-engine-side compute timer (``vllm_hyco.vllm_adapter.patches.step_timing``), which writes to this server's own folder. Prefix
-caching is off on every server, so a configuration that runs the same prompts again (or after another
-one on a shared server) pays the same prefill.
+engine-side compute timer (``vllm_hyco.vllm_adapter.patches.step_timing``), which writes to this server's
+own folder. Prefix caching is off on every server, so a configuration that runs the same prompts again (or
+after another one on a shared server) pays the same prefill.
 
     >>> parse_prometheus('vllm:x_total{a="1",position="2"} 3.0\\n# HELP y\\nvllm:y 4\\n')
     {'vllm:x_total': [({'a': '1', 'position': '2'}, 3.0)], 'vllm:y': [({}, 4.0)]}
@@ -24,8 +24,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Self
 
-from vllm_hyco.vllm_adapter.patches import step_timing as timing
 from vllm_hyco.errors import ConfigError
+from vllm_hyco.vllm_adapter.patches import step_timing as timing
 
 MODEL_NAME = "tiny"
 RUNTIME_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -122,7 +122,8 @@ def budget_counters(metrics: dict[str, list[tuple[dict[str, str], float]]]) -> d
 
     return {"granted_sum": one("vllm_hyco_node_budget_sum"), "granted_n": one("vllm_hyco_node_budget_count"),
             "verified_sum": one("vllm_hyco_verified_nodes_sum"), "verified_n": one("vllm_hyco_verified_nodes_count"),
-            "fit": {t: one("vllm_hyco_step_cost_seconds", term=t) * 1e3 for t in ("fixed", "per_row", "per_tree", "per_branching", "per_plain", "rmse")}
+            "fit": {t: one("vllm_hyco_step_cost_seconds", term=t) * 1e3
+                    for t in ("fixed", "per_row", "per_tree", "per_branching", "per_plain", "rmse")}
             | {"steps": one("vllm_hyco_step_cost_steps")}}
 
 

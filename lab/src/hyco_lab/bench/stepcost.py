@@ -11,17 +11,19 @@ tokens. MTP: ``n`` plain requests with vLLM's MTP (K = 4) decode. Each component
 time by wrapping it with a recorded ``Patch`` (``PROFILE_PATCHES``; the wrappers' own cost is inside the totals; a
 few microseconds a call), per step:
 
-| component | what |
-| --- | --- |
-| ``step`` | ``EngineCore.step`` (schedule + model call + sampling + update) + ``post_step`` |
-| ``forward`` | the runner's ``_model_forward`` (all layers; HyCo's tree attention is inside it) |
-| ``tree_attn`` | HyCo's tree-row recompute in the attention override: the K/V gathers and the attention (per tree with ``loop``, the padded layout and one call per layer with ``padded``; the Python around them is in ``forward``) |
-| ``logits`` | ``compute_logits`` |
-| ``decide`` / ``compact`` / ``handoff`` / ``plan`` | ``worker/tree_step.py``, ``worker/handoff_step.py``: the tree decision, KV compaction, int8 hand-off, step index tensors |
-| ``schedule`` / ``update`` | the scheduler's ``schedule`` / ``update_from_output`` (HyCo's cut included) |
-| ``utility`` | the scheduler's side of the HyCo utility calls (tree submission, verdict take): once per session per round |
-| ``propose`` | MTP: vLLM's draft proposer (K sequential head steps) |
-| ``sample`` | MTP: the rejection sampler; HyCo: ``decide`` |
+* ``step``: ``EngineCore.step`` (schedule + model call + sampling + update) + ``post_step``
+* ``forward``: the runner's ``_model_forward`` (all layers; HyCo's tree attention is inside it)
+* ``tree_attn``: HyCo's tree-row recompute in the attention override: the K/V gathers and the attention (per
+  tree with ``loop``, the padded layout and one call per layer with ``padded``; the Python around them is in
+  ``forward``)
+* ``logits``: ``compute_logits``
+* ``decide`` / ``compact`` / ``handoff`` / ``plan``: ``worker/tree_step.py``, ``worker/handoff_step.py``: the
+  tree decision, KV compaction, int8 hand-off, step index tensors
+* ``schedule`` / ``update``: the scheduler's ``schedule`` / ``update_from_output`` (HyCo's cut included)
+* ``utility``: the scheduler's side of the HyCo utility calls (tree submission, verdict take): once per session
+  per round
+* ``propose``: MTP: vLLM's draft proposer (K sequential head steps)
+* ``sample``: MTP: the rejection sampler; HyCo: ``decide``
 
 Reported per step and per committed token (the CPU build: compare ratios within one run).
 """

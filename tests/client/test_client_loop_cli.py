@@ -80,8 +80,9 @@ def test_hyco_phone_cli_streams_the_greedy_answer(bundle, capsys, tmp_path):
     body = server.starts[0].request
     assert body["prompt"] == prompt and body["temperature"] == 0.0 and body["max_tokens"] == 20
     assert server.starts[0].hyco.fingerprint == spec.fingerprint
-    rounds = json.loads((tmp_path / "rounds.json").read_text())["rounds"]
-    assert sum(r["committed"] for r in rounds) == 20
+    written = json.loads((tmp_path / "rounds.json").read_text())
+    assert sum(r["committed"] for r in written["rounds"]) == 20
+    assert written["token_ids"] == greedy(prompt, 20)  # the committed ids, for an app that wants them
 
 
 def test_hyco_phone_cli_reports_typed_errors(bundle, capsys):

@@ -4,9 +4,8 @@ No module outside ``vllm_hyco.vllm_adapter`` imports vLLM (an import-linter cont
 tree core (``vllm_hyco.spec_decode``), the wire (``vllm_hyco.handoff``), the kernels, the engine contract
 (``vllm_hyco.engine_contract``), the model seam (``vllm_hyco.models``) and the phone's route logic
 (``vllm_hyco.serving``) are engine-agnostic. vLLM runs a server in three processes (in one, for the tests'
-in-process ``LLM``), and each package here runs in one of them; import-linter keeps the three apart:
-
-The packages, each as ``package`` (process): what it extends (vLLM 0.32):
+in-process ``LLM``), and each package here runs in one of them; import-linter keeps the three apart. Each
+package, the process it runs in, and what it extends (vLLM 0.32):
 
 * ``api_server`` (the API server, ``vllm serve``'s frontend, or the process holding an offline ``LLM``):
   ``EngineArgs`` (option expansion, via ``patches``), the OpenAI app (endpoint plugin), the CLI; the engine

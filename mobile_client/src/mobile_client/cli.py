@@ -102,7 +102,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--failovers", type=int, default=2,
                     help="times a session may be reopened on another replica when the server lost it "
                          "(prompt + committed tokens; 0: never)")
-    ap.add_argument("--json-out", type=Path, help="write the round statistics as JSON")
+    ap.add_argument("--json-out", type=Path,
+                    help="write the summary, the committed token ids and the round statistics as JSON")
     ap.add_argument("--quiet", action="store_true", help="no per-round lines")
     return ap.parse_args(argv)
 
@@ -142,8 +143,8 @@ async def _main(args) -> int:
                              "bytes_up": result.final.bytes_up, "bytes_down": result.final.bytes_down}
     print(f"\nhyco-phone: {json.dumps(summary)}", file=sys.stderr)
     if args.json_out:
-        args.json_out.write_text(json.dumps({"summary": summary, "rounds": [vars(r) for r in result.rounds]},
-                                            indent=1))
+        args.json_out.write_text(json.dumps({"summary": summary, "token_ids": list(result.token_ids),
+                                             "rounds": [vars(r) for r in result.rounds]}, indent=1))
     return 0
 
 

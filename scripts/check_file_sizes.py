@@ -1,7 +1,8 @@
 """Lint: no Python file of the repository is longer than ``MAX_LINES`` (the house's size budget).
 
-A module past it is a sign that it holds more than one thing; split it along a seam (the style guide,
-docs/architecture.md). Usage: ``python scripts/check_file_sizes.py`` (exit 1 and the files over the budget).
+A module past it is a sign that it holds more than one thing; split it along a seam (docs/architecture.md
+lists the modules and what each holds). Usage: ``python scripts/check_file_sizes.py`` (exit 1 and the files
+over the budget).
 """
 
 from __future__ import annotations

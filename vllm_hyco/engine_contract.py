@@ -54,7 +54,7 @@ from vllm_hyco import errors
 from vllm_hyco.errors import EngineError, HycoError, RequestFieldError
 
 #: a sampled row's distribution: row -> (token ids, integer weights); q(id) = weight / sum(weights)
-DraftQ = Mapping[int, tuple[Sequence[int], Sequence[int]]]
+DraftQMap = Mapping[int, tuple[Sequence[int], Sequence[int]]]
 
 
 # -- arrays -------------------------------------------------------------------------------------------------
@@ -88,8 +88,8 @@ def _draft_q(value: Any) -> dict[int, tuple[tuple[int, ...], tuple[int, ...]]] |
 
 
 def _missing(cls: type, e: Exception) -> EngineError:
-    return EngineError(f"{cls.__name__} from the engine is malformed ({type(e).__name__}: {e}): the API "
-                       f"server and the engine core run different vllm_hyco versions")
+    return EngineError(f"{cls.__name__} crossing between the API server and the engine core is malformed "
+                       f"({type(e).__name__}: {e}): the two run different vllm_hyco versions")
 
 
 # -- API server -> engine core --------------------------------------------------------------------------
@@ -110,7 +110,7 @@ class TreeSubmission:
     # [num_rows] the phone's values in [0, 1] (untrusted: they can only lower the server's estimate)
     values: tuple[float, ...] | None = None
     # the sampled rows' distributions (``vllm_hyco.spec_decode.coupling``), optional
-    draft_q: DraftQ | None = None
+    draft_q: DraftQMap | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tokens", _ints(self.tokens))
@@ -151,11 +151,11 @@ class StepTree:
     # [num_rows] parent rows
     parents: tuple[int, ...]
     eps: float | None  # None: exact acceptance
-    draft_q: DraftQ | None = None  # sampled rows' q; rows past the scheduled ones are ignored
+    draft_q: DraftQMap | None = None  # sampled rows' q; rows past the scheduled ones are ignored
 
 
 # -- worker -> engine core -> API server ----------------------------------------------------------------
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # holds arrays: compare their fields, not the objects
 class KVRows:
     """One hand-off layer's int8 K and V rows, ``[positions, kv_heads, head_dim]`` each."""
 
@@ -178,7 +178,7 @@ def _kv_from_wire(obj: Mapping[str, Any]) -> dict[str, KVRows]:
     return {str(kind): KVRows.from_wire(rows) for kind, rows in obj.items()}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # holds arrays: compare their fields, not the objects
 class HandoffSeed:
     """Round 0's seed: the hand-off layers' int8 K/V of positions ``[start, end)``, the last W committed."""
 
@@ -196,10 +196,10 @@ class HandoffSeed:
         return cls(int(obj["start"]), int(obj["end"]), _kv_from_wire(obj["kv"]))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # holds arrays: compare their fields, not the objects
 class Handoff:
     """The engine's int8 hand-off of one round (docs/decisions.md D1), quantized on its device with the
-    model's fixed scales; ``vllm_hyco.serving.handoffs`` frames it for the phone."""
+    model's fixed scales; ``vllm_hyco.handoff.server_model`` frames it for the phone."""
 
     position: int  # t + d: v*'s position (the next root, the bonus, sits at position + 1)
     start: int  # t: the root's position, the first of the K/V rows
@@ -224,7 +224,7 @@ class Handoff:
                    seed=None if obj.get("seed") is None else HandoffSeed.from_wire(obj["seed"]))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # holds arrays: compare their fields, not the objects
 class TreeVerdict:
     """What the runner decided for one tree (``ModelRunnerOutput.hyco_verdicts[req_id]``)."""
 
@@ -288,7 +288,7 @@ class BudgetInfo:
                    CostFit(**obj["cost"]))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # holds arrays: compare their fields, not the objects
 class RoundVerdict:
     """A round's verdict as the engine core hands it out (``hyco_take_verdict``): the runner's decision,
     what the request committed, and the node budget granted for the next round."""

@@ -46,10 +46,12 @@ def test_bad_max_parked_blocks_named_with_its_range(value):
 
 
 def test_registry_policy_never_falls_back_silently_on_a_bad_config():
-    from vllm_hyco.vllm_adapter.engine_core.state import registry_options
+    from vllm_hyco.vllm_adapter.engine_core.state import registry_options, session_kv_blocks
+
+    pool = SimpleNamespace(num_gpu_blocks=101)
 
     def options(vllm_config):  # what HycoScheduler.__init__ does with an engine of 101 KV blocks
-        return registry_options(HycoConfig.maybe_from_vllm_config(vllm_config), 101 - 1)
+        return registry_options(HycoConfig.maybe_from_vllm_config(vllm_config), session_kv_blocks(pool))
 
     good = SimpleNamespace(additional_config={ADDITIONAL_CONFIG_KEY: HycoConfig(
         session_idle_timeout_s=7, max_parked_blocks=0.5).to_dict()})

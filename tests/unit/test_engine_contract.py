@@ -87,7 +87,7 @@ def test_tree_submission_is_normalised_and_round_trips():
     wire = _transport(tree.to_wire())
     assert wire["draft_q"] == [[2, [12, 13], [3, 1]]]  # records, not int-keyed maps
     assert TreeSubmission.from_wire(wire) == tree and TreeSubmission.from_wire(tree) is tree
-    with pytest.raises(EngineError, match="TreeSubmission .*malformed"):
+    with pytest.raises(EngineError, match="TreeSubmission crossing .* is malformed"):
         TreeSubmission.from_wire({"sid": "s1", "round": 0})
 
 
@@ -126,5 +126,13 @@ def test_a_refusal_raises_the_same_class_code_and_field_on_the_callers_side(erro
 def test_a_malformed_verdict_is_an_engine_error_not_a_key_error():
     wire = _transport(encode_result(_verdict(False)))
     del wire["bonus"]
-    with pytest.raises(EngineError, match="RoundVerdict from the engine is malformed"):
+    with pytest.raises(EngineError, match="RoundVerdict crossing between the API server and the engine core"):
         decode_result("hyco_take_verdict", wire)
+
+
+def test_the_engine_core_adds_exactly_the_contracts_utility_methods():
+    pytest.importorskip("vllm")
+    from vllm_hyco.vllm_adapter.patches import engine_core_methods
+
+    assert [fn.__name__ for fn in engine_core_methods.METHODS] == list(UTILITY_METHODS)
+    assert [p.attr for p in engine_core_methods.PATCHES] == list(UTILITY_METHODS)

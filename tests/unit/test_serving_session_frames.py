@@ -17,9 +17,9 @@ from vllm_hyco.handoff.client_frames import HycoOptions, ResumeRequest, StartFra
 from vllm_hyco.handoff.frames import decode_server_frame
 from vllm_hyco.handoff.golden import golden_scales, golden_spec
 from vllm_hyco.handoff.server_frames import SessionFrame, VerdictFrame
+from vllm_hyco.handoff.server_model import ServerModel
 from vllm_hyco.handoff.session_id import route_key
 from vllm_hyco.serving.engine_port import RoundResult
-from vllm_hyco.serving.handoffs import ServerModel
 from vllm_hyco.serving.service import HycoService, WireError
 from vllm_hyco.vllm_adapter.api_server.engine_client import EngineSession
 

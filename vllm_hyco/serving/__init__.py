@@ -20,7 +20,7 @@ def create_service(engine: Any, model_path: str, hyco_config: Any):
     verifier's folder (its hand-off scales and spec are read from it).
     """
     from vllm_hyco import envs
-    from vllm_hyco.serving.handoffs import ServerModel
+    from vllm_hyco.handoff.server_model import ServerModel
     from vllm_hyco.serving.service import HycoService
 
     model = ServerModel.load(model_path, hyco_config.window)

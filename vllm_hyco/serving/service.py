@@ -45,11 +45,12 @@ from vllm_hyco.handoff.frames import encode_frame
 from vllm_hyco.handoff.limits import DEFAULT_LIMITS, WireLimits
 from vllm_hyco.handoff.schema import HANDOFF_SCHEMA_VERSION, HandoffPayload
 from vllm_hyco.handoff.server_frames import FinalFrame, SessionFrame, VerdictFrame, openai_chunk
+from vllm_hyco.handoff.server_model import ServerModel
 from vllm_hyco.handoff.session_id import DEFAULT_ROUTE_KEY, check_route_key, new_session_id, route_key
 from vllm_hyco.handoff.tree_contract import DEFAULT_NODE_BUDGET, grant_node_budget, validate_tree
 from vllm_hyco.serving import metrics as _metrics
 from vllm_hyco.serving.engine_port import EngineClient, RoundResult
-from vllm_hyco.serving.handoffs import KvRing, ServerModel
+from vllm_hyco.serving.handoffs import KvRing
 from vllm_hyco.serving.table import HeldSession, SessionTable
 
 logger = logging.getLogger("vllm.hyco")

@@ -35,7 +35,8 @@ its expected committed tokens. This module holds the three parts of the decision
   cost. Every session keeps at least its first node (no starvation). Flat cost (``m`` ~ 0) keeps whole
   trees; steep cost keeps chains.
 
-:class:`BudgetPolicy` ties them to sessions and steps (the scheduler mixin calls it). Example::
+:class:`BudgetPolicy` ties them to sessions and steps (the HyCo scheduler calls it, through
+``vllm_adapter/engine_core/node_budget.py``). Example::
 
     >>> choose_nodes([1.0, 0.9, 0.8, 0.1, 0.05], fixed=10.0, per_row=0.1)   # fixed cost dominates
     4

@@ -20,13 +20,13 @@ one-hot, so the coupling would give the same token). A node has at most one samp
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 import torch
 
 # q as the wire sends it, per tree: {local row of the sampled child: (ids, integer weights)}
-DraftQMap = Mapping[int, tuple[Sequence[int], Sequence[int]]]
+from vllm_hyco.engine_contract import DraftQMap
 
 
 @dataclass(frozen=True)

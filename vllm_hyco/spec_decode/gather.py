@@ -27,7 +27,7 @@ docs/benchmarks.md).
 
 Nothing is held while an ordinary request, a prefill or an unfinished output is in the engine (the
 adapter checks that), and nothing is held before the cost model is fitted. Pure Python; the engine wiring is
-``vllm_adapter/engine_core/gather.py`` (``HycoScheduler.has_requests``) and
+``vllm_adapter/engine_core/step_gather.py`` (``HycoScheduler.has_requests``) and
 ``vllm_adapter/patches/engine_core_methods.py`` (the wake-up).
 
     >>> g = StepGather()

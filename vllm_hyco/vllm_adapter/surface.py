@@ -29,7 +29,7 @@ SIGNATURES: dict[str, str | None] = {
     "vllm.v1.core.sched.scheduler:Scheduler.update_from_output": "self, scheduler_output, model_runner_output",
     "vllm.v1.core.sched.scheduler:Scheduler.update_draft_token_ids": "self, draft_token_ids",
     "vllm.v1.core.sched.scheduler:Scheduler.finish_requests": "self, request_ids, finished_status",
-    "vllm.v1.core.sched.scheduler:Scheduler.has_requests": "self",  # step gathering (engine_core/gather.py)
+    "vllm.v1.core.sched.scheduler:Scheduler.has_requests": "self",  # step gathering (engine_core/step_gather.py)
     # runners (worker/runner.py, worker/cpu_worker.py, worker/gpu_worker.py)
     "vllm.v1.worker.gpu_model_runner:GPUModelRunner.__init__": "self, vllm_config, device",
     "vllm.v1.worker.gpu_model_runner:GPUModelRunner._update_states": "self, scheduler_output",

@@ -90,9 +90,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "distribution and send it with the tree (lossless); greedy: its argmax")
     ap.add_argument("--mode", choices=("exact", "epsilon"), default="exact")
     ap.add_argument("--epsilon", type=float, help="with --mode epsilon: a stricter ε than the operator's")
-    ap.add_argument("--node-budget", type=int, default=DEFAULT_NODE_BUDGET,
+    ap.add_argument("--node-budget", "--max-nodes", type=int, default=DEFAULT_NODE_BUDGET, dest="node_budget",
                     help="the largest tree this phone builds (drafted nodes, root excluded; the server grants "
-                         "at most this many per round)")
+                         "at most this many per round; --max-nodes is its former name)")
     ap.add_argument("--slm-passes", type=int, choices=(1, 2), default=1,
                     help="SLM passes per tree: 1 = HyCo, 2 = HyCo-2P (a second pass under the first "
                          "pass's new nodes; torch SLM step only)")

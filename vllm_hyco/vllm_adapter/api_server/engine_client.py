@@ -267,6 +267,8 @@ class EngineBridge:
         """Verify one tree of session ``s`` (``tree.sid`` is ``s.sid``); raises the engine's typed refusal
         (``server_busy``, ``bad_root``, an ended session's code...) or EngineError. The tree's labels and
         values (per row, optional) feed the engine's node budget (docs/engine.md)."""
+        if tree.sid != s.sid:
+            raise EngineError(f"round {tree.round}: the tree names engine session {tree.sid!r}, not {s.sid!r}")
         await self.call("hyco_submit_tree", tree.to_wire())
         ids, text, reason = await self._round_output(s)
         verdict: RoundVerdict | None = None

@@ -22,8 +22,9 @@ from typing import Any
 from vllm_hyco.engine_contract import EngineStats, RoundVerdict, SessionInfo, TreeAccepted, TreeSubmission, TreeVerdict
 from vllm_hyco.errors import SessionError, TreeValidationError
 from vllm_hyco.handoff.tree_contract import check_draft_q, validate_tree
-from vllm_hyco.vllm_adapter.engine_core import budget
+from vllm_hyco.vllm_adapter.engine_core import node_budget
 from vllm_hyco.vllm_adapter.engine_core.sessions import RoundTree, Session, SessionState
+from vllm_hyco.vllm_adapter.engine_core.state import session_kv_blocks
 
 
 def submit(sched: Any, tree: TreeSubmission) -> TreeAccepted:
@@ -70,7 +71,7 @@ def record(sched: Any, s: Session, verdict: TreeVerdict, eco: Any) -> None:
     committed and why it finished), stored for the API server to take."""
     committed = tuple(eco.new_token_ids) if eco is not None else ()
     reason = str(eco.finish_reason) if eco is not None and eco.finish_reason is not None else None
-    granted, info = budget.grant(sched.hyco, s, verdict)
+    granted, info = node_budget.grant(sched.hyco, s, verdict)
     sched.hyco.sessions.finish_round(s, RoundVerdict(verdict, committed, reason, granted, info))
 
 
@@ -102,6 +103,6 @@ def info(sched: Any, sid: str) -> SessionInfo:
 def stats(sched: Any) -> EngineStats:
     live = sched.hyco.sessions.live()
     pool = sched.kv_cache_manager.block_pool
-    total = int(pool.num_gpu_blocks) - 1  # block 0 is vLLM's null block, never handed out
+    total = session_kv_blocks(pool)
     return EngineStats(live=len(live), parked=sum(1 for s in live if s.state is SessionState.PARKED),
                        kv_blocks_used=total - int(pool.get_num_free_blocks()), kv_blocks_total=total)

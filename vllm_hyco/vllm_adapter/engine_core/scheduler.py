@@ -5,7 +5,7 @@ A HyCo request is recognised by ``sampling_params.extra_args["hyco"] = {"sid", "
 request is scheduled exactly as by vLLM's scheduler. The scheduler's HyCo state is one object,
 ``self.hyco`` (``state.SchedulerState``): sessions, node budget, step gathering, step clock. The rounds
 (submit, verdict, close) are ``rounds``; the policies that end parked sessions ``policies``; the node
-budget's wiring ``budget``; step gathering ``gather``.
+budget's wiring ``node_budget``; step gathering ``step_gather``.
 
 Overrides of ``Scheduler`` methods (each calls ``super()``; ``vllm_adapter/surface.py`` pins them and the
 internals they lean on, checked by tests/unit/test_vllm_surface.py):
@@ -33,7 +33,7 @@ internals they lean on, checked by tests/unit/test_vllm_surface.py):
 * ``update_draft_token_ids``: drafts from the (null) proposer never reach session requests.
 * ``finish_requests``: marks the sessions of requests vLLM finished (abort, close) finished in the registry
   (``aborted`` unless a finish code was set).
-* ``has_requests``: False while step gathering holds a tree-only step (``gather``).
+* ``has_requests``: False while step gathering holds a tree-only step (``step_gather``).
 """
 
 from __future__ import annotations
@@ -45,9 +45,10 @@ from vllm.v1.request import RequestStatus
 
 from vllm_hyco.config import HycoConfig
 from vllm_hyco.engine_contract import EngineStats, RoundVerdict, SessionInfo, StepTree, TreeAccepted, TreeSubmission
-from vllm_hyco.vllm_adapter.engine_core import budget, gather, policies, rounds
+from vllm_hyco.errors import ConfigError
+from vllm_hyco.vllm_adapter.engine_core import node_budget, policies, rounds, step_gather
 from vllm_hyco.vllm_adapter.engine_core.sessions import SessionState
-from vllm_hyco.vllm_adapter.engine_core.state import SchedulerState
+from vllm_hyco.vllm_adapter.engine_core.state import SchedulerState, session_kv_blocks
 from vllm_hyco.vllm_adapter.patches import engine_core_methods
 
 
@@ -65,10 +66,16 @@ class HycoScheduler(Scheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         device = getattr(getattr(self.vllm_config, "device_config", None), "device_type", None)
-        self.hyco = SchedulerState.create(
-            HycoConfig.maybe_from_vllm_config(self.vllm_config),
-            num_kv_blocks=int(self.kv_cache_manager.block_pool.num_gpu_blocks) - 1,  # block 0 is vLLM's null block
-            max_num_running_reqs=self.max_num_running_reqs, on_cpu=str(device) == "cpu")
+        cfg = HycoConfig.maybe_from_vllm_config(self.vllm_config)
+        self.hyco = SchedulerState.create(cfg, num_kv_blocks=session_kv_blocks(self.kv_cache_manager.block_pool),
+                                          max_num_running_reqs=self.max_num_running_reqs, on_cpu=str(device) == "cpu")
+        spec = self.vllm_config.speculative_config
+        slots = getattr(spec, "num_speculative_tokens", None)
+        if cfg is not None and slots is not None and slots < self.hyco.budget_policy.cap:
+            # the expansion maps the node budget to vLLM's spec slots (api_server/expansion.py, speculative_tokens)
+            raise ConfigError(f"vLLM schedules {slots} speculative slots per request but HyCo's node budget is "
+                              f"{self.hyco.budget_policy.cap}: a tree would not fit; start the engine through "
+                              f"--speculative-config hyco, which sets both")
         engine_core_methods.install()
 
     # -- requests -------------------------------------------------------------------------------------------
@@ -132,7 +139,7 @@ class HycoScheduler(Scheduler):
         return finished
 
     def has_requests(self) -> bool:
-        return super().has_requests() and not gather.holding(self)
+        return super().has_requests() and not step_gather.holding(self)
 
     # -- steps ----------------------------------------------------------------------------------------------
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
@@ -140,9 +147,9 @@ class HycoScheduler(Scheduler):
         t0 = st.clock.now()
         self.hyco_apply_policies()
         self._hyco_reinject()
-        budget.cut_trees(self)
+        node_budget.cut_trees(self)
         out = super().schedule(*args, **kwargs)
-        budget.step_begin(st, out, t0)
+        node_budget.step_begin(st, out, t0)
         trees = {}
         for req_id, n in out.num_scheduled_tokens.items():
             s = st.sessions.by_req(req_id)
@@ -187,7 +194,7 @@ class HycoScheduler(Scheduler):
                 self._hyco_park(s, request)
             if finished:
                 reg.mark_finished(s, s.finish_code or "finished")
-        budget.step_end(self, scheduler_output)
+        node_budget.step_end(self, scheduler_output)
         return outputs
 
     def _hyco_park(self, s: Any, request: Any) -> None:
@@ -205,7 +212,7 @@ class HycoScheduler(Scheduler):
             st.gather.submitted(tree.sid, t0[0])
             return accepted
         finally:
-            budget.note_utility(st, t0)
+            node_budget.note_utility(st, t0)
 
     def hyco_take_verdict(self, sid: str, round_: int) -> RoundVerdict:
         st = self.hyco
@@ -215,7 +222,7 @@ class HycoScheduler(Scheduler):
             st.gather.taken(sid, t0[0])
             return verdict
         finally:
-            budget.note_utility(st, t0)
+            node_budget.note_utility(st, t0)
 
     def hyco_session_info(self, sid: str) -> SessionInfo:
         return rounds.info(self, sid)
@@ -236,4 +243,4 @@ class HycoScheduler(Scheduler):
         return rounds.stats(self)
 
     def hyco_set_wake(self, wake: Any) -> None:
-        gather.set_wake(self.hyco, wake)
+        step_gather.set_wake(self.hyco, wake)

@@ -15,7 +15,8 @@ Parked sessions pin KV. Policy (docs/engine.md): sessions idle for longer than `
 finished with ``session_timeout``; when the KV they pin exceeds ``max_parked_blocks`` or the engine is
 short of blocks, the least recently used parked session is finished with ``session_evicted`` (the phone
 reopens it; re-prefill with the committed text is the endpoint's choice). Nothing here touches vLLM: the
-scheduler mixin calls these methods and does the vLLM side (parking, freeing).
+scheduler (``engine_core/scheduler.py``, ``rounds.py``) calls these methods and does the vLLM side (parking,
+freeing).
 
 Example::
 

@@ -26,10 +26,20 @@ from vllm_hyco.vllm_adapter.engine_core.sessions import SessionRegistry
 Clock = tuple[float, float]  # (wall, process CPU) seconds
 
 
+def session_kv_blocks(block_pool: Any) -> int:
+    """The KV blocks sessions can hold: vLLM's pool less its null block 0, which is never handed out.
+
+    >>> from types import SimpleNamespace
+    >>> session_kv_blocks(SimpleNamespace(num_gpu_blocks=101))
+    100
+    """
+    return int(block_pool.num_gpu_blocks) - 1
+
+
 def registry_options(cfg: HycoConfig | None, num_kv_blocks: int) -> dict[str, Any]:
     """The session registry's policy from the engine's HycoConfig (idle timeout, parked-KV cap in blocks);
     a scheduler without a HyCo config gets the registry's defaults (``{}``). ``num_kv_blocks``: the blocks
-    sessions can hold (vLLM's pool less its null block 0)."""
+    sessions can hold (:func:`session_kv_blocks`)."""
     if cfg is None:
         return {}
     return {"idle_timeout_s": cfg.session_idle_timeout_s, "max_parked_blocks": cfg.parked_block_cap(num_kv_blocks)}

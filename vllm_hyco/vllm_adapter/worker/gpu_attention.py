@@ -20,7 +20,7 @@ is how the hook below is unit-tested without a GPU).
     trees, and the rows of trees that are chains (causal mask: the stock output is exact), run the stock
     path only.
   - ``do_kv_cache_update``: stock write, and a note that the layer was written this step (no copy: the
-    compaction and the hand-off read the paged cache, ``vllm_adapter/worker/tree_step.py``).
+    compaction and the hand-off read the paged cache, ``worker/tree_step.py``, ``worker/handoff_step.py``).
   - the builder declares ``AttentionCGSupport.NEVER``: vLLM then resolves ``FULL_AND_PIECEWISE`` (the
     default) to ``PIECEWISE``, so attention and the KV-cache update (both splitting ops in 0.32) run
     eagerly and the hooks run on every step. A full CUDA graph of a uniform 33-row batch would replay a

@@ -28,7 +28,7 @@ def handoff_scales(runner: Any) -> dict[str, Any]:
     """The model's fixed int8 scales on the device: ``{"e", "h", kind: (k, v)}`` (loaded once)."""
     st = runner.hyco
     if st.scales is None:
-        from vllm_hyco.serving.handoffs import ServerModel
+        from vllm_hyco.handoff.server_model import ServerModel
 
         model = ServerModel.load(runner.model_config.model, st.window)
         dev = runner.device
@@ -86,16 +86,20 @@ def handoff(runner: Any, step: StepTrees, dec: StepDecision, hidden: torch.Tenso
         names += [f"{kind}_k", f"{kind}_v"]
         kv += [k_rows, v_rows if v_rows is not None else k_rows]
         heads += [total[kind]] * 2
-    seed_of = {b: _seed(runner, tr, layers, scales, tr.context_len + len(dec.path_rows[b]) + 1, shard)
-               for b, tr in enumerate(step.trees) if tr.round == 0}
-    seed_keys = [(b, kind, f"{kind}_{x}") for b in seed_of for kind in layers for x in ("k", "v")]
-    kv += [seed_of[b][key] for b, _, key in seed_keys]
-    heads += [total[kind] for _, kind, _ in seed_keys]
+    # round 0's seeds: (start, end, {kind: (k, v)}) of this rank's heads, on the device
+    seeds = {b: _seed(runner, tr, layers, scales, tr.context_len + len(dec.path_rows[b]) + 1, shard)
+             for b, tr in enumerate(step.trees) if tr.round == 0}
+    seed_pieces = [(b, kind) for b in seeds for kind in layers]
+    for b, kind in seed_pieces:
+        kv += list(seeds[b][2][kind])
+        heads += [total[kind]] * 2
     kv = tp_heads.gather_heads(kv, shard, heads)  # one all_gather for the whole step (none on one rank)
     if shard.rank != 0:
         return [None for _ in step.trees]
-    for (b, _, key), rows_b in zip(seed_keys, kv[len(names):]):
-        seed_of[b][key] = rows_b.cpu()
+    gathered = iter(kv[len(names):])
+    seed_rows: dict[int, dict[str, KVRows]] = {b: {} for b in seeds}
+    for b, kind in seed_pieces:
+        seed_rows[b][kind] = KVRows(next(gathered).cpu(), next(gathered).cpu())
     parts, names = [q.e, q.h, *kv[: len(names)]], ["e_bonus", "h", *names]
     sizes = [p.numel() for p in parts]
     host = torch.cat([p.flatten() for p in parts]).cpu() if parts else torch.empty(0, dtype=torch.int8)
@@ -109,10 +113,7 @@ def handoff(runner: Any, step: StepTrees, dec: StepDecision, hidden: torch.Tenso
             kv_rows = pieces[kv_name].view(-1, *parts[names.index(kv_name)].shape[1:])
             return kv_rows[starts[b]: starts[b] + d + 1]
 
-        seed = None
-        if b in seed_of:
-            s = seed_of[b]
-            seed = HandoffSeed(s["start"], s["end"], {kind: KVRows(s[f"{kind}_k"], s[f"{kind}_v"]) for kind in layers})
+        seed = HandoffSeed(seeds[b][0], seeds[b][1], seed_rows[b]) if b in seeds else None
         out.append(Handoff(position=tr.context_len + d, start=tr.context_len,
                            e_bonus=pieces["e_bonus"].view(num, -1)[b], h=pieces["h"].view(num, -1)[b],
                            layers=dict(layers), kv={kind: KVRows(rows_of(f"{kind}_k"), rows_of(f"{kind}_v"))
@@ -129,12 +130,13 @@ def head_shard(runner: Any) -> tp_heads.HeadShard:
 
 
 def _seed(runner: Any, tr: TreeRows, layers: dict[str, str], scales: dict[str, Any], num_committed: int,
-          shard: tp_heads.HeadShard) -> dict[str, Any]:
-    """int8 K/V of positions [max(0, T - W), T) of the two hand-off layers, read from the paged cache: this
-    rank's KV heads, on the device (the caller gathers every head and copies them to the host)."""
+          shard: tp_heads.HeadShard) -> tuple[int, int, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """(start, end, {kind: (K, V)}): the int8 K/V of positions [start, end) = [max(0, T - W), T) of the
+    hand-off layers, read from the paged cache: this rank's KV heads, on the device (the caller gathers
+    every head and copies them to the host)."""
     lo = max(0, num_committed - runner.hyco.window)
     positions = torch.arange(lo, num_committed, dtype=torch.int64)
-    seed: dict[str, Any] = {"start": lo, "end": num_committed}
+    rows = {}
     for kind, name in layers.items():
         lay = cache_layer(runner, name)
         assert lay is not None, name
@@ -142,6 +144,5 @@ def _seed(runner: Any, tr: TreeRows, layers: dict[str, str], scales: dict[str, A
         slots = slots_for_positions(table.block_table.gpu[tr.batch_idx], positions, table.block_size)
         k_view, v_view = lay.view.kv_views(lay.layer.kv_cache)
         k_scale, v_scale = (shard.scale_slice(s, k_view.shape[2]) for s in scales[kind])
-        seed[f"{kind}_k"] = gather_quantize_kv(k_view, slots, k_scale)
-        seed[f"{kind}_v"] = gather_quantize_kv(v_view, slots, v_scale)
-    return seed
+        rows[kind] = (gather_quantize_kv(k_view, slots, k_scale), gather_quantize_kv(v_view, slots, v_scale))
+    return lo, num_committed, rows

@@ -108,18 +108,24 @@ def discover(context: Mapping[str, object], kv_cache_groups: Iterable[object] | 
                               f"layer discovery disagrees on (cache owners: {len(owners)}, allocated: "
                               f"{len(allocated)})")
     kinds = {n: _kind(lay) for n, lay in attn}
-    by_id = {int(m.group(1)): n for n, _ in attn if (m := _INDEX.search(n))}
-    names = {}
+    by_id: dict[int, str] = {}  # layer index -> its attention layer (one per index, or the index is ambiguous)
+    for n, _ in attn:
+        if (m := _INDEX.search(n)) is not None:
+            by_id[int(m.group(1))] = n if int(m.group(1)) not in by_id else ""
+    handoff_names = {}
     for kind, lid in (handoff or {}).items():
         name = by_id.get(int(lid))
+        if name == "":
+            raise ConfigError(f"the model's {kind} hand-off layer {lid}: more than one attention layer vLLM built "
+                              f"has that index; HyCo cannot tell which one the drafter reads")
         if name is None:
             raise ConfigError(f"the model's {kind} hand-off layer {lid} is not among the {len(attn)} attention layers "
-                              f"vLLM built ({', '.join(sorted(by_id.values())[:3])} ...)")
+                              f"vLLM built ({', '.join(sorted(n for n in by_id.values() if n)[:3])} ...)")
         if kinds[name] != kind:
             raise ConfigError(f"the model's {kind} hand-off layer {lid} runs {kinds[name]} attention in what vLLM "
                               f"built ({name}); the checkpoint's config and the model seam disagree")
-        names[kind] = shared.get(name, name)
-    return KVLayers(owners=owners, shared=shared, handoff=names, kinds=kinds)
+        handoff_names[kind] = shared.get(name, name)
+    return KVLayers(owners=owners, shared=shared, handoff=handoff_names, kinds=kinds)
 
 
 def check_captured(captured: Iterable[str], layers: KVLayers, req_id: str) -> None:

@@ -9,7 +9,7 @@ The rule is ``vllm_hyco.spec_decode.budget`` (pure); this module wires it to the
   (schedule + execute + update, plus the HyCo utility calls since the last step, :func:`note_utility`)
   is the step's measured cost, which the cost model is fitted on.
 * :func:`grant`: learns from a round (acceptance by depth and label) and grants the next round's nodes
-  (``RoundVerdict.budget``) with the model's fit (``RoundVerdict.budget_info``).
+  (``RoundVerdict.node_budget``) with the model's fit (``RoundVerdict.budget_info``).
 """
 
 from __future__ import annotations

@@ -53,10 +53,7 @@ def install() -> None:
 class HycoCPUAttentionImpl(CPUAttentionBackendImpl):
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
-        trees = tree_plan.active_trees()
-        if not trees:
-            return
-        tree_plan.note_layer_written(getattr(layer, "layer_name", None) or str(id(layer)))
+        tree_plan.note_layer_written(layer)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):

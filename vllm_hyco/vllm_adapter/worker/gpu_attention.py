@@ -96,10 +96,6 @@ def check_tree_backends(layers: Mapping[str, object]) -> None:
         raise HardwareUnsupportedError("tree verification on GPU: no attention layer found in the forward context")
 
 
-def _layer_name(layer) -> str:
-    return getattr(layer, "layer_name", None) or str(id(layer))
-
-
 class HycoTritonAttentionImpl(TritonAttentionImpl):
     def _tree_window(self) -> int | None:
         """vLLM stores ``(W - 1, 0)`` for a decoder sliding window, ``(-1, -1)`` without one."""
@@ -115,8 +111,7 @@ class HycoTritonAttentionImpl(TritonAttentionImpl):
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
         super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
-        if tree_plan.active_trees():
-            tree_plan.note_layer_written(_layer_name(layer))
+        tree_plan.note_layer_written(layer)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):

@@ -67,7 +67,8 @@ def runner_state(vllm_config: Any) -> RunnerState:
             f"--speculative-config hyco: the {family.name} family's MTP drafter keeps {family.drafter_kv.value} KV "
             f"in a {family.kv_layout.value} layout; the tree step and the hand-off handle a drafter reading the "
             f"verifier's per-head K/V only (vllm_hyco/models/base.py)")
-    return RunnerState(config=cfg, window=family.handoff_window(hf, cfg.window if cfg is not None else None))
+    return RunnerState(config=cfg, window=family.handoff_window(hf, cfg.window if cfg is not None else None),
+                       handoff_ids={layer.kind: layer.layer_id for layer in family.handoff_layers(hf)})
 
 
 class HycoRunnerMixin:

@@ -215,9 +215,11 @@ def step_cached(key, build):
     return cache[key]
 
 
-def note_layer_written(name: str) -> None:
-    """The attention override wrote this layer's K/V for the step's rows (tree rows at sequential slots)."""
-    _ACTIVE["written"].add(name)
+def note_layer_written(layer: object) -> None:
+    """An attention override wrote this layer's K/V (vLLM's ``Attention`` module) for the step's rows, tree
+    rows at sequential slots; a no-op in a step without trees. Both overrides call it after the stock write."""
+    if _ACTIVE["trees"]:
+        _ACTIVE["written"].add(getattr(layer, "layer_name", None) or str(id(layer)))
 
 
 def layers_written() -> set[str]:

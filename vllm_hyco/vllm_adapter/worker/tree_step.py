@@ -34,7 +34,6 @@ import torch
 from vllm_hyco.handoff.tree_contract import NodeLabel
 from vllm_hyco.handoff.tree_contract import depths as tree_depths
 from vllm_hyco.kernels import compact_kv
-from vllm_hyco.models import family_of
 from vllm_hyco.spec_decode.coupling import SampledDrafts
 from vllm_hyco.spec_decode.sampling import SAMPLING_EPS, SamplingSpec, draw_uniforms
 from vllm_hyco.spec_decode.verify import BatchVerdict, PackedTrees, verify_batch_with_uniforms
@@ -185,11 +184,9 @@ def kv_layers(runner: Any) -> KVLayers:
     the hand-off layers by the model seam's rule), read once."""
     st = runner.hyco
     if st.kv_layers is None:
-        hf = runner.model_config.hf_config.to_dict()
-        ids = {layer.kind: layer.layer_id for layer in family_of(hf).handoff_layers(hf)}
         cfg = getattr(runner, "kv_cache_config", None)
         st.kv_layers = discover(runner.compilation_config.static_forward_context,
-                                getattr(cfg, "kv_cache_groups", None), handoff=ids)
+                                getattr(cfg, "kv_cache_groups", None), handoff=st.handoff_ids)
     return st.kv_layers
 
 

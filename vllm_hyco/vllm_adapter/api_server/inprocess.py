@@ -85,13 +85,10 @@ class HycoEngine:
         """One engine-core method; its result as the engine contract's type, a refusal raised."""
         client = self.engine.engine_core
         core = getattr(client, "engine_core", None)
-        if core is not None:  # in-process: no transport, the typed object itself
+        if core is not None:  # in-process: no transport, the typed objects themselves
             return getattr(core, name)(*args, typed=True)
-        return decode_result(name, client.call_utility(name, *args))
-
-    @property
-    def _in_process(self) -> bool:
-        return getattr(self.engine.engine_core, "engine_core", None) is not None
+        wire = [a.to_wire() if hasattr(a, "to_wire") else a for a in args]  # a contract object's one encode
+        return decode_result(name, client.call_utility(name, *wire))
 
     def _info(self, sid: str) -> SessionInfo:
         info: SessionInfo = self._call("hyco_session_info", sid)
@@ -195,7 +192,7 @@ class HycoEngine:
                 self._check_open(sid)
                 tree = TreeSubmission(sid, int(round_), tuple(tokens), tuple(parents), eps=rest[0] if rest else None,
                                       draft_q=rest[1] if len(rest) > 1 else None)
-                self._call("hyco_submit_tree", tree if self._in_process else tree.to_wire())
+                self._call("hyco_submit_tree", tree)
             except HycoError as e:
                 if isinstance(e, SessionError) and e.code in ENDED_CODES and sid in self._sessions:
                     self._drop(sid, e.code)  # the engine finished it (timeout, eviction...): drop it here too

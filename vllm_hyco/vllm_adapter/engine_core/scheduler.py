@@ -177,8 +177,8 @@ class HycoScheduler(Scheduler):
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         reg = self.hyco.sessions
         policies.emit_ended(self, outputs)
-        emitted = {eco.request_id: eco for batch in (outputs or {}).values()
-                   for eco in getattr(batch, "outputs", []) or []}
+        emitted = {eco.request_id: eco for batch in (outputs or {}).values()  # only steps with verdicts need it
+                   for eco in getattr(batch, "outputs", []) or []} if verdicts else {}
         for req_id in scheduler_output.num_scheduled_tokens:
             s = reg.by_req(req_id)
             if s is None:

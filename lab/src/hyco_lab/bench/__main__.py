@@ -24,6 +24,8 @@ from hyco_lab.bench import configs as C
 from hyco_lab.bench import metrics as M
 from hyco_lab.bench.drive import Sampling, run_cloud, run_phones
 from hyco_lab.bench.linkproxy import LinkModel
+from hyco_lab.bench.mixed import Mixed
+from hyco_lab.bench.mixed import save as save_mixed
 from hyco_lab.bench.report import build_results, fixture_weights, handoff_values, phone_notes, write_report
 from hyco_lab.bench.server import BenchServer, budget_counters, counters_delta, spec_counters
 from vllm_hyco.errors import ConfigError, HycoError
@@ -67,8 +69,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "costs; an adaptive server's cost model fits on them, as a serving one has)")
     p.add_argument("--ordinary", action="store_true", help="ordinary requests: hyco server vs plain vLLM")
     p.add_argument("--ordinary-phones", type=int, default=0,
-                   help="N > 0: ordinary requests' per-token latency beside N phones (hyco-exact adaptive, "
-                        "static 32) or N Cloud+MTP requests")
+                   help="N > 0: ordinary requests' per-token latency beside N closed-loop phones or Cloud+MTP "
+                        "requests, arm against arm (hyco_lab.bench.mixed; --configs none: this alone)")
+    p.add_argument("--mixed-arms", default="mtp,hyco", help="--ordinary-phones' arms: mtp, hyco, hyco-mtp, hyco-s32")
+    p.add_argument("--mixed-requests", type=int, default=16, help="foreground ordinary requests per window")
+    p.add_argument("--mixed-phones-only", default="auto", choices=("auto", "on", "off"),
+                   help="N phones alone per HyCo arm and run, their g (auto: on with both hyco and hyco-mtp)")
+    p.add_argument("--mixed-phone-requests", type=int, default=0,
+                   help="measured phone requests of each phones-only pass (0: 2N), after N unmeasured")
     p.add_argument("--expert-overlap", default=None,
                    help="JSON of `python -m hyco_lab.bench.physics` (its 'overlap'): the measured expert overlap "
                         "for the GPU-modelled g")
@@ -329,57 +337,6 @@ class Bench:
                         _log(f"  sweep {cfg.name} x{n} run {run}: {_brief(out[-1])}")
         return out
 
-    def ordinary_mixed(self, phones: int) -> list[dict]:
-        """Per-token latency (TPOT: (wall - TTFT) / (tokens - 1)) of ordinary streaming requests sharing the
-        engine with ``phones`` phones (hyco servers) or as many Cloud+MTP requests (an MTP server)."""
-        from hyco_lab.bench.drive import run_cloud, run_phones
-
-        out = []
-        for name in ("cloud-mtp-prob", "hyco-exact-prob-s32", "hyco-exact-prob"):
-            cfg = C.CONFIGS[name]
-            spec = cfg.server_spec(str(self.fx / "assistant"), max_sessions=phones + len(self.prompts))
-            with self.server(spec, max_num_seqs=phones + len(self.prompts)) as srv:
-                self.one_pass(srv, cfg, -1, self.prompts[:1], self.ids()[:1] if cfg.kind == "phone" else None, 1)
-                # the same ordinary requests alone on this server first: what the phones' load adds to them
-                # (on a HyCo server they decode a token a step, on an MTP server vLLM's MTP drafts for them)
-                alone, _ = asyncio.run(run_cloud(srv.url, "ordinary", 902, self.prompts, self.sampling,
-                                                 concurrency=1, link=self.link, seed0=901_000))
-                load = [self.prompts[i % len(self.prompts)] for i in range(phones)]
-                ids = [self.ids()[i % len(self.prompts)] for i in range(phones)] if cfg.kind == "phone" else None
-
-                async def both(cfg, load, ids):
-                    if cfg.kind == "phone":
-                        bg = run_phones(srv.url, cfg, 900, load, ids, self.fx, self.sampling, concurrency=phones,
-                                        link=self.link, seed0=900_000)
-                    else:
-                        bg = run_cloud(srv.url, cfg.name, 900, load, self.sampling, concurrency=phones,
-                                       link=self.link, seed0=900_000)
-                    await asyncio.sleep(0.5)  # the phones are past their prefill
-                    fg = run_cloud(srv.url, "ordinary", 901, self.prompts, self.sampling, concurrency=1,
-                                   link=self.link, seed0=901_000)
-                    return await asyncio.gather(bg, fg)
-
-                before, wall0, cpu0 = srv.timing(), time.perf_counter(), time.process_time()
-                (_bg, _), (recs, _) = asyncio.run(both(cfg, load, ids))
-                wall, client_cpu = time.perf_counter() - wall0, time.process_time() - cpu0
-                eng = M_delta(before, srv.timing())
-                tpot, tpot_alone = _tpot(recs), _tpot(alone)
-                steps = eng.get("steps") or 0
-                core_cpu_s = eng.get("core_cpu_s", 0.0)
-                out.append({"server": name, "phones": phones, "requests": len(recs),
-                            "tpot_ms_mean": round(sum(tpot) / len(tpot), 2) if tpot else None,
-                            "tpot_alone_ms_mean": round(sum(tpot_alone) / len(tpot_alone), 2) if tpot_alone else None,
-                            "tpot_ms_p90": M.percentile(tpot, 90), "errors": sum(r.error is not None for r in recs),
-                            "background_errors": sum(r.error is not None for r in _bg),
-                            # where the wall time went: the engine's CPU per step, and the CPU of this
-                            # process (the simulated phones' drafting, the clients) on the same cores
-                            "engine_steps": steps,
-                            "engine_cpu_ms_per_step": round(1e3 * core_cpu_s / steps, 2) if steps else None,
-                            "wall_ms_per_step": round(1e3 * wall / steps, 2) if steps else None,
-                            "bench_cpu_share": round(client_cpu / wall, 3) if wall > 0 else None})
-                _log(f"  ordinary beside {phones} on {name}: {out[-1]}")
-        return out
-
     def ordinary(self) -> list[dict]:
         out = []
         cloud = C.BenchConfig("ordinary", "cloud", "ordinary")
@@ -392,12 +349,6 @@ class Bench:
                             "server_tok_s": m["server_tok_s"], "g_ms": m["g_ms"], "errors": m["errors"]})
                 _log(f"  ordinary on {name}: {out[-1]}")
         return out
-
-
-def _tpot(recs) -> list[float]:
-    """Per-token latency of each finished streaming request: (wall - TTFT) / (tokens - 1) ms."""
-    return [(r.wall_ms - r.ttft_ms) / (r.tokens - 1) for r in recs
-            if r.error is None and r.ttft_ms is not None and r.tokens > 1]
 
 
 def M_delta(a: dict, b: dict) -> dict:
@@ -431,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
         levels = [int(x) for x in args.sweep.split(",") if x.strip()]
         sweep = bench.sweep(levels) if levels else []
         ordinary = bench.ordinary() if args.ordinary else []
-        mixed = bench.ordinary_mixed(args.ordinary_phones) if args.ordinary_phones else []
+        mixed = (Mixed(bench, args.ordinary_phones, bench_prompts(args.prompt_set, args.mixed_requests)).run()
+                 if args.ordinary_phones else None)
         tv = bench.tv() if args.tv else None
     except HycoError as e:
         print(f"python -m hyco_lab.bench: {type(e).__name__}: {e}", file=sys.stderr)
@@ -453,7 +405,6 @@ def main(argv: list[str] | None = None) -> int:
     from hyco_lab.bench import physics
 
     results["gpu_batch1"] = physics.batch1(bench.records, sweep, M.OVERLAP or None)
-    results["ordinary_mixed"] = mixed
     from hyco_lab.bench import qreport
 
     results["quality"] = qreport.quality_results(bench.records, env["references"])
@@ -465,6 +416,9 @@ def main(argv: list[str] | None = None) -> int:
     (bench.out / "records.json").write_text(json.dumps(bench.records, default=str))
     paths = write_report(bench.out, results)
     print(paths["markdown"].read_text())
+    if mixed:
+        paths |= save_mixed(bench.out, results, mixed)
+        print(paths["mixed"].read_text())
     _log(f"wrote {', '.join(str(p) for p in paths.values())}")
     return 0
 

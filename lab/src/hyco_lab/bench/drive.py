@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -158,3 +160,95 @@ async def run_phones(url: str, cfg: BenchConfig, run: int, prompts: list[dict], 
         if gate is not None:
             info["locked_rounds"] = gate.opened
         return list(records), info
+
+
+# -- one request at a time, for closed-loop clients (hyco_lab.bench.mixed) --------------------------------
+@asynccontextmanager
+async def cloud_caller(url: str, config: str, run: int, sampling: Sampling, *, link: LinkModel
+                       ) -> AsyncIterator[Callable[[dict, int], Awaitable[RequestRecord]]]:
+    """``call(prompt, seed)``: one streaming ``openai`` request of ``config`` through this caller's link
+    proxy, as ``run_cloud`` makes them."""
+    from openai import AsyncOpenAI
+
+    async with LinkProxy(_target(url), link) as proxy:
+        client = AsyncOpenAI(base_url=f"http://127.0.0.1:{proxy.port}/v1", api_key="bench", max_retries=0,
+                             timeout=600.0)
+        try:
+            yield lambda prompt, seed: _cloud_one(client, config, run, prompt, sampling, seed)
+        finally:
+            await client.close()
+
+
+@asynccontextmanager
+async def phone_caller(url: str, cfg: BenchConfig, run: int, bundle: Path, sampling: Sampling, *,
+                       link: LinkModel, frame_timeout_s: float = 300.0
+                       ) -> AsyncIterator[Callable[[dict, list[int], int, int], Awaitable[RequestRecord]]]:
+    """``call(prompt, ids, seed, slot)``: one phone session of ``cfg`` (a fresh drafter; ``slot``: the phone,
+    whose acceptance model carries over its requests) through this caller's link proxy, as ``run_phones``
+    makes them."""
+    async with LinkProxy(_target(url), link) as proxy:
+        base = f"http://127.0.0.1:{proxy.port}"
+        yield lambda prompt, ids, seed, slot: _phone_one(base, cfg, run, prompt, ids, bundle, sampling, seed,
+                                                          frame_timeout_s, slot=slot)
+
+
+@dataclass
+class Timed:
+    """A closed-loop request: when it was issued and when it returned (``perf_counter`` seconds), its record,
+    and what the loop's ``probe`` read when it returned."""
+
+    start: float
+    end: float
+    record: RequestRecord
+    probe: Any = None
+
+
+class ClosedLoop:
+    """``clients`` clients, each issuing its next request (``call(client, k)``, its ``k``-th) as soon as its last
+    one returns: a constant load while they run. ``stop()`` (or ``limit`` requests issued) ends the issuing;
+    requests in flight finish. ``warm`` is set once every client has had a request return.
+
+    >>> async def call(c, k):
+    ...     await asyncio.sleep(0.01 * (c + 1))
+    ...     return RequestRecord("x", 0, f"{c}.{k}", tokens=1)
+    >>> done = asyncio.run(ClosedLoop(call, 2, limit=5).run())
+    >>> len(done), sorted(t.record.prompt_id for t in done)[:3]
+    (5, ['0.0', '0.1', '0.2'])
+    """
+
+    #: a client whose request failed waits this long before its next one (no hot loop on a refusing server)
+    ERROR_PAUSE_S = 0.2
+
+    def __init__(self, call: Callable[[int, int], Awaitable[RequestRecord]], clients: int, *,
+                 limit: int | None = None, probe: Callable[[], Any] | None = None):
+        self.call, self.clients, self.limit, self.probe = call, clients, limit, probe
+        self.done: list[Timed] = []  # in the order they returned
+        self.issued = 0
+        self.warm = asyncio.Event()
+        self._stopping = False
+        self._returned: set[int] = set()
+
+    def stop(self) -> None:
+        self._stopping = True
+
+    def _more(self) -> bool:
+        return not self._stopping and (self.limit is None or self.issued < self.limit)
+
+    async def _client(self, c: int) -> None:
+        k = 0
+        while self._more():
+            self.issued += 1
+            t0 = time.perf_counter()
+            rec = await self.call(c, k)
+            self.done.append(Timed(t0, time.perf_counter(), rec, self.probe() if self.probe else None))
+            self._returned.add(c)
+            if len(self._returned) == self.clients:
+                self.warm.set()
+            k += 1
+            if rec.error is not None:
+                await asyncio.sleep(self.ERROR_PAUSE_S)
+
+    async def run(self) -> list[Timed]:
+        await asyncio.gather(*(self._client(c) for c in range(self.clients)))
+        self.warm.set()  # nobody waits forever on a loop that ended before every client returned once
+        return self.done

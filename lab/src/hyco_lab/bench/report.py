@@ -181,6 +181,9 @@ def _gpu_batch1_md(results: dict[str, Any]) -> list[str]:
 
 def _mixed_md(results: dict[str, Any]) -> list[str]:
     rows = results.get("ordinary_mixed") or []
+    if isinstance(rows, dict):  # the closed-loop scenario (hyco_lab.bench.mixed) writes its own mixed.md
+        return ["## Ordinary requests beside phones", "", "Arm against arm, closed-loop background: `mixed.md` "
+                "(hyco_lab.bench.mixed).", ""] if rows.get("arms") else []
     if not rows:
         return []
     out = ["## Ordinary requests beside phones: per-token latency (TPOT, ms)", "",

@@ -12,6 +12,7 @@ after another one on a shared server) pays the same prefill.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -176,6 +177,11 @@ class BenchServer:
         self.startup_s = time.monotonic() - t0
         return self
 
+    def timing_now(self) -> dict[str, Any]:
+        """The engine's cumulative compute totals as last flushed (no wait: up to ``timing.FLUSH_S`` stale),
+        for a snapshot while the engine is busy."""
+        return timing.read_dir(self.timing_dir)
+
     def log_tail(self, n: int = 4000) -> str:
         return _tail(self.log_path, n)
 
@@ -198,3 +204,105 @@ class BenchServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+# -- the server's processes: which is the engine core, their CPU time, pinning them (issue 32) -------------
+def child_pids(pid: int) -> list[int]:
+    """Every descendant of ``pid`` (from each process's parent in ``/proc/<pid>/stat``)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # exited while we looked
+    out, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        kids = [c for c, p in parents.items() if p == parent]
+        out += kids
+        todo += kids
+    return sorted(out)
+
+
+def process_title(pid: int) -> str:
+    """``/proc/<pid>/cmdline`` as one string (vLLM retitles its engine process ``VLLM::EngineCore``)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """A process's CPU seconds so far, all its threads (utime + stime of ``/proc/<pid>/stat``); None when gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def pin_threads(pid: int, cpus: set[int]) -> int:
+    """Pin every thread of ``pid`` to ``cpus`` (``sched_setaffinity`` acts on one thread; a thread created
+    later inherits its creator's); the threads pinned. Raises ``OSError`` when the kernel refuses."""
+    n = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            os.sched_setaffinity(int(task.name), cpus)
+            n += 1
+        except ProcessLookupError:
+            continue  # the thread ended meanwhile
+    return n
+
+
+def server_processes(srv: BenchServer) -> dict[str, list[int]]:
+    """``{"engine": [...], "api": [...]}``: the server's engine-core processes (titled ``EngineCore``) and the
+    rest (the API server and its helpers)."""
+    if srv.proc is None:
+        return {"engine": [], "api": []}
+    pids = [srv.proc.pid, *child_pids(srv.proc.pid)]
+    engine = [p for p in pids if "EngineCore" in process_title(p)]
+    return {"engine": engine, "api": [p for p in pids if p not in engine]}
+
+
+# -- pinning: engine cores on one CPU, everything else on the others (hyco_lab.bench.mixed) --------------
+def pin_plan(cpus: set[int]) -> tuple[set[int], set[int]] | None:
+    """(the engine cores' CPUs, everyone else's): the first allowed CPU, the others; None under 2 CPUs.
+
+    >>> pin_plan({0, 1}), pin_plan({3})
+    (({0}, {1}), None)
+    """
+    ordered = sorted(cpus)
+    return ({ordered[0]}, set(ordered[1:])) if len(ordered) >= 2 else None
+
+
+def pin_servers(servers: dict[str, BenchServer]) -> dict[str, Any]:
+    """Engine cores to the plan's first CPU, API servers and this process to the others (every thread); on
+    fewer than 2 CPUs, no engine core found or a refusal: nothing pinned, and why."""
+    allowed = os.sched_getaffinity(0)
+    plan = pin_plan(allowed)
+    procs = {name: server_processes(srv) for name, srv in servers.items()}
+    if plan is None:
+        return {"pinned": False, "allowed": sorted(allowed), "note": f"not pinned: {len(allowed)} CPU(s) allowed"}
+    if missing := [name for name, p in procs.items() if not p["engine"]]:
+        return {"pinned": False, "allowed": sorted(allowed), "note": f"not pinned: no EngineCore process of {missing}"}
+    engine, rest = plan
+    threads = {"bench": pin_threads(os.getpid(), rest)}
+    try:
+        for name, p in procs.items():
+            threads[name] = {"engine": sum(pin_threads(x, engine) for x in p["engine"]),
+                             "api": sum(pin_threads(x, rest) for x in p["api"])}
+    except OSError as e:
+        unpin_servers(servers, allowed)
+        return {"pinned": False, "allowed": sorted(allowed), "note": f"not pinned: {e}"}
+    return {"pinned": True, "allowed": sorted(allowed), "engine_cpus": sorted(engine), "client_cpus": sorted(rest),
+            "threads": threads, "processes": procs,
+            "note": f"engine cores on CPU {sorted(engine)}; API servers and the bench (phones) on {sorted(rest)}"}
+
+
+def unpin_servers(servers: dict[str, BenchServer], cpus: set[int]) -> None:
+    """Every process of ``pin_servers`` back on ``cpus``."""
+    pids = [os.getpid()] + [x for srv in servers.values() for p in server_processes(srv).values() for x in p]
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            pin_threads(pid, cpus)

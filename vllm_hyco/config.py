@@ -4,6 +4,12 @@ Users write either the bare word or the JSON form of ``--speculative-config``::
 
     vllm serve MODEL --speculative-config hyco
     vllm serve MODEL --speculative-config '{"method": "hyco", "epsilon": 0.005, "node_budget": 32}'
+    vllm serve MODEL --speculative-config '{"method": "hyco", "model": "DIR/assistant", "num_speculative_tokens": 4}'
+
+The last form is an MTP deployment with one word changed: ordinary requests (every request that is not a
+phone session) keep vLLM's own MTP drafting with the head at ``model``, K = ``num_speculative_tokens`` deep,
+exactly as under ``"method": "mtp"`` (``VLLM_KEYS`` are the vLLM options passed through; every other vLLM
+speculative option is refused by name).
 
 Both become one frozen :class:`HycoConfig`. The engine adapter
 (``vllm_hyco.vllm_adapter.api_server.expansion``) turns it into vLLM engine arguments and stores
@@ -41,6 +47,16 @@ from vllm_hyco.handoff.tree_contract import DEFAULT_NODE_BUDGET
 METHOD = "hyco"
 BUDGET_POLICIES = ("adaptive", "static")
 STEP_GATHER = ("auto", "on", "off")
+#: vLLM speculative options a hyco server passes through to vLLM's MTP for ordinary requests (their meaning is
+#: vLLM's ``mtp`` method's: ``num_speculative_tokens`` is the MTP depth K, not the node budget)
+VLLM_KEYS = ("model", "num_speculative_tokens", "draft_sample_method", "num_speculative_tokens_per_batch_size")
+DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
+MAX_MTP_DEPTH = DEFAULT_NODE_BUDGET
+#: vLLM 0.32 ``SpeculativeConfig`` options a hyco server does not pass through (refused by name, not as unknown;
+#: tests/unit/test_config_ordinary_mtp.py checks each is a vLLM option)
+VLLM_REFUSED_KEYS = ("attention_backend", "code_revision", "disable_padded_drafter_batch", "draft_tensor_parallel_size",
+                     "enforce_eager", "kv_cache_dtype", "max_model_len", "parallel_drafting", "quantization",
+                     "rejection_sample_method", "revision", "tensor_parallel_size", "use_local_argmax_reduction")
 ADDITIONAL_CONFIG_KEY = "hyco"  # VllmConfig.additional_config[ADDITIONAL_CONFIG_KEY] = HycoConfig.to_dict()
 
 
@@ -74,6 +90,14 @@ class HycoConfig:
             session ids are ``"<replica_id>.<random>"`` and a resume naming another replica is answered
             ``unknown_session`` (``vllm_hyco.handoff.session_id``, docs/deploy.md). None: the
             ``VLLM_HYCO_ROUTE_KEY`` environment variable, default ``hyco``.
+        model: vLLM's key: the MTP drafter (for Gemma 4 the ``gemma4_assistant`` checkpoint) that drafts for
+            ordinary requests, as under ``"method": "mtp"``. None: ordinary requests are not speculated.
+        num_speculative_tokens: vLLM's key: the MTP depth K for ordinary requests (1..32; required with
+            ``model``). Phone trees keep ``node_budget``.
+        draft_sample_method: vLLM's key: ``greedy`` (vLLM's default) or ``probabilistic`` MTP drafts.
+        num_speculative_tokens_per_batch_size: vLLM's key: K per batch size, ``[[first, last, K], ...]``
+            (ranges from batch size 1, sorted, not overlapping; each K at most ``num_speculative_tokens``).
+        ordinary_mtp: False turns ordinary requests' MTP off even with ``model`` set.
     """
 
     epsilon: float | None = None
@@ -86,6 +110,11 @@ class HycoConfig:
     max_session_tokens: int | None = None
     max_parked_blocks: int | float | None = None
     replica_id: str | None = None
+    model: str | None = None
+    num_speculative_tokens: int | None = None
+    draft_sample_method: str | None = None
+    num_speculative_tokens_per_batch_size: tuple[tuple[int, int, int], ...] | None = None
+    ordinary_mtp: bool = True
 
     def __post_init__(self) -> None:
         _check_epsilon(self.epsilon)
@@ -102,12 +131,23 @@ class HycoConfig:
         _check_int("max_session_tokens", self.max_session_tokens, 2, 1 << 24, optional=True)
         _check_parked_blocks(self.max_parked_blocks)
         _check_replica_id(self.replica_id)
+        _check_ordinary_mtp(self)
 
     # ------------------------------------------------------------------ derived
     @property
     def gathers(self) -> bool:
         """Whether the engine holds tree-only steps for expected trees (``step_gather``)."""
         return self.step_gather == "on" or (self.step_gather == "auto" and self.budget_policy == "adaptive")
+
+    @property
+    def mtp_depth(self) -> int:
+        """K, the MTP chain depth vLLM drafts for ordinary requests; 0 when they are not speculated."""
+        return (self.num_speculative_tokens or 0) if self.drafts_ordinary else 0
+
+    @property
+    def drafts_ordinary(self) -> bool:
+        """Whether ordinary requests get vLLM's MTP (``model`` set and ``ordinary_mtp`` on)."""
+        return self.model is not None and self.ordinary_mtp
 
     @property
     def exact(self) -> bool:
@@ -128,8 +168,16 @@ class HycoConfig:
             raise ConfigError(f"speculative method {method!r} is not HyCo; use \"method\": \"hyco\"")
         valid = cls.valid_options()
         for key in sorted(options):
+            if key in VLLM_REFUSED_KEYS:
+                raise ConfigError(f"vLLM speculative option {key!r} is not passed through by a hyco server: it runs "
+                                  f"vLLM's MTP for ordinary requests with {', '.join(VLLM_KEYS)} only; remove "
+                                  f"{key!r} (docs/deploy.md, \"From an MTP deployment\")")
             if key not in valid:
                 raise ConfigError(f"unknown hyco option {key!r}; valid options: {', '.join(valid)}")
+        per_batch = options.get("num_speculative_tokens_per_batch_size")
+        if isinstance(per_batch, list):  # JSON arrays; the frozen config keeps tuples
+            options["num_speculative_tokens_per_batch_size"] = tuple(
+                tuple(e) if isinstance(e, list) else e for e in per_batch)
         return cls(**options)
 
     @classmethod
@@ -169,7 +217,10 @@ class HycoConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe dict; ``from_dict(to_dict())`` round-trips."""
-        return {"method": METHOD, **dataclasses.asdict(self)}
+        out = {"method": METHOD, **dataclasses.asdict(self)}
+        if self.num_speculative_tokens_per_batch_size is not None:
+            out["num_speculative_tokens_per_batch_size"] = [list(e) for e in self.num_speculative_tokens_per_batch_size]
+        return out
 
     # ------------------------------------------------------------------ engine side
     @classmethod
@@ -208,7 +259,18 @@ class HycoConfig:
                 f"window {window}, "
                 f"max_sessions {self.max_sessions}, session_idle_timeout_s {self.session_idle_timeout_s}, "
                 f"max_parked_blocks {'none' if self.max_parked_blocks is None else self.max_parked_blocks}"
-                + ("" if self.replica_id is None else f", replica_id {self.replica_id}"))
+                + ("" if self.replica_id is None else f", replica_id {self.replica_id}")
+                + f"; {self.describe_ordinary()}")
+
+    def describe_ordinary(self) -> str:
+        """What ordinary (non-phone) requests get, for the startup log."""
+        if not self.drafts_ordinary:
+            why = "ordinary_mtp is false" if self.model is not None else "no \"model\" (an MTP drafter) is set"
+            return f"ordinary requests will NOT be speculated ({why}): they decode one token per step"
+        per_batch = "" if self.num_speculative_tokens_per_batch_size is None else " per batch size " + str(
+            [list(e) for e in self.num_speculative_tokens_per_batch_size])
+        return (f"ordinary requests: vLLM's MTP, K {self.num_speculative_tokens}{per_batch}, "
+                f"{self.draft_sample_method or 'greedy'} drafts, drafter {self.model}")
 
 
 def resolve_session_eps(server_eps: float | None, requested: float | str | None) -> float | None:
@@ -230,6 +292,49 @@ def resolve_session_eps(server_eps: float | None, requested: float | str | None)
                                        f"({'exact' if server_eps is None else server_eps}); a session may only "
                                        f"ask for a stricter eps or exact (docs/decisions.md D4)")
     return float(requested)
+
+
+def _check_ordinary_mtp(cfg: HycoConfig) -> None:
+    """The vLLM keys: ``model`` needs K; K, the draft method and the per-batch-size K need ``model``."""
+    if not isinstance(cfg.ordinary_mtp, bool):
+        raise ConfigError(f"hyco option ordinary_mtp={cfg.ordinary_mtp!r} is invalid: valid values are true "
+                          f"(ordinary requests get vLLM's MTP when model is set, the default) or false")
+    if cfg.model is not None and (not isinstance(cfg.model, str) or not cfg.model.strip()):
+        raise ConfigError(f"option model={cfg.model!r} is invalid: give the MTP drafter's checkpoint folder (for "
+                          f"Gemma 4 its assistant), as under \"method\": \"mtp\"")
+    _check_int("num_speculative_tokens", cfg.num_speculative_tokens, 1, MAX_MTP_DEPTH, optional=True)
+    if cfg.draft_sample_method is not None:
+        _check_choice("draft_sample_method", cfg.draft_sample_method, DRAFT_SAMPLE_METHODS,
+                      "vLLM's MTP drafts for ordinary requests: argmax (its default) or sampled from the head")
+    _check_per_batch(cfg.num_speculative_tokens_per_batch_size, cfg.num_speculative_tokens)
+    if cfg.model is None:
+        for key in ("num_speculative_tokens", "draft_sample_method", "num_speculative_tokens_per_batch_size"):
+            if getattr(cfg, key) is not None:
+                raise ConfigError(f"option {key} sets vLLM's MTP for ordinary requests, which needs \"model\": the "
+                                  f"MTP drafter's checkpoint (for Gemma 4 its assistant); the phones' trees use "
+                                  f"node_budget")
+    elif cfg.num_speculative_tokens is None:
+        raise ConfigError(f"option model={cfg.model!r} needs num_speculative_tokens: the MTP depth K for ordinary "
+                          f"requests, as under \"method\": \"mtp\" (1..{MAX_MTP_DEPTH}, e.g. 4); the phones' "
+                          f"trees use node_budget")
+
+
+def _check_per_batch(value: Any, depth: int | None) -> None:
+    """vLLM's dynamic-K schedule, checked here so that the engine core never refuses it later."""
+    if value is None:
+        return
+    fix = ("valid values are [[first, last, K], ...]: batch-size ranges from 1, sorted, not overlapping, each K in "
+           f"[0, num_speculative_tokens={depth}]")
+    if not isinstance(value, (list, tuple)) or not value:
+        raise ConfigError(f"option num_speculative_tokens_per_batch_size={value!r} is invalid: {fix}")
+    end = 0
+    for entry in value:
+        ok = (isinstance(entry, (list, tuple)) and len(entry) == 3
+              and all(isinstance(x, int) and not isinstance(x, bool) for x in entry))
+        if not ok or entry[0] != end + 1 and end == 0 or entry[0] <= end or entry[1] < entry[0] \
+                or not 0 <= entry[2] <= (depth or 0):
+            raise ConfigError(f"option num_speculative_tokens_per_batch_size entry {entry!r} is invalid: {fix}")
+        end = entry[1]
 
 
 def _check_epsilon(value: Any) -> None:

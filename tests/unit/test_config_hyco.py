@@ -10,7 +10,7 @@ import pytest
 from vllm_hyco.config import ADDITIONAL_CONFIG_KEY, HycoConfig
 from vllm_hyco.errors import ConfigError
 from vllm_hyco.vllm_adapter import CPU_WORKER, GPU_WORKER, NULL_PROPOSER, SCHEDULER
-from vllm_hyco.vllm_adapter.api_server.expansion import expand_engine_args, speculative_tokens
+from vllm_hyco.vllm_adapter.api_server.expansion import expand_engine_args, spec_slots
 
 
 def test_bare_word_is_exact_default():
@@ -22,7 +22,7 @@ def test_json_form_carries_options():
     cfg = HycoConfig.parse('{"method": "hyco", "epsilon": 0.005, "node_budget": 16, "window": 1024, '
                            '"max_sessions": 4, "session_idle_timeout_s": 5, "max_session_tokens": 4096}')
     assert (cfg.epsilon, cfg.node_budget, cfg.window, cfg.max_sessions) == (0.005, 16, 1024, 4)
-    assert not cfg.exact and speculative_tokens(cfg.node_budget) == 16
+    assert not cfg.exact and spec_slots(cfg) == 16
 
 
 def test_round_trip_through_dict_and_json():

@@ -5,7 +5,10 @@ alias (docs/vllm-notes.md §2) that expands, on the ``EngineArgs`` object before
 to::
 
     speculative_config = {"method": "custom_class", "model": NULL_PROPOSER,
-                          "num_speculative_tokens": speculative_tokens(node_budget)}
+                          "num_speculative_tokens": spec_slots(cfg)}          # no "model" in the hyco spec
+    speculative_config = {"method": family.mtp_method, "model": cfg.model,    # with "model": ordinary requests
+                          "num_speculative_tokens": spec_slots(cfg),          # keep vLLM's MTP
+                          ["draft_sample_method": ...]}
     scheduler_cls      = "vllm_hyco.vllm_adapter.engine_core.scheduler.HycoScheduler"
     worker_cls         = HycoWorker (GPU) or HycoCPUWorker (CPU build)
     async_scheduling   = False
@@ -18,6 +21,12 @@ so Gemma-4's FA4 default is replaced by Triton attention on every layer (docs/vl
 metadata builder declares no full-CUDA-graph support, so vLLM itself resolves the default
 FULL_AND_PIECEWISE to PIECEWISE (attention and the KV write run eagerly, where the tree hooks are); no
 compilation option is set here. Another backend asked for on the command line is refused.
+
+With ``model`` vLLM builds its own MTP proposer (for Gemma 4 ``Gemma4Proposer``) and rejection sampler in the
+HyCo runner, exactly as for ``"method": "mtp"``; the runner hands the proposer the ordinary requests' rows
+only and the rejection sampler their drafts only, and the scheduler drafts K = ``num_speculative_tokens`` per
+step through vLLM's dynamic-K lookup (docs/engine.md, "Ordinary requests keep vLLM's MTP"). ``model`` must be
+an MTP drafter vLLM supports for the verifier's family (``vllm_hyco.models``: ``mtp_model_types``).
 
 Topologies a HyCo server cannot run are refused here (``REFUSALS``): each message names the flag, why,
 and what to use instead (replicas behind a proxy; docs/engine.md "Scale-out"). So are the configurations
@@ -39,11 +48,14 @@ Example::
 
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
 from typing import Any
 
 from vllm_hyco.config import ADDITIONAL_CONFIG_KEY, HycoConfig
 from vllm_hyco.errors import ConfigError
+from vllm_hyco.models import family_of
 from vllm_hyco.vllm_adapter import CPU_WORKER, GPU_WORKER, NULL_PROPOSER, SCHEDULER, surface
 
 logger = logging.getLogger("vllm.hyco")  # a child of vLLM's logger: same handler and format
@@ -184,15 +196,47 @@ def _select_tree_attention(args: Any) -> None:
         args.attention_backend = "CUSTOM"
 
 
-def speculative_tokens(node_budget: int) -> int:
-    """vLLM's ``num_speculative_tokens`` for a HyCo engine: one spec slot per tree node (the root is the
-    request's last token, the bonus of the round before). The one place the node budget becomes vLLM's
-    word: vLLM sizes its spec slots, its decode padding and its spec-decode stats by it.
+def spec_slots(cfg: HycoConfig) -> int:
+    """vLLM's ``num_speculative_tokens`` for a HyCo engine: its spec slots per request, enough for a tree of
+    the node budget (one slot per node; the root is the request's last token, the bonus of the round before)
+    and for the MTP depth K of ordinary requests. The one place HyCo's words become vLLM's: vLLM sizes its
+    spec slots, its drafter's buffers and its spec-decode stats by it; the scheduler drafts K per step
+    (``engine_core/node_budget.py``, ``mtp_lookup``).
 
-    >>> speculative_tokens(32)
-    32
+    >>> spec_slots(HycoConfig()), spec_slots(HycoConfig(node_budget=2, model="a", num_speculative_tokens=4))
+    (32, 4)
     """
-    return node_budget
+    return max(cfg.node_budget, cfg.mtp_depth)
+
+
+def _config_dict(path: str) -> dict[str, Any]:
+    """A checkpoint's ``config.json`` as a dict (a local folder, or whatever transformers resolves)."""
+    local = Path(path) / "config.json"
+    if local.is_file():
+        return json.loads(local.read_text())
+    from transformers import PretrainedConfig
+
+    return PretrainedConfig.get_config_dict(path)[0]
+
+
+def mtp_speculative_config(cfg: HycoConfig, verifier: str) -> dict[str, Any]:
+    """vLLM's own MTP spec for ordinary requests: the family's method, its drafter checked by model type."""
+    family = family_of(_config_dict(verifier))
+    try:
+        drafter = _config_dict(cfg.model)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"option model={cfg.model!r}: no MTP drafter checkpoint there ({exc}); give the folder of "
+                          f"the {family.name} family's MTP drafter (model_type "
+                          f"{' or '.join(family.mtp_model_types)})") from None
+    kind = drafter.get("model_type")
+    if kind not in family.mtp_model_types:
+        raise ConfigError(f"option model={cfg.model!r} is a {kind!r} checkpoint, not an MTP drafter vLLM supports "
+                          f"for the {family.name} verifier: give its MTP drafter (model_type "
+                          f"{' or '.join(family.mtp_model_types)}), as under \"method\": \"{family.mtp_method}\"")
+    spec = {"method": family.mtp_method, "model": cfg.model, "num_speculative_tokens": spec_slots(cfg)}
+    if cfg.draft_sample_method is not None:
+        spec["draft_sample_method"] = cfg.draft_sample_method
+    return spec
 
 
 def expand_engine_args(args: Any, *, is_cpu: bool) -> HycoConfig:
@@ -207,8 +251,11 @@ def expand_engine_args(args: Any, *, is_cpu: bool) -> HycoConfig:
     worker = getattr(args, "worker_cls", "auto")
     if worker not in ("auto", CPU_WORKER, GPU_WORKER):
         raise ConfigError(f"--speculative-config hyco brings its own worker; remove --worker-cls {worker}")
-    args.speculative_config = {"method": "custom_class", "model": NULL_PROPOSER,
-                               "num_speculative_tokens": speculative_tokens(cfg.node_budget)}
+    if cfg.drafts_ordinary:
+        args.speculative_config = mtp_speculative_config(cfg, str(args.model))
+    else:
+        args.speculative_config = {"method": "custom_class", "model": NULL_PROPOSER,
+                                   "num_speculative_tokens": spec_slots(cfg)}
     args.scheduler_cls = SCHEDULER
     args.worker_cls = CPU_WORKER if is_cpu else GPU_WORKER
     args.async_scheduling = False
@@ -217,6 +264,9 @@ def expand_engine_args(args: Any, *, is_cpu: bool) -> HycoConfig:
     args.additional_config = {**(getattr(args, "additional_config", None) or {}),
                               ADDITIONAL_CONFIG_KEY: cfg.to_dict()}
     logger.info("%s", cfg.describe())
+    if not cfg.drafts_ordinary:
+        logger.warning("HyCo: %s; set \"model\" and \"num_speculative_tokens\" as under \"method\": \"mtp\" "
+                       "to keep vLLM's MTP for them (docs/deploy.md)", cfg.describe_ordinary())
     if not cfg.exact:
         logger.warning("HyCo LOSSY verification is ON (epsilon=%s): accepted tokens may differ from the "
                        "verifier's own sampling; omit epsilon for exact mode (docs/decisions.md D4)", cfg.epsilon)

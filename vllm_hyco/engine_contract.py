@@ -257,6 +257,7 @@ class CostFit:
     per_tree_ms: float
     per_branching_ms: float
     per_plain_ms: float
+    per_head_ms: float
     steps: int
     ready: bool
     rmse_ms: float | None

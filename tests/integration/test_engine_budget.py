@@ -40,7 +40,7 @@ def _frozen(fixed_s: float, per_row_s: float):
     from vllm_hyco.spec_decode.budget import StepCostModel
 
     m = StepCostModel(min_steps=0)
-    m.theta = np.array([fixed_s, per_row_s, 0.0, 0.0, 0.0, 0.0]) * StepCostModel.SCALE
+    m.theta = np.array([fixed_s, per_row_s, 0.0, 0.0, 0.0, 0.0, 0.0]) * StepCostModel.SCALE
     m.steps, m.row_counts, m.rows_lo, m.rows_hi = 100, {1, 2, 3}, 1, 3
     m.observe = lambda *a, **k: False
     return m

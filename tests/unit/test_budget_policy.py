@@ -338,3 +338,22 @@ def test_prefill_steps_do_not_charge_the_trees_own_work_to_branching():
     assert m.predict(40, 2.0, 0, 0, 1) == pytest.approx(0.0105 + 0.012, rel=0.02)  # a prefill
     assert m.predict(9, 0.45, 1, 1) == pytest.approx(0.014 + 0.0027 + 0.0013, rel=0.02)
     assert m.snapshot()["per_plain_ms"] == pytest.approx(m.per_plain * 1e3, rel=1e-6)
+
+
+def test_cost_model_charges_the_mtp_head_to_ordinary_requests_not_to_tree_rows():
+    """Under mixed load (phones' trees beside ordinary requests drafted by vLLM's MTP, K per batch size) the
+    head's forward passes are the ``head`` term: the per-row cost a tree's cut uses stays the rows' own."""
+    rng = np.random.default_rng(4)
+    m = StepCostModel(min_steps=16)
+    for _ in range(200):
+        trees, plain = int(rng.integers(0, 5)), int(rng.integers(0, 9))
+        k = 4 if trees + plain <= 6 else 2  # vLLM's per-batch-size K
+        rows = sum(int(rng.choice([5, 9, 17, 33])) for _ in range(trees)) + plain * (1 + k)
+        if rows == 0:
+            continue
+        head = plain * k
+        secs = 0.008 + 0.0003 * rows + 0.004 * trees + 0.0005 * plain + 0.0011 * head
+        m.observe(rows, rows * 0.05, secs + rng.normal(0, 2e-5), trees, 0, plain, head)
+    assert m.per_head == pytest.approx(0.0011, rel=0.1)
+    assert m.coef[1] == pytest.approx(0.0003, rel=0.1)
+    assert m.snapshot()["per_head_ms"] == pytest.approx(m.per_head * 1e3, rel=1e-6)

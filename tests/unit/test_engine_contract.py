@@ -47,7 +47,7 @@ def _verdict(seed: bool) -> RoundVerdict:
     tree = TreeVerdict(round=0 if seed else 4, path_rows=(1, 3), bonus=77, hits=2, num_rows=5, root_pos=10,
                        samples=(5, 6, -1, 8, -1), handoff=handoff, host_s=0.25)
     cost = CostFit(fixed_ms=1.0, per_row_ms=0.1, per_krow_ctx_ms=0.01, per_tree_ms=0.2, per_branching_ms=0.3,
-                   per_plain_ms=0.4, steps=20, ready=True, rmse_ms=None)
+                   per_plain_ms=0.4, per_head_ms=0.1, steps=20, ready=True, rmse_ms=None)
     return RoundVerdict(tree, committed=(11, 13, 77), finish_reason=None, node_budget=16,
                         budget_info=BudgetInfo("adaptive", 32, nodes_sent=4, nodes_verified=4, cost=cost))
 

@@ -20,7 +20,7 @@ The metrics, each as ``name`` (type): labels:
 * ``vllm_hyco_node_budget`` (histogram): nodes granted per verdict (the budget policy's choice)
 * ``vllm_hyco_verified_nodes`` (histogram): nodes of the phone's tree the server verified (after its cut)
 * ``vllm_hyco_step_cost_seconds`` (gauge): ``term``: fixed, per_row, per_row_kctx, per_tree, per_branching,
-  per_plain, rmse: the step-cost model's fit
+  per_plain, per_head, rmse: the step-cost model's fit
 * ``vllm_hyco_step_cost_steps`` (gauge): steps the cost model was fitted on
 """
 
@@ -60,7 +60,7 @@ class HycoMetrics:
         cost = info.cost
         for term, ms in (("fixed", cost.fixed_ms), ("per_row", cost.per_row_ms), ("per_row_kctx", cost.per_krow_ctx_ms),
                          ("per_tree", cost.per_tree_ms), ("per_branching", cost.per_branching_ms),
-                         ("per_plain", cost.per_plain_ms), ("rmse", cost.rmse_ms)):
+                         ("per_plain", cost.per_plain_ms), ("per_head", cost.per_head_ms), ("rmse", cost.rmse_ms)):
             if ms is not None:
                 self.cost.labels(term=term).set(ms / 1e3)
         self.cost_steps.set(cost.steps)

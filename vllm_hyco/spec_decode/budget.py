@@ -208,10 +208,10 @@ def calibration_error(table: list[dict]) -> float:
 
 
 class StepCostModel:
-    """Step seconds ~ ``c0 + c1 * rows + c2 * kctx + c3 * trees + c4 * branching + c5 * plain``, recursive
-    least squares with forgetting.
+    """Step seconds ~ ``c0 + c1 * rows + c2 * kctx + c3 * trees + c4 * branching + c5 * plain + c6 * head``,
+    recursive least squares with forgetting.
 
-    Features are scaled internally (rows / 64, kctx / 64, trees, branching and plain / 16) so the fit is
+    Features are scaled internally (rows / 64, kctx / 64, trees, branching and plain / 16, head / 64) so the fit is
     well conditioned; the prior is a wide ridge around zero (``prior_var``), so the first steps decide the
     fit. Steps scheduling more than ``max_rows`` tokens (prefill chunks far outside any verification step)
     are not fitted. ``trees`` separates what a tree costs from what a row costs: on the CPU build, at 16
@@ -224,10 +224,14 @@ class StepCostModel:
     nearly the same size: the policy's probes (:meth:`BudgetPolicy.plan`) cut trees to their chain and to
     one node more. ``plain`` keeps the requests without a tree apart: a prefill step has no decision, no
     compaction and no hand-off, and with one ``reqs`` term for both, the tree steps' own work was charged
-    to ``branching`` (10 ms per branching tree against about 1.3 ms measured; docs/engine.md).
+    to ``branching`` (10 ms per branching tree against about 1.3 ms measured; docs/engine.md). ``head`` is
+    the MTP head work of the step's ordinary requests on a server that drafts them (vLLM's MTP, the hyco
+    option ``model``): ordinary requests drafted times the drafts each (K), so the head's forward passes are
+    charged to them, not to the rows a tree adds (with a constant K it moves with ``plain``, and the ridge
+    prior shares the two; with vLLM's per-batch-size K it does not).
     """
 
-    SCALE = np.array([1.0, 64.0, 64.0, 16.0, 16.0, 16.0])
+    SCALE = np.array([1.0, 64.0, 64.0, 16.0, 16.0, 16.0, 64.0])
 
     def __init__(self, *, forget: float = 0.995, min_steps: int = 16, max_rows: int | None = None,
                  prior_var: float = 1e4):
@@ -240,17 +244,18 @@ class StepCostModel:
         self.sq_err = 0.0  # decayed squared residual (before each update)
         self.weight = 0.0
 
-    def _x(self, rows: float, kctx: float, trees: float, branching: float = 0.0, plain: float = 0.0) -> np.ndarray:
-        return np.array([1.0, rows, kctx, trees, branching, plain]) / self.SCALE
+    def _x(self, rows: float, kctx: float, trees: float, branching: float = 0.0, plain: float = 0.0,
+           head: float = 0.0) -> np.ndarray:
+        return np.array([1.0, rows, kctx, trees, branching, plain, head]) / self.SCALE
 
     def observe(self, rows: int, kctx: float, seconds: float, trees: int = 1, branching: int = 0,
-                plain: int = 0) -> bool:
-        """One measured step: ``trees`` HyCo rounds (``branching`` of them not chains) and ``plain``
-        other requests."""
+                plain: int = 0, head: int = 0) -> bool:
+        """One measured step: ``trees`` HyCo rounds (``branching`` of them not chains), ``plain`` other
+        requests and ``head`` MTP draft tokens made for them."""
         if rows <= 0 or not math.isfinite(seconds) or seconds < 0 or \
                 (self.max_rows is not None and rows > self.max_rows):
             return False
-        x = self._x(rows, kctx, max(int(trees), 0), max(int(branching), 0), max(int(plain), 0))
+        x = self._x(rows, kctx, max(int(trees), 0), max(int(branching), 0), max(int(plain), 0), max(int(head), 0))
         err = seconds - float(x @ self.theta)
         Px = self.P @ x
         gain = Px / (self.forget + float(x @ Px))
@@ -291,14 +296,20 @@ class StepCostModel:
         return float(max(self.theta[5] / self.SCALE[5], 0.0))
 
     @property
+    def per_head(self) -> float:
+        """Seconds each MTP draft token made for an ordinary request adds to a step (clipped at >= 0)."""
+        return float(max(self.theta[6] / self.SCALE[6], 0.0))
+
+    @property
     def per_branching(self) -> float:
         """Seconds each tree that is not a chain adds to a step (clipped at >= 0)."""
         return float(max(self.theta[4] / self.SCALE[4], 0.0))
 
-    def predict(self, rows: float, kctx: float = 0.0, trees: int = 1, branching: int = 0, plain: int = 0) -> float:
+    def predict(self, rows: float, kctx: float = 0.0, trees: int = 1, branching: int = 0, plain: int = 0,
+                head: int = 0) -> float:
         """Predicted seconds of a step (the fit itself, unclipped: at one request a step, the fixed and
         per-tree terms are known only as their sum, and clipping one of them would bias it)."""
-        x = self._x(rows, kctx, max(int(trees), 0), max(int(branching), 0), max(int(plain), 0))
+        x = self._x(rows, kctx, max(int(trees), 0), max(int(branching), 0), max(int(plain), 0), max(int(head), 0))
         return max(float(x @ self.theta), 0.0)
 
     def marginal(self, ctx: int) -> float:
@@ -312,6 +323,7 @@ class StepCostModel:
         return {"fixed_ms": round(c0 * 1e3, 6), "per_row_ms": round(c1 * 1e3, 6),
                 "per_krow_ctx_ms": round(c2 * 1e3, 6), "per_tree_ms": round(self.per_tree * 1e3, 6),
                 "per_branching_ms": round(self.per_branching * 1e3, 6), "per_plain_ms": round(self.per_plain * 1e3, 6),
+                "per_head_ms": round(self.per_head * 1e3, 6),
                 "steps": self.steps, "ready": self.ready,
                 "rmse_ms": None if rmse is None else round(rmse * 1e3, 6)}
 
@@ -431,8 +443,8 @@ class BudgetPolicy:
             self.log.extend(zip(predicted[1:].tolist(), hit[1:].astype(float).tolist()))
 
     def observe_step(self, rows: int, kctx: float, seconds: float, trees: int = 1, branching: int = 0,
-                     plain: int = 0) -> bool:
-        return self.cost.observe(rows, kctx, seconds, trees, branching, plain)
+                     plain: int = 0, head: int = 0) -> bool:
+        return self.cost.observe(rows, kctx, seconds, trees, branching, plain, head)
 
     def next_budget(self, plan: Plan | None, *, first_round: bool = False) -> int:
         """Nodes granted for the session's next round: the cap (static, or after the session's first round,

@@ -10,8 +10,9 @@ budget's wiring ``node_budget``; step gathering ``step_gather``.
 Overrides of ``Scheduler`` methods (each calls ``super()``; ``vllm_adapter/surface.py`` pins them and the
 internals they lean on, checked by tests/unit/test_vllm_surface.py):
 
-* ``__init__``: builds ``self.hyco`` from the engine's HycoConfig and adds the engine core's ``hyco_*``
-  utility methods (``patches/engine_core_methods.py``) in this process.
+* ``__init__``: builds ``self.hyco`` from the engine's HycoConfig, gives ordinary requests vLLM's MTP depth K
+  (``ordinary_mtp``: vLLM's dynamic-K lookup) and adds the engine core's ``hyco_*`` utility methods
+  (``patches/engine_core_methods.py``) in this process.
 * ``add_request``: registers the session; a request the engine must refuse (prompt shorter than 2
   tokens, ``max_sessions`` reached) is recorded as a finished session with its code and never scheduled
   (raising here would kill an engine-core process).
@@ -30,7 +31,10 @@ internals they lean on, checked by tests/unit/test_vllm_surface.py):
   batch slot and the engine does not run ahead. Parked requests are in neither ``running`` nor
   ``waiting``, so ``get_num_unfinished_requests`` ignores them and the busy loop idles; ``finish_requests``
   (abort, close) works on them unchanged (it filters ``running`` and frees blocks by status).
-* ``update_draft_token_ids``: drafts from the (null) proposer never reach session requests.
+* ``update_draft_token_ids``: drafts from the proposer (vLLM's MTP for ordinary requests, or the null one)
+  never reach session requests.
+* ``make_spec_decoding_stats``: vLLM's spec-decode counters count ordinary requests' drafts only
+  (``ordinary_mtp``: a tree round is not a chain).
 * ``finish_requests``: marks the sessions of requests vLLM finished (abort, close) finished in the registry
   (``aborted`` unless a finish code was set).
 * ``has_requests``: False while step gathering holds a tree-only step (``step_gather``).
@@ -46,7 +50,7 @@ from vllm.v1.request import RequestStatus
 from vllm_hyco.config import HycoConfig
 from vllm_hyco.engine_contract import EngineStats, RoundVerdict, SessionInfo, StepTree, TreeAccepted, TreeSubmission
 from vllm_hyco.errors import ConfigError
-from vllm_hyco.vllm_adapter.engine_core import node_budget, policies, rounds, step_gather
+from vllm_hyco.vllm_adapter.engine_core import node_budget, ordinary_mtp, policies, rounds, step_gather
 from vllm_hyco.vllm_adapter.engine_core.sessions import SessionState
 from vllm_hyco.vllm_adapter.engine_core.state import SchedulerState, session_kv_blocks
 from vllm_hyco.vllm_adapter.patches import engine_core_methods
@@ -76,6 +80,7 @@ class HycoScheduler(Scheduler):
             raise ConfigError(f"vLLM schedules {slots} speculative slots per request but HyCo's node budget is "
                               f"{self.hyco.budget_policy.cap}: a tree would not fit; start the engine through "
                               f"--speculative-config hyco, which sets both")
+        ordinary_mtp.install(self, cfg)
         engine_core_methods.install()
 
     # -- requests -------------------------------------------------------------------------------------------
@@ -128,6 +133,13 @@ class HycoScheduler(Scheduler):
             draft_token_ids.req_ids = [draft_token_ids.req_ids[i] for i in keep]
             draft_token_ids.draft_token_ids = [draft_token_ids.draft_token_ids[i] for i in keep]
         return super().update_draft_token_ids(draft_token_ids)
+
+    def make_spec_decoding_stats(self, spec_decoding_stats: Any, num_draft_tokens: int, num_accepted_tokens: int,
+                                 num_invalid_spec_tokens: Any, request_id: str) -> Any:
+        if not ordinary_mtp.counts_in_vllm_stats(self, request_id):
+            return spec_decoding_stats
+        return super().make_spec_decoding_stats(spec_decoding_stats, num_draft_tokens, num_accepted_tokens,
+                                                num_invalid_spec_tokens, request_id)
 
     def finish_requests(self, request_ids: Any, finished_status: Any) -> Any:
         finished = super().finish_requests(request_ids, finished_status)

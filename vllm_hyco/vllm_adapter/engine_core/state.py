@@ -95,6 +95,11 @@ class SchedulerState:
                    gather=StepGather(), clock=StepClock(on_cpu=on_cpu))
 
     @property
+    def drafts_ordinary(self) -> bool:
+        """Ordinary requests get vLLM's MTP (``HycoConfig.drafts_ordinary``)."""
+        return self.config is not None and self.config.drafts_ordinary
+
+    @property
     def gathers(self) -> bool:
         """Step gathering is on (``HycoConfig.gathers``)."""
         return self.config is not None and self.config.gathers

@@ -199,7 +199,8 @@ def test_every_recorded_patch_target_exists_with_the_expected_signature():
 
 def test_expected_table_has_no_stale_rows():
     """Every row of EXPECTED is an override or a patch target today (a removed hook removes its row)."""
-    live = set(overrides()) | {_key(p) for p in registered_patches()} | set(surface.PRIVATE_READS)
+    live = (set(overrides()) | {_key(p) for p in registered_patches()} | set(surface.PRIVATE_READS)
+            | set(surface.CALLS))
     if not _on_cpu():
         live |= {k for k in EXPECTED if _module_of(k) in CPU_ONLY_MODULES}
     assert set(EXPECTED) <= live, sorted(set(EXPECTED) - live)
@@ -224,6 +225,24 @@ def test_private_reads_exist():
     problems = [k for k in surface.PRIVATE_READS if _resolve(k) is None]
     assert not problems, f"gone from the installed vLLM: {problems}"
     assert set(surface.PRIVATE_READS) <= set(EXPECTED)
+
+
+def test_calls_exist_with_the_expected_signature():
+    assert set(surface.CALLS) <= set(EXPECTED)
+    problems = [msg for key in surface.CALLS for msg in _check(key, _resolve(key))]
+    assert not problems, "vLLM surface changed:\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize("owner", sorted(surface.INSTANCE_ATTRS))
+def test_instance_attributes_are_still_assigned(owner):
+    """An attribute set in ``__init__`` is not on the class: its class (or a base) must still assign it."""
+    import inspect
+
+    module, _, name = owner.partition(":")
+    cls = getattr(importlib.import_module(module), name)
+    source = "".join(inspect.getsource(c) for c in cls.__mro__ if c.__module__.startswith("vllm"))
+    missing = [a for a in surface.INSTANCE_ATTRS[owner] if f"self.{a} =" not in source and f"self.{a}:" not in source]
+    assert not missing, f"{owner} no longer assigns {missing}"
 
 
 @pytest.mark.parametrize("patch", [p for p in registered_patches() if p.target.startswith(("vllm", "importlib"))],
@@ -304,8 +323,9 @@ def test_private_vllm_names_appear_only_in_surface_or_as_pinned_hooks():
     """A private name of a vLLM class or module the adapter touches appears in the adapter only as a row of
     the surface table (an override or a patch, which that table pins), and a name HyCo only reads
     (``surface.PRIVATE_READS``) only in ``surface.py``."""
-    pinned = {k.rsplit(".", 1)[1] for k in EXPECTED}
-    reads = {k.rsplit(".", 1)[1] for k in surface.PRIVATE_READS}
+    pinned = {k.rsplit(".", 1)[1] for k in EXPECTED} | {a for names in surface.INSTANCE_ATTRS.values() for a in names}
+    reads = {k.rsplit(".", 1)[1] for k in surface.PRIVATE_READS} | {
+        a for names in surface.INSTANCE_ATTRS.values() for a in names if a.startswith("_")}
     owners = _vllm_owners()
     problems = []
     for name, modules in sorted(_adapter_names().items()):

@@ -14,6 +14,8 @@ engine starts.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 SIGNATURES: dict[str, str | None] = {
@@ -30,6 +32,11 @@ SIGNATURES: dict[str, str | None] = {
     "vllm.v1.core.sched.scheduler:Scheduler.update_draft_token_ids": "self, draft_token_ids",
     "vllm.v1.core.sched.scheduler:Scheduler.finish_requests": "self, request_ids, finished_status",
     "vllm.v1.core.sched.scheduler:Scheduler.has_requests": "self",  # step gathering (engine_core/step_gather.py)
+    "vllm.v1.core.sched.scheduler:Scheduler.make_spec_decoding_stats":
+        "self, spec_decoding_stats, num_draft_tokens, num_accepted_tokens, num_invalid_spec_tokens, request_id",
+    # ordinary requests' MTP depth (engine_core/ordinary_mtp.py): vLLM's dynamic-K lookup
+    "vllm.v1.spec_decode.dynamic.utils.build_dynamic_sd_schedule_lookup":
+        "num_speculative_tokens_per_batch_size, vllm_max_batch_size, vllm_num_speculative_tokens",
     # runners (worker/runner.py, worker/cpu_worker.py, worker/gpu_worker.py)
     "vllm.v1.worker.gpu_model_runner:GPUModelRunner.__init__": "self, vllm_config, device",
     "vllm.v1.worker.gpu_model_runner:GPUModelRunner._update_states": "self, scheduler_output",
@@ -86,11 +93,23 @@ SIGNATURES: dict[str, str | None] = {
         "self, input_ids=, positions=, intermediate_tensors=, inputs_embeds=, **model_kwargs",
     "vllm.model_executor.layers.logits_processor:LogitsProcessor.forward":
         "self, lm_head, hidden_states, embedding_bias=, skip_gather=",
+    # (and the runner's override: ordinary requests' drafts, worker/ordinary_mtp.py)
     "vllm.v1.worker.gpu_model_runner:GPUModelRunner.propose_draft_token_ids":
         "self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states, sample_hidden_states, "
         "aux_hidden_states, spec_decode_metadata, common_attn_metadata, slot_mappings",
     "vllm.v1.sample.rejection_sampler:RejectionSampler.forward":
         "self, metadata, draft_probs, logits, sampling_metadata",
+    # vLLM's MTP proposer, called on the ordinary requests' sub-batch (worker/ordinary_mtp.py)
+    "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.propose":
+        "self, num_speculative_tokens, target_token_ids, target_positions, target_hidden_states, next_token_ids, "
+        "token_indices_to_sample, common_attn_metadata, sampling_metadata, mm_embed_inputs=, "
+        "num_rejected_tokens_gpu=, slot_mappings=",
+    "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.prepare_next_token_ids_padded":
+        "self, sampled_token_ids, requests, gpu_input_batch, discard_request_mask",
+    "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.prepare_inputs_padded":
+        "self, common_attn_metadata, spec_decode_metadata, valid_sampled_tokens_count",
+    "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.take_last_draft_probs": "self",
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._get_positions": "self, num_tokens",
     # private names read through the accessors below (no override, no patch)
     "vllm.engine.arg_utils:EngineArgs._api_process_count": None,
     "vllm.v1.attention.selector._cached_get_attn_backend": None,
@@ -98,7 +117,26 @@ SIGNATURES: dict[str, str | None] = {
 
 #: the rows above that HyCo only reads, through this module's accessors (nowhere else in the adapter)
 PRIVATE_READS = ("vllm.engine.arg_utils:EngineArgs._api_process_count",
-                 "vllm.v1.attention.selector._cached_get_attn_backend")
+                 "vllm.v1.attention.selector._cached_get_attn_backend",
+                 "vllm.v1.worker.gpu_model_runner:GPUModelRunner._get_positions")
+
+#: the rows above that HyCo calls (vLLM's MTP proposer on the ordinary requests' sub-batch, its dynamic-K lookup):
+#: neither overridden nor patched, but HyCo passes their parameters by name
+CALLS = ("vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.propose",
+         "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.prepare_next_token_ids_padded",
+         "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.prepare_inputs_padded",
+         "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.take_last_draft_probs",
+         "vllm.v1.spec_decode.dynamic.utils.build_dynamic_sd_schedule_lookup")
+
+#: instance attributes (set in the class's ``__init__``, so not on the class) HyCo reads or sets: class ->
+#: names; tests/unit/test_vllm_surface.py checks that the class's module assigns ``self.<name>``. The private
+#: ones are touched only through the accessors below.
+INSTANCE_ATTRS = {
+    "vllm.v1.core.sched.scheduler:Scheduler": ("dynamic_sd_lookup", "num_lookahead_tokens", "max_num_running_reqs"),
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner": ("_draft_probs", "_draft_prob_req_ids", "drafter",
+                                                        "discard_request_mask", "input_ids", "uses_mrope"),
+    "vllm.v1.spec_decode.gemma4:Gemma4Proposer": ("_per_group_block_tables",),
+}
 
 #: the vLLM objects that carry the engine contract between processes, and the attribute HyCo sets on each
 #: (``vllm_hyco.engine_contract``: StepTree to the worker, TreeVerdict back): they must take a new attribute
@@ -125,6 +163,35 @@ def clear_attn_backend_cache() -> None:
     cached = getattr(selector, "_cached_get_attn_backend", None)
     if cached is not None and hasattr(cached, "cache_clear"):
         cached.cache_clear()
+
+
+def runner_positions(runner: Any, rows: Any) -> Any:
+    """The step's positions of the flattened-batch ``rows`` (``GPUModelRunner._get_positions``: M-RoPE aware)."""
+    return runner._get_positions(rows)
+
+
+def set_draft_probs(runner: Any, probs: Any, req_ids: list[str] | None) -> None:
+    """The runner's cache of the drafter's probabilities, by request id, read by the next step's rejection
+    sampler (``GPUModelRunner._draft_probs`` / ``_draft_prob_req_ids``)."""
+    runner._draft_probs, runner._draft_prob_req_ids = probs, req_ids
+
+
+@contextlib.contextmanager
+def drafter_batch_rows(drafter: Any, index: Any) -> Iterator[None]:
+    """Within the block, a Gemma-4 proposer's per-KV-group block tables (``Gemma4Proposer._per_group_block_tables``,
+    the step's whole batch, set by the runner) hold the rows ``index`` only, so a sub-batch's metadata reads
+    its own requests' blocks; other proposers read the block table of the metadata they are handed."""
+    tables = getattr(drafter, "_per_group_block_tables", None)
+    if not tables:
+        yield
+        return
+    saved = dict(tables)
+    tables.update({gid: table[index] for gid, table in saved.items()})
+    try:
+        yield
+    finally:
+        tables.clear()
+        tables.update(saved)
 
 
 def parser_actions(parser: Any) -> list[Any]:

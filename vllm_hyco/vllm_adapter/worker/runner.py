@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -47,7 +48,7 @@ from vllm_hyco.config import HycoConfig
 from vllm_hyco.engine_contract import StepTree, TreeVerdict
 from vllm_hyco.errors import HardwareUnsupportedError
 from vllm_hyco.models import DrafterKV, KVLayout, family_of
-from vllm_hyco.vllm_adapter.worker import handoff_step, tree_plan, tree_step, warmup
+from vllm_hyco.vllm_adapter.worker import handoff_step, ordinary_mtp, tree_plan, tree_step, warmup
 from vllm_hyco.vllm_adapter.worker.layers import check_captured
 from vllm_hyco.vllm_adapter.worker.state import RunnerState
 from vllm_hyco.vllm_adapter.worker.tree_plan import TreeRows
@@ -174,17 +175,16 @@ class HycoRunnerMixin:
                 hi = lo + int(spec_decode_metadata.num_draft_tokens[b]) + 1
                 bounds.append((lo, hi))
                 lo = hi
-        for b, (lo, hi) in enumerate(bounds):
-            assert b in trees or hi - lo == 1, "only tree requests carry draft rows in a HyCo engine"
-        # vLLM's plain sampler for everyone on one row each (a tree request's sample is overwritten). The
-        # chain rejection sampler is bypassed: it would reject tree rows as a chain, draw from seeded
-        # generators, and on the CPU build its top-k expansion of 33-row drafts reads garbage.
-        last_rows = torch.tensor([lo for lo, _ in bounds], dtype=torch.long, device=logits.device)
-        sampler_output = super()._sample(logits[last_rows], None)
-        width = max(tr.num_rows for tr in trees.values())
-        sampled = sampler_output.sampled_token_ids
-        out = torch.full((num_reqs, width), PLACEHOLDER, dtype=sampled.dtype, device=sampled.device)
-        out[:, :1] = sampler_output.sampled_token_ids[:, :1]  # [num_reqs, width]
+        # vLLM's sampling for everyone, each tree request on its root row only (its sample is overwritten): the
+        # rejection sampler on the ordinary requests' MTP drafts, or the plain sampler when the step has none.
+        # The chain rejection sampler never sees a tree's rows: it would reject them as a chain, draw from
+        # seeded generators, and on the CPU build its top-k expansion of 33-row drafts reads garbage.
+        rows_md = spec_decode_metadata or SimpleNamespace(num_draft_tokens=[0] * num_reqs)
+        sampler_output = ordinary_mtp.sample_around_trees(
+            self, lambda lg, md: super(HycoRunnerMixin, self)._sample(lg, md), logits, rows_md, trees)
+        width = max(max(tr.num_rows for tr in trees.values()), sampler_output.sampled_token_ids.shape[1])
+        sampler_output = ordinary_mtp.widen(sampler_output, width, PLACEHOLDER)
+        out = sampler_output.sampled_token_ids  # [num_reqs, width]: ordinary rows as sampled, tree rows below
         for b, tr in trees.items():
             lo, hi = bounds[b]
             assert hi - lo == tr.num_rows, (hi - lo, tr.num_rows)
@@ -211,8 +211,21 @@ class HycoRunnerMixin:
                 round=tr.round, path_rows=tuple(dec.path_rows[i]), bonus=dec.bonus[i], hits=dec.hits[i],
                 num_rows=tr.num_rows, root_pos=tr.context_len, samples=tuple(dec.samples[i]),
                 handoff=handoffs[i], host_s=host_s, logits=logits_rows)
-        sampler_output.sampled_token_ids = out
         return sampler_output
+
+    # -- drafting (vLLM's MTP for ordinary requests, ``"model"`` in the hyco spec) -------------------------------
+    def propose_draft_token_ids(self, scheduler_output: Any, sampled_token_ids: Any, sampling_metadata: Any,
+                                hidden_states: Any, sample_hidden_states: Any, aux_hidden_states: Any,
+                                spec_decode_metadata: Any, common_attn_metadata: Any, slot_mappings: Any) -> Any:
+        tree_plan.set_active_trees(None)  # the drafter's attention over the shared KV layers is vLLM's own
+        cfg = self.hyco.config
+        sessions = ordinary_mtp.session_rows(self) if cfg is not None and cfg.drafts_ordinary else None
+        if not sessions:  # the null proposer, or a step of ordinary requests only: vLLM's own drafting
+            return super().propose_draft_token_ids(
+                scheduler_output, sampled_token_ids, sampling_metadata, hidden_states, sample_hidden_states,
+                aux_hidden_states, spec_decode_metadata, common_attn_metadata, slot_mappings)
+        return ordinary_mtp.propose(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
+                                    spec_decode_metadata, common_attn_metadata, slot_mappings, sessions)
 
     def _hyco_generator(self, req_id: str, params: Any) -> torch.Generator:
         gens = self.hyco.gens

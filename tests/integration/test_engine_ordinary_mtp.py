@@ -1,0 +1,190 @@
+"""Ordinary requests keep vLLM's MTP on a HyCo engine (``"model"`` in the hyco spec), beside phone trees.
+
+One HyCo engine (``{"method": "hyco", "model": assistant, "num_speculative_tokens": 4}``, static node budget 32,
+so every tree is verified whole: trees of the node budget and MTP chains of K in the same steps) and one vLLM
+MTP engine with the same drafter and K, the reference for every ordinary request. The test wraps vLLM's
+``RejectionSampler.forward`` and the MTP drafter's model ``forward`` itself (not a counter the code under
+test keeps) to see what each step hands them.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+K = 4
+ORDINARY_LEN = 12  # ordinary prompts are short and sessions' long, so a position says whose row it is
+SESSION_LEN = 200
+MAX_TOKENS = 24
+
+
+def _prompt(rng: random.Random, n: int) -> list[int]:
+    return [2] + [rng.randrange(10, 4000) for _ in range(n - 1)]
+
+
+@pytest.fixture(scope="module")
+def engines(fixtures_dir):
+    from tests.conftest import _LLMFactory
+
+    factory = _LLMFactory()
+    assistant = str(fixtures_dir / "assistant")
+    mtp = factory(fixtures_dir / "verifier", max_num_seqs=8, disable_log_stats=False,
+                  speculative_config={"method": "mtp", "model": assistant, "num_speculative_tokens": K})
+    hyco = factory(fixtures_dir / "verifier", max_num_seqs=8, disable_log_stats=False,
+                   speculative_config={"method": "hyco", "model": assistant, "num_speculative_tokens": K,
+                                       "budget_policy": "static"})
+    yield mtp, hyco
+    factory.close_all()
+
+
+def _runner(llm):
+    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+
+
+def _spec_counters(llm) -> dict:
+    return {m.name.rsplit(":", 1)[1]: getattr(m, "values", None) or m.value
+            for m in llm.get_metrics() if "spec_decode" in m.name}
+
+
+def _ordinary_requests():
+    """(inputs, params) of the ordinary requests: greedy, seeded sampling with n = 2, a stop string, logprobs,
+    a penalty."""
+    from vllm import SamplingParams
+
+    rng = random.Random(3)
+    base = dict(max_tokens=MAX_TOKENS, ignore_eos=True)
+    params = [SamplingParams(temperature=0.0, **base),
+              SamplingParams(temperature=1.0, top_k=64, top_p=0.95, seed=11, n=2, **base),
+              SamplingParams(temperature=0.0, stop=["the"], **base),
+              SamplingParams(temperature=0.0, logprobs=3, **base),
+              SamplingParams(temperature=0.8, seed=5, repetition_penalty=1.3, **base)]
+    return [({"prompt_token_ids": _prompt(rng, ORDINARY_LEN)}, p) for p in params]
+
+
+def _summary(outputs) -> list[tuple]:
+    """Each completion's tokens, text, finish reason and top logprob ids (when asked)."""
+    return [(tuple(c.token_ids), c.text, c.finish_reason,
+             None if c.logprobs is None else tuple(tuple(sorted(lp)) for lp in c.logprobs))
+            for o in outputs for c in o.outputs]
+
+
+def test_greedy_ordinary_requests_match_vllm_mtp_and_are_speculated(engines):
+    from vllm import SamplingParams
+
+    mtp, hyco = engines
+    rng = random.Random(1)
+    prompts = [{"prompt_token_ids": _prompt(rng, ORDINARY_LEN)} for _ in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    ref = mtp.generate(prompts, params, use_tqdm=False)
+    before = _spec_counters(hyco)
+    got = hyco.generate(prompts, params, use_tqdm=False)
+    after = _spec_counters(hyco)
+    assert _summary(got) == _summary(ref)
+    drafts = after["spec_decode_num_draft_tokens"] - before.get("spec_decode_num_draft_tokens", 0)
+    accepted = after["spec_decode_num_accepted_tokens"] - before.get("spec_decode_num_accepted_tokens", 0)
+    assert drafts > 0 and drafts % K == 0, "ordinary requests were not drafted K deep"
+    assert accepted > 0
+
+
+def test_steps_that_mix_ordinary_mtp_and_phone_trees(engines):
+    """Ordinary requests of every kind beside greedy sessions verifying 33-row trees: each ordinary request
+    as on the MTP engine; the rejection sampler once per step on the ordinary drafts only (a tree request
+    enters with its root row and no draft); the drafter's forward on no session row; the sessions' text is
+    plain greedy's."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    from vllm_hyco.vllm_adapter.api_server.inprocess import HycoEngine
+
+    mtp, hyco = engines
+    requests = _ordinary_requests()
+    ref = _summary([mtp.generate([i], p, use_tqdm=False)[0] for i, p in requests])
+    rng = random.Random(7)
+    session_prompts = [_prompt(rng, SESSION_LEN) for _ in range(2)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    plain = [list(o.outputs[0].token_ids)
+             for o in mtp.generate([{"prompt_token_ids": p} for p in session_prompts], greedy, use_tqdm=False)]
+
+    runner = _runner(hyco)
+    sampler_calls, drafter_positions, steps = [], [], [0]
+    rs_forward, model_forward = runner.rejection_sampler.forward, runner.drafter.model.forward
+
+    def rejection_forward(metadata, draft_probs, logits, sampling_metadata):
+        sampler_calls.append((steps[0], list(metadata.num_draft_tokens), int(logits.shape[0]),
+                              [runner.input_batch.req_ids[b] for b in range(runner.input_batch.num_reqs)]))
+        return rs_forward(metadata, draft_probs, logits, sampling_metadata)
+
+    def drafter_forward(*args, **kwargs):
+        positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
+        drafter_positions.append((steps[0], positions.detach().cpu().tolist()))
+        return model_forward(*args, **kwargs)
+
+    runner.rejection_sampler.forward = rejection_forward
+    runner.drafter.model.forward = drafter_forward
+    hy = HycoEngine(hyco)
+    step = hy._step
+
+    def counted_step():
+        steps[0] += 1
+        step()
+
+    hy._step = counted_step
+    try:
+        delta = []
+        for j, (inputs, p) in enumerate(requests):
+            p = p.clone()
+            p.output_kind = RequestOutputKind.FINAL_ONLY
+            hy.add_request(f"ord-{j}", inputs, p)
+            delta.append(f"ord-{j}")
+        handles = [hy.open(prompt_token_ids=p, temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+                   for p in session_prompts]
+        state = {h.sid: [h.root, [], 0, plain[i]] for i, h in enumerate(handles)}
+        mixed_steps = set()
+        while state:
+            batch = []
+            for sid, (root, out, rnd, want) in state.items():
+                chain = want[len(out):len(out) + 5]
+                tokens, parents = [root] + chain, [-1] + list(range(len(chain)))
+                while len(tokens) < 33:  # decoys under the root and the chain: a full tree of the node budget
+                    tokens.append(rng.randrange(10, 4000))
+                    parents.append(rng.randrange(0, len(tokens) - 1))
+                batch.append((sid, rnd, tokens, parents))
+            first = steps[0]
+            for v in hy.submit_many(batch):
+                s = state[v.sid]
+                s[1] += v.committed
+                s[0], s[2] = v.bonus, s[2] + 1
+                if v.finished:
+                    assert s[1] == s[3], "a session's text is not plain greedy's"
+                    del state[v.sid]
+            mixed_steps.update(range(first + 1, steps[0] + 1))
+        finals = {}
+        for _ in range(500):
+            for r in delta:
+                for o in hy.take_outputs(r):
+                    if o.finished:
+                        finals[r] = o
+            if len(finals) == len(delta):
+                break
+            hy.step()
+    finally:
+        runner.rejection_sampler.forward, runner.drafter.model.forward = rs_forward, model_forward
+        hy._step = step
+
+    assert _summary([finals[r] for r in delta]) == ref
+    per_step = {}
+    for st, counts, rows, req_ids in sampler_calls:
+        per_step.setdefault(st, []).append((counts, rows, req_ids))
+    assert all(len(calls) == 1 for calls in per_step.values()), "the rejection sampler ran twice in a step"
+    session_ids = {h.engine_req_id for h in handles}
+    tree_steps_with_mtp = 0
+    for st, [(counts, rows, req_ids)] in per_step.items():
+        in_batch = [r in session_ids for r in req_ids]
+        assert all(n == 0 for n, is_session in zip(counts, in_batch) if is_session), "a tree entered as drafts"
+        assert rows == sum(n + 1 for n in counts)
+        tree_steps_with_mtp += st in mixed_steps and any(in_batch) and any(counts)
+    assert tree_steps_with_mtp > 0, "no step verified phone trees and ordinary MTP drafts together"
+    mixed_drafts = [pos for st, pos in drafter_positions if st in mixed_steps]
+    assert mixed_drafts, "the drafter never ran in a step with trees"
+    assert all(p < SESSION_LEN - 1 for pos in mixed_drafts for p in pos), "the drafter's forward saw a session row"

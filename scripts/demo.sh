@@ -2,8 +2,10 @@
 # The demo, end to end on CPU, in one command on a fresh machine:
 #   1. build (or reuse) the venv                      scripts/setup_env.sh
 #   2. build (or reuse) the tiny Gemma-4 fixtures     python -m hyco_lab.fixtures (cached under $HYCO_CACHE)
-#   3. start `vllm-hyco serve DIR/verifier --speculative-config hyco` on 127.0.0.1
-#   4. stream one chat completion with the official openai client (scripts/demo_chat.py)
+#   3. start `vllm-hyco serve DIR/verifier --speculative-config '{"method": "hyco", "model": DIR/assistant,
+#      "num_speculative_tokens": 4}'` on 127.0.0.1: an MTP deployment's spec with "mtp" changed to "hyco"
+#   4. stream one chat completion with the official openai client (scripts/demo_chat.py): an ordinary
+#      request, drafted by vLLM's MTP with the assistant (the server's log shows vLLM's acceptance counters)
 #   5. run one whole HyCo session with `hyco-phone` (the phone's MTP head + SLM drafting trees, the server
 #      verifying them over WS /v1/hyco/session): the answer streams, one statistics line per round
 #   6. stop the server (by PID)
@@ -23,10 +25,11 @@ log="$HYCO_CACHE/demo-server.log"
 echo "[demo] fixtures (first time: a few seconds)"
 fixtures=$("$PY" -c 'import sys; from hyco_lab.fixtures import ensure_fixtures; print(ensure_fixtures(sys.argv[1]).root)' "$HYCO_CACHE")
 
-echo "[demo] starting vllm-hyco serve $fixtures/verifier --speculative-config hyco (log: $log)"
+spec="{\"method\": \"hyco\", \"model\": \"$fixtures/assistant\", \"num_speculative_tokens\": 4}"
+echo "[demo] starting vllm-hyco serve $fixtures/verifier --speculative-config '$spec' (log: $log)"
 "$HYCO_VENV/bin/vllm-hyco" serve "$fixtures/verifier" --host 127.0.0.1 --port "$port" \
   --served-model-name hyco-tiny --dtype float32 --max-model-len 2048 --max-num-seqs 4 \
-  --enforce-eager --distributed-executor-backend uni --speculative-config hyco >"$log" 2>&1 &
+  --enforce-eager --distributed-executor-backend uni --speculative-config "$spec" >"$log" 2>&1 &
 server=$!
 # --dtype float32: vLLM's CPU attention then keeps the KV layout the plugin verified on every x86 host (in
 # bf16 an AMX host selects its 'amx' layout, which the plugin refuses with a clear error; docs/deploy.md)

@@ -1,7 +1,9 @@
-"""`vllm-hyco serve DIR/verifier --speculative-config hyco` as a real server on 127.0.0.1.
+"""`vllm-hyco serve DIR/verifier --speculative-config ...` as a real server on 127.0.0.1.
 
 One server for the module (started from the console script with VLLM_PLUGINS unset, to show the CLI
-brings up the phone routes by itself), killed by PID at the end. The official ``openai`` client talks to it.
+brings up the phone routes by itself), killed by PID at the end. Its spec is an MTP deployment's with the
+method changed to ``hyco`` (``SPEC``): ordinary requests keep vLLM's MTP. The official ``openai`` client
+talks to it.
 """
 
 from __future__ import annotations
@@ -39,12 +41,18 @@ def _get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
         return resp.status, resp.read()
 
 
+def _spec(fixtures_dir: Path, **extra) -> str:
+    """The one-word switch: ``{"method": "mtp", "model": ..., "num_speculative_tokens": 4}`` with ``hyco``."""
+    return json.dumps({"method": "hyco", "model": str(fixtures_dir / "assistant"), "num_speculative_tokens": 4,
+                       **extra})
+
+
 @pytest.fixture(scope="module")
 def server(fixtures_dir, tmp_path_factory):
     port = free_port()
     log_path = tmp_path_factory.mktemp("server") / "server.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(_serve_args(fixtures_dir / "verifier", port, "hyco"), env=_server_env(),
+        proc = subprocess.Popen(_serve_args(fixtures_dir / "verifier", port, _spec(fixtures_dir)), env=_server_env(),
                                 stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -98,6 +106,19 @@ def test_openai_client_streams_chat(client):
     assert whole.usage.completion_tokens == 16
 
 
+def test_ordinary_requests_are_drafted_by_vllms_mtp(server, client):
+    from hyco_lab.bench.server import parse_prometheus, spec_counters
+
+    def counters():
+        return spec_counters(parse_prometheus(_get(f"{server}/metrics")[1].decode()))
+
+    before = counters()
+    client.completions.create(model=MODEL, prompt="In the beginning", max_tokens=24, temperature=0,
+                              extra_body={"ignore_eos": True})
+    after = counters()
+    assert after["draft_tokens"] > before["draft_tokens"] and after["accepted"] >= before["accepted"]
+
+
 def test_completions_stream_and_not(client):
     kwargs = dict(model=MODEL, prompt="def hello(world):", max_tokens=12, temperature=0,
                   extra_body={"ignore_eos": True})
@@ -125,3 +146,11 @@ def test_bad_hyco_option_refused_at_startup(fixtures_dir):
                           capture_output=True, text=True, timeout=STARTUP_TIMEOUT_S)
     assert proc.returncode != 0
     assert "unknown hyco option 'node_budgt'" in proc.stderr and "node_budget" in proc.stderr
+
+
+def test_a_model_that_is_not_an_mtp_drafter_is_refused_at_startup(fixtures_dir):
+    spec = _spec(fixtures_dir, model=str(fixtures_dir / "verifier"))
+    proc = subprocess.run(_serve_args(fixtures_dir / "verifier", free_port(), spec), env=_server_env(),
+                          capture_output=True, text=True, timeout=STARTUP_TIMEOUT_S)
+    assert proc.returncode != 0
+    assert "not an MTP drafter" in proc.stderr and "gemma4_assistant" in proc.stderr

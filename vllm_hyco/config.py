@@ -51,6 +51,7 @@ STEP_GATHER = ("auto", "on", "off")
 #: vLLM's ``mtp`` method's: ``num_speculative_tokens`` is the MTP depth K, not the node budget)
 VLLM_KEYS = ("model", "num_speculative_tokens", "draft_sample_method", "num_speculative_tokens_per_batch_size")
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
+SERVER_MODES = ("allow", "forbid")
 MAX_MTP_DEPTH = DEFAULT_NODE_BUDGET
 #: vLLM 0.32 ``SpeculativeConfig`` options a hyco server does not pass through (refused by name, not as unknown;
 #: tests/unit/test_config_ordinary_mtp.py checks each is a vLLM option)
@@ -98,6 +99,10 @@ class HycoConfig:
         num_speculative_tokens_per_batch_size: vLLM's key: K per batch size, ``[[first, last, K], ...]``
             (ranges from batch size 1, sorted, not overlapping; each K at most ``num_speculative_tokens``).
         ordinary_mtp: False turns ordinary requests' MTP off even with ``model`` set.
+        server_mode: ``allow`` (default): a phone session may switch to server mode, where the server's MTP
+            head drafts for it (needs ``model``); ``forbid``: phone mode only.
+        max_server_sessions: sessions in server mode at once (each holds a batch slot all the time); None =
+            ``max_sessions``.
     """
 
     epsilon: float | None = None
@@ -115,6 +120,8 @@ class HycoConfig:
     draft_sample_method: str | None = None
     num_speculative_tokens_per_batch_size: tuple[tuple[int, int, int], ...] | None = None
     ordinary_mtp: bool = True
+    server_mode: str = "allow"
+    max_server_sessions: int | None = None
 
     def __post_init__(self) -> None:
         _check_epsilon(self.epsilon)
@@ -132,6 +139,9 @@ class HycoConfig:
         _check_parked_blocks(self.max_parked_blocks)
         _check_replica_id(self.replica_id)
         _check_ordinary_mtp(self)
+        _check_choice("server_mode", self.server_mode, SERVER_MODES,
+                      "allow: a session may switch to server mode when the server drafts (model set); forbid")
+        _check_int("max_server_sessions", self.max_server_sessions, 1, 1 << 16, optional=True)
 
     # ------------------------------------------------------------------ derived
     @property
@@ -148,6 +158,11 @@ class HycoConfig:
     def drafts_ordinary(self) -> bool:
         """Whether ordinary requests get vLLM's MTP (``model`` set and ``ordinary_mtp`` on)."""
         return self.model is not None and self.ordinary_mtp
+
+    @property
+    def server_session_cap(self) -> int:
+        """Sessions that may be in server mode at once (``max_server_sessions``, else ``max_sessions``)."""
+        return self.max_server_sessions if self.max_server_sessions is not None else self.max_sessions
 
     @property
     def exact(self) -> bool:

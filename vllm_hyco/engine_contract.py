@@ -152,6 +152,7 @@ class StepTree:
     parents: tuple[int, ...]
     eps: float | None  # None: exact acceptance
     draft_q: DraftQMap | None = None  # sampled rows' q; rows past the scheduled ones are ignored
+    seed: bool = False  # the hand-off carries the window's K/V (round 0, and the round after server mode)
 
 
 # -- worker -> engine core -> API server ----------------------------------------------------------------
@@ -180,7 +181,8 @@ def _kv_from_wire(obj: Mapping[str, Any]) -> dict[str, KVRows]:
 
 @dataclass(frozen=True, eq=False)  # holds arrays: compare their fields, not the objects
 class HandoffSeed:
-    """Round 0's seed: the hand-off layers' int8 K/V of positions ``[start, end)``, the last W committed."""
+    """The seed (round 0, and the round after server mode): the hand-off layers' int8 K/V of positions
+    ``[start, end)``, the last W committed."""
 
     start: int
     end: int
@@ -207,7 +209,7 @@ class Handoff:
     h: Any  # [hidden] int8 h at v*
     layers: Mapping[str, str]  # hand-off layer kind -> the vLLM attention layer its rows come from
     kv: Mapping[str, KVRows]  # kind -> the K/V rows of positions [start, position]
-    seed: HandoffSeed | None = None  # round 0 only
+    seed: HandoffSeed | None = None  # round 0 and the round after server mode only
 
     def to_wire(self) -> dict[str, Any]:
         return {"position": self.position, "start": self.start, "e_bonus": encode_array(self.e_bonus),
@@ -349,17 +351,22 @@ class SessionInfo:
 
     sid: str
     req_id: str  # the request id the scheduler and the worker use
-    state: str  # "prefilling" | "parked" | "verifying" | "finished"
+    state: str  # "prefilling" | "parked" | "verifying" | "server" | "finished"
     expected_round: int
     finish_code: str | None  # why the engine finished it (session_timeout, session_evicted, ...)
     pending_verdicts: tuple[int, ...] = field(default=())  # rounds whose verdict waits to be taken
     root: int = -1  # the last committed token (the next tree's root); -1 before the request exists
     root_position: int = -1  # its position
+    mode: str = "phone"  # "phone" (the phone drafts trees) | "server" (the server's MTP head drafts)
+    seed_due: bool = False  # the next round's verdict carries the window's K/V (after server mode)
+    server_steps: int = 0  # engine steps decoded in server mode
+    server_tokens: int = 0  # tokens committed in server mode
 
     def to_wire(self) -> dict[str, Any]:
         return {"sid": self.sid, "req_id": self.req_id, "state": self.state, "expected_round": self.expected_round,
                 "finish_code": self.finish_code, "pending_verdicts": list(self.pending_verdicts),
-                "root": self.root, "root_position": self.root_position}
+                "root": self.root, "root_position": self.root_position, "mode": self.mode,
+                "seed_due": self.seed_due, "server_steps": self.server_steps, "server_tokens": self.server_tokens}
 
     @classmethod
     def from_wire(cls, obj: Any) -> SessionInfo:
@@ -367,7 +374,8 @@ class SessionInfo:
             return obj
         return cls(str(obj["sid"]), str(obj["req_id"]), str(obj["state"]), int(obj["expected_round"]),
                    obj["finish_code"], _ints(obj["pending_verdicts"]) or (), int(obj["root"]),
-                   int(obj["root_position"]))
+                   int(obj["root_position"]), str(obj.get("mode", "phone")), bool(obj.get("seed_due", False)),
+                   int(obj.get("server_steps", 0)), int(obj.get("server_tokens", 0)))
 
 
 @dataclass(frozen=True)
@@ -438,6 +446,7 @@ UTILITY_METHODS: dict[str, type[_WireResult] | None] = {
     "hyco_submit_tree": TreeAccepted,
     "hyco_take_verdict": RoundVerdict,
     "hyco_session_info": SessionInfo,
+    "hyco_set_mode": SessionInfo,
     "hyco_close": None,
     "hyco_poll": None,
     "hyco_stats": EngineStats,

@@ -63,3 +63,19 @@ def test_eos_stop_strings_and_length_end_like_plain_vllm(llm):
         assert (out, text, reason) == (list(ref.token_ids), ref.text, ref.finish_reason)
     out, text, reason = _run(hy, ids[k], list(refs[k].token_ids), rng, max_tokens=32, stop=[stop])
     assert (text, reason) == (stopped.text, stopped.finish_reason) and reason == "stop"
+
+
+def test_server_mode_needs_a_server_that_drafts(llm):
+    """Without ``model`` the server has no MTP head to draft with: server mode is refused, typed, and the
+    session keeps serving in phone mode."""
+    from vllm_hyco.errors import SessionError
+    from vllm_hyco.vllm_adapter.api_server.inprocess import HycoEngine
+
+    hy = HycoEngine(llm)
+    s = hy.open(prompt_token_ids=[2, 17, 99, 5, 8], temperature=0.0, max_tokens=4, ignore_eos=True)
+    with pytest.raises(SessionError) as err:
+        hy.set_mode(s.sid, "server")
+    assert err.value.code == "server_mode_unavailable" and "\"model\"" in str(err.value)
+    v = hy.submit(s.sid, 0, [s.root, 7], [-1, 0])
+    assert v.committed and hy._info(s.sid).mode == "phone"
+    hy.close(s.sid)

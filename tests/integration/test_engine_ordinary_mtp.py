@@ -188,3 +188,70 @@ def test_steps_that_mix_ordinary_mtp_and_phone_trees(engines):
     mixed_drafts = [pos for st, pos in drafter_positions if st in mixed_steps]
     assert mixed_drafts, "the drafter never ran in a step with trees"
     assert all(p < SESSION_LEN - 1 for pos in mixed_drafts for p in pos), "the drafter's forward saw a session row"
+
+
+# -- server mode (issue 33): a session drafted by the server's MTP head between its phone rounds -------------
+def test_a_session_switched_every_round_commits_plain_greedy(engines):
+    """Phone round, a stretch of server mode (vLLM's MTP drafts for it, no tree), phone round again, ...:
+    the committed tokens are plain greedy's; the phone round after each stretch gets the window's K/V again
+    (the seed) and its round number is the stretch's plus one."""
+    from vllm import SamplingParams
+
+    from vllm_hyco.vllm_adapter.api_server.inprocess import HycoEngine
+
+    mtp, hyco = engines
+    rng = random.Random(11)
+    prompt = _prompt(rng, 40)
+    want = list(mtp.generate([{"prompt_token_ids": prompt}],
+                             SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+                             use_tqdm=False)[0].outputs[0].token_ids)
+    hy = HycoEngine(hyco)
+    s = hy.open(prompt_token_ids=prompt, temperature=0.0, max_tokens=40, ignore_eos=True)
+    out, root, rnd, seeds, stretches = [], s.root, 0, 0, 0
+    while True:
+        chain = want[len(out):len(out) + 3]
+        tokens, parents = [root] + chain + [rng.randrange(10, 4000)], [-1] + list(range(len(chain))) + [0]
+        v = hy.submit(s.sid, rnd, tokens, parents)
+        seeds += v.handoff.seed is not None
+        out, root, rnd = out + v.committed, v.bonus, rnd + 1
+        if v.finished:
+            break
+        info = hy.set_mode(s.sid, "server")
+        assert (info.mode, info.expected_round) == ("server", rnd)
+        stretch = hy.decode_server(s.sid, steps=2)
+        stretches += 1
+        out += stretch.committed
+        if stretch.finished:
+            break
+        info = hy.set_mode(s.sid, "phone")
+        assert (info.mode, info.expected_round, info.seed_due) == ("phone", rnd + 1, True)
+        assert info.server_tokens >= len(stretch.committed) > 0
+        root, rnd = info.root, info.expected_round
+    assert out == want
+    assert stretches >= 2 and seeds >= stretches  # round 0 and every round after a stretch carried the seed
+
+
+def test_mode_switch_refusals_are_typed_and_change_nothing(engines):
+    from vllm_hyco.errors import SessionError
+    from vllm_hyco.vllm_adapter.api_server.inprocess import HycoEngine
+
+    _, hyco = engines
+    hy = HycoEngine(hyco)
+    s = hy.open(prompt_token_ids=_prompt(random.Random(2), 20), temperature=0.0, max_tokens=8, ignore_eos=True)
+    with pytest.raises(SessionError) as err:
+        hy.set_mode(s.sid, "cloud")
+    assert err.value.code == "bad_mode" and "'phone'" in str(err.value)
+    hy.set_mode(s.sid, "server")
+    with pytest.raises(SessionError) as err:  # trees wait for phone mode
+        hy.submit(s.sid, 0, [s.root, 5], [-1, 0])
+    assert err.value.code == "wrong_mode"
+    info = hy.set_mode(s.sid, "phone")
+    with pytest.raises(SessionError) as err:  # a switch waits for the round boundary
+        from vllm_hyco.engine_contract import TreeSubmission
+
+        hy._call("hyco_submit_tree", TreeSubmission(s.sid, info.expected_round, (info.root, 5), (-1, 0)))
+        hy._call("hyco_set_mode", s.sid, "server", info.expected_round)
+    assert err.value.code == "mid_round"
+    hy._step()
+    assert hy._info(s.sid).state in ("parked", "finished")
+    hy.close(s.sid)

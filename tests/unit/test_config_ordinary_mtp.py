@@ -103,3 +103,12 @@ def test_per_batch_size_k_round_trips_and_becomes_the_lookup():
                                        "num_speculative_tokens_per_batch_size": [[1, 2, 4], [3, 16, 2]]}))
     assert HycoConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
     assert mtp_lookup(cfg, 4) == [0, 4, 4, 2, 2]
+
+
+def test_server_mode_options():
+    assert HycoConfig().server_mode == "allow" and HycoConfig(max_sessions=8).server_session_cap == 8
+    assert HycoConfig(max_server_sessions=2).server_session_cap == 2
+    for spec, needle in (({"server_mode": "sometimes"}, "'allow', 'forbid'"), ({"max_server_sessions": 0}, "[1,")):
+        with pytest.raises(ConfigError) as err:
+            HycoConfig.from_dict(spec)
+        assert needle in str(err.value)

@@ -94,6 +94,8 @@ def test_tree_submission_is_normalised_and_round_trips():
 @pytest.mark.parametrize("value", [
     TreeAccepted("s1", 3, 9),
     SessionInfo("s1", "hyco-s1-x", "parked", 4, None, (3,), root=5, root_position=40),
+    SessionInfo("s2", "hyco-s2-x", "server", 5, None, (), root=9, root_position=51, mode="server", seed_due=False,
+                server_steps=3, server_tokens=7),
     EngineStats(live=2, parked=1, kv_blocks_used=10, kv_blocks_total=99),
 ])
 def test_small_results_round_trip(value):
@@ -104,8 +106,8 @@ def test_small_results_round_trip(value):
 def test_plain_results_pass_through():
     assert decode_result("hyco_close", _transport(encode_result(True))) is True
     assert decode_result("hyco_poll", _transport(encode_result(["a", "b"]))) == ["a", "b"]
-    assert set(UTILITY_METHODS) == {"hyco_submit_tree", "hyco_take_verdict", "hyco_session_info", "hyco_close",
-                                    "hyco_poll", "hyco_stats"}
+    assert set(UTILITY_METHODS) == {"hyco_submit_tree", "hyco_take_verdict", "hyco_session_info", "hyco_set_mode",
+                                    "hyco_close", "hyco_poll", "hyco_stats"}
 
 
 @pytest.mark.parametrize("error", [

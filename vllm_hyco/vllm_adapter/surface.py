@@ -138,11 +138,12 @@ INSTANCE_ATTRS = {
     "vllm.v1.spec_decode.gemma4:Gemma4Proposer": ("_per_group_block_tables",),
 }
 
-#: the vLLM objects that carry the engine contract between processes, and the attribute HyCo sets on each
-#: (``vllm_hyco.engine_contract``: StepTree to the worker, TreeVerdict back): they must take a new attribute
-#: (no ``__slots__``) and carry it through vLLM's transport (pickled with the object)
-CARRIERS = {"vllm.v1.core.sched.output:SchedulerOutput": "hyco_trees",
-            "vllm.v1.outputs:ModelRunnerOutput": "hyco_verdicts"}
+#: the vLLM objects that carry the engine contract between processes, and the attributes HyCo sets on each
+#: (``vllm_hyco.engine_contract``: StepTree and the server-mode sessions' request ids to the worker,
+#: TreeVerdict back): they must take new attributes (no ``__slots__``) and carry them through vLLM's
+#: transport (pickled with the object)
+CARRIERS = {"vllm.v1.core.sched.output:SchedulerOutput": ("hyco_trees", "hyco_server_reqs"),
+            "vllm.v1.outputs:ModelRunnerOutput": ("hyco_verdicts",)}
 
 # Targets that exist only in vLLM's CPU build (skipped, not failed, on another platform).
 CPU_ONLY_MODULES = ("vllm.utils.cpu_triton_utils", "vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner",

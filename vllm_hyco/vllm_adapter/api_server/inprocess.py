@@ -78,6 +78,7 @@ class HycoEngine:
         self._sessions: dict[str, str] = {}  # sid -> request id (open sessions)
         self._sids: dict[str, str] = {}  # request id -> sid (open sessions)
         self._in_round: set[str] = set()  # sids with a tree submitted and its verdict not taken yet
+        self._server: set[str] = set()  # sids in server mode (the server's MTP head drafts for them)
         self._ended: OrderedDict[str, str] = OrderedDict()  # the last ENDED_MEMORY ended sids -> why
 
     # -- core access ------------------------------------------------------------------------------
@@ -101,7 +102,7 @@ class HycoEngine:
     def _step(self) -> None:
         for out in self.engine.step():
             sid = self._sids.get(out.request_id)
-            if out.finished and sid is not None and sid not in self._in_round:
+            if out.finished and sid is not None and sid not in self._in_round and sid not in self._server:
                 # ended outside a round (idle timeout, eviction): remember why, keep nothing
                 self._drop(sid, self._finish_code(sid), abort=False)
                 continue
@@ -118,6 +119,7 @@ class HycoEngine:
         only why it ended: a later call on it raises that code."""
         req_id = self._sessions.pop(sid, None)
         self._in_round.discard(sid)
+        self._server.discard(sid)
         self._ended[sid] = code
         while len(self._ended) > ENDED_MEMORY:
             self._ended.popitem(last=False)
@@ -243,6 +245,39 @@ class HycoEngine:
             stats={"num_rows": t.num_rows, "accepted": len(path_rows), "hits": t.hits,
                    "root_position": t.root_pos, "wall_s": wall, "host_s": t.host_s,
                    **({"logits": t.logits} if t.logits is not None else {})})
+
+    # -- server mode ------------------------------------------------------------------------------------
+    def set_mode(self, sid: str, mode: str) -> SessionInfo:
+        """Switch a session to ``"server"`` (the server's MTP head drafts for it, no trees) or back to
+        ``"phone"`` at the round it waits for; the engine's typed refusal is raised (nothing changes then)."""
+        self._check_open(sid)
+        info: SessionInfo = self._call("hyco_set_mode", sid, mode, self._info(sid).expected_round)
+        (self._server.add if info.mode == "server" else self._server.discard)(sid)
+        return info
+
+    def decode_server(self, sid: str, steps: int) -> Verdict:
+        """Step the engine ``steps`` times (or until the session finishes) while ``sid`` decodes in server mode;
+        the tokens it committed come back as a :class:`Verdict` with no tree (``path_rows`` empty)."""
+        if sid not in self._server:
+            raise SessionError(f"session {sid!r} is not in server mode", code="wrong_mode")
+        start, req_id, outs = time.perf_counter(), self._sessions[sid], []
+        for _ in range(steps):
+            self._step()
+            outs += self._take(req_id)
+            if outs and outs[-1].finished:
+                break
+        finished = any(o.finished for o in outs)
+        if finished:
+            self._drop(sid, "session_finished", abort=False)
+        tokens = [t for o in outs if o.outputs for t in o.outputs[0].token_ids]
+        info = None if finished else self._info(sid)
+        return Verdict(sid=sid, round=-1 if info is None else info.expected_round, path_rows=[], path_tokens=[],
+                       bonus=tokens[-1] if tokens else -1, committed=tokens,
+                       text="".join(o.outputs[0].text for o in outs if o.outputs), finished=finished,
+                       finish_reason=next((str(o.outputs[0].finish_reason) for o in outs if o.finished and o.outputs),
+                                          None),
+                       handoff=None, node_budget=self.node_budget,
+                       stats={"mode": "server", "steps": steps, "wall_s": time.perf_counter() - start})
 
     def close(self, sid: str) -> bool:
         if sid not in self._sessions and sid in self._ended:

@@ -104,8 +104,9 @@ def step_end(sched: Any, scheduler_output: Any) -> None:
     if len(clock.branching) > 4 * max(sched.max_num_running_reqs, 1):  # trees never scheduled: do not grow
         clock.branching.clear()
     plain = len(scheduler_output.num_scheduled_tokens) - trees
-    # vLLM's MTP head drafts K tokens for each ordinary request of the step (sessions' rows are left out of
-    # the drafter's forward; worker/ordinary_mtp.py)
-    ordinary = sum(1 for r in scheduler_output.num_scheduled_tokens if st.sessions.by_req(r) is None)
+    # vLLM's MTP head drafts K tokens for each ordinary request of the step and each session in server mode
+    # (phone-mode sessions' rows are left out of the drafter's forward; worker/ordinary_mtp.py)
+    server = getattr(scheduler_output, "hyco_server_reqs", ()) or ()
+    ordinary = sum(1 for r in scheduler_output.num_scheduled_tokens if st.sessions.by_req(r) is None or r in server)
     head = ordinary * int(getattr(scheduler_output, "num_spec_tokens_to_schedule", 0) or 0) if st.drafts_ordinary else 0
     st.budget_policy.observe_step(rows, kctx, seconds, trees, branching, plain, head)

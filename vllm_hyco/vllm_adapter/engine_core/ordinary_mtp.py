@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from vllm_hyco.config import HycoConfig
+from vllm_hyco.vllm_adapter.engine_core.sessions import SessionState
 
 
 def mtp_lookup(cfg: HycoConfig, max_num_seqs: int) -> list[int] | None:
@@ -53,6 +54,7 @@ def install(scheduler: Any, cfg: HycoConfig | None) -> None:
 
 
 def counts_in_vllm_stats(scheduler: Any, req_id: str) -> bool:
-    """Whether a request's drafts enter vLLM's spec-decode counters: an ordinary request's do, a session's
-    tree does not."""
-    return scheduler.hyco.sessions.by_req(req_id) is None
+    """Whether a request's MTP drafts are vLLM's (they reach it, and its spec-decode counters count them): an
+    ordinary request's and a session's in server mode are; a session's tree is not."""
+    s = scheduler.hyco.sessions.by_req(req_id)
+    return s is None or s.state is SessionState.SERVER

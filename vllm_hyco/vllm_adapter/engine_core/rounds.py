@@ -73,6 +73,7 @@ def record(sched: Any, s: Session, verdict: TreeVerdict, eco: Any) -> None:
     reason = str(eco.finish_reason) if eco is not None and eco.finish_reason is not None else None
     granted, info = node_budget.grant(sched.hyco, s, verdict)
     sched.hyco.sessions.finish_round(s, RoundVerdict(verdict, committed, reason, granted, info))
+    s.seed_due = False  # the window's K/V went out with this verdict
 
 
 def take_verdict(sched: Any, sid: str, round_: int) -> RoundVerdict:
@@ -97,7 +98,8 @@ def info(sched: Any, sid: str) -> SessionInfo:
     root, position = (-1, -1) if request is None else (int(request.all_token_ids[-1]), int(request.num_tokens) - 1)
     return SessionInfo(sid=s.sid, req_id=s.req_id, state=s.state.value, expected_round=s.expected_round,
                        finish_code=s.finish_code, pending_verdicts=tuple(sorted(s.verdicts)), root=root,
-                       root_position=position)
+                       root_position=position, mode=s.mode, seed_due=s.seed_due, server_steps=s.server_steps,
+                       server_tokens=s.server_tokens)
 
 
 def stats(sched: Any) -> EngineStats:

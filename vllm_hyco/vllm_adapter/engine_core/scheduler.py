@@ -25,14 +25,16 @@ internals they lean on, checked by tests/unit/test_vllm_surface.py):
   one token shorter.
 * ``schedule``: applies the session policies, re-injects a tree whose request was preempted before its
   round ran, cuts trees to the node budget, and attaches ``scheduler_output.hyco_trees``
-  (``{req_id: engine_contract.StepTree}``) for the runner.
+  (``{req_id: engine_contract.StepTree}``) and ``scheduler_output.hyco_server_reqs`` (the sessions in server
+  mode, drafted as ordinary requests) for the runner.
 * ``update_from_output``: records the runner's verdicts (``ModelRunnerOutput.hyco_verdicts``) and *parks*
   the request: it leaves ``self.running`` but keeps status RUNNING and its KV blocks, so it holds no
   batch slot and the engine does not run ahead. Parked requests are in neither ``running`` nor
   ``waiting``, so ``get_num_unfinished_requests`` ignores them and the busy loop idles; ``finish_requests``
   (abort, close) works on them unchanged (it filters ``running`` and frees blocks by status).
 * ``update_draft_token_ids``: drafts from the proposer (vLLM's MTP for ordinary requests, or the null one)
-  never reach session requests.
+  never reach session requests, but for sessions in server mode (``server_mode``), which decode as ordinary
+  requests.
 * ``make_spec_decoding_stats``: vLLM's spec-decode counters count ordinary requests' drafts only
   (``ordinary_mtp``: a tree round is not a chain).
 * ``finish_requests``: marks the sessions of requests vLLM finished (abort, close) finished in the registry
@@ -50,7 +52,7 @@ from vllm.v1.request import RequestStatus
 from vllm_hyco.config import HycoConfig
 from vllm_hyco.engine_contract import EngineStats, RoundVerdict, SessionInfo, StepTree, TreeAccepted, TreeSubmission
 from vllm_hyco.errors import ConfigError
-from vllm_hyco.vllm_adapter.engine_core import node_budget, ordinary_mtp, policies, rounds, step_gather
+from vllm_hyco.vllm_adapter.engine_core import node_budget, ordinary_mtp, policies, rounds, server_mode, step_gather
 from vllm_hyco.vllm_adapter.engine_core.sessions import SessionState
 from vllm_hyco.vllm_adapter.engine_core.state import SchedulerState, session_kv_blocks
 from vllm_hyco.vllm_adapter.patches import engine_core_methods
@@ -105,6 +107,8 @@ class HycoScheduler(Scheduler):
         s = self.hyco.sessions.by_req(request.request_id)
         if s is None:
             return n
+        if s.state is SessionState.SERVER:  # decodes (and re-prefills after a preemption) as any request
+            return n
         if not (s.state is SessionState.VERIFYING and request.status == RequestStatus.RUNNING
                 and num_computed_tokens == request.num_tokens - 1):
             # Only a chunk that starts at the root of a submitted tree may go past the root. A session
@@ -127,8 +131,7 @@ class HycoScheduler(Scheduler):
         return (mgr.create_kv_cache_blocks(computed), num_local, 0, *hit[3:])
 
     def update_draft_token_ids(self, draft_token_ids: Any) -> None:
-        reg = self.hyco.sessions
-        keep = [i for i, r in enumerate(draft_token_ids.req_ids) if reg.by_req(r) is None]
+        keep = [i for i, r in enumerate(draft_token_ids.req_ids) if ordinary_mtp.counts_in_vllm_stats(self, r)]
         if len(keep) < len(draft_token_ids.req_ids):
             draft_token_ids.req_ids = [draft_token_ids.req_ids[i] for i in keep]
             draft_token_ids.draft_token_ids = [draft_token_ids.draft_token_ids[i] for i in keep]
@@ -170,8 +173,10 @@ class HycoScheduler(Scheduler):
             request = self.requests[req_id]
             if request.num_computed_tokens - n == request.num_tokens - 1:  # the root is in this chunk
                 t = s.tree
-                trees[req_id] = StepTree(t.round, tuple(t.tokens), tuple(t.parents), t.eps, t.draft_q)
+                trees[req_id] = StepTree(t.round, tuple(t.tokens), tuple(t.parents), t.eps, t.draft_q,
+                                         seed=t.round == 0 or s.seed_due)
         out.hyco_trees = trees
+        out.hyco_server_reqs = server_mode.server_reqs(self, out.num_scheduled_tokens)
         return out
 
     def _hyco_reinject(self) -> None:
@@ -189,8 +194,9 @@ class HycoScheduler(Scheduler):
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         reg = self.hyco.sessions
         policies.emit_ended(self, outputs)
-        emitted = {eco.request_id: eco for batch in (outputs or {}).values()  # only steps with verdicts need it
-                   for eco in getattr(batch, "outputs", []) or []} if verdicts else {}
+        emitted = {eco.request_id: eco for batch in (outputs or {}).values()  # steps with verdicts or server mode
+                   for eco in getattr(batch, "outputs", []) or []} \
+            if verdicts or getattr(scheduler_output, "hyco_server_reqs", None) else {}
         for req_id in scheduler_output.num_scheduled_tokens:
             s = reg.by_req(req_id)
             if s is None:
@@ -201,6 +207,8 @@ class HycoScheduler(Scheduler):
                 rounds.record(self, s, verdicts[req_id], emitted.get(req_id))
                 if not finished:
                     self._hyco_park(s, request)
+            elif s.state is SessionState.SERVER:
+                server_mode.record_step(s, emitted.get(req_id))
             elif s.state is SessionState.PREFILLING and not finished \
                     and request.num_computed_tokens == request.num_tokens - 1:
                 self._hyco_park(s, request)
@@ -238,6 +246,10 @@ class HycoScheduler(Scheduler):
 
     def hyco_session_info(self, sid: str) -> SessionInfo:
         return rounds.info(self, sid)
+
+    def hyco_set_mode(self, sid: str, mode: str, round_: int) -> SessionInfo:
+        """Switch a session to ``"server"`` or ``"phone"`` mode at the round it waits for (``server_mode``)."""
+        return server_mode.switch(self, sid, mode, round_)
 
     def hyco_close(self, sid: str, forget: bool = False) -> bool:
         """Abort a live session (True when it did); ``forget``: the registry drops the sid too."""

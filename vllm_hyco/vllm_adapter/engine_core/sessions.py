@@ -4,7 +4,13 @@ A HyCo *session* is one vLLM request that stays alive across verification rounds
 
     open ──► PREFILLING ──(all prompt tokens but the last are in the KV cache)──► PARKED(round 0)
     PARKED(r) ──submit tree for round r──► VERIFYING(r) ──(one forward, decision)──► PARKED(r + 1)
+    PARKED(r) ──mode "server" at round r──► SERVER(r) ──mode "phone"──► PARKED(r + 1), seed due
     any state ──close / abort / EOS / stop / max_tokens / idle timeout / eviction──► FINISHED
+
+In SERVER mode the session decodes as an ordinary request (vLLM's MTP drafts for it, its rejection sampler
+verifies), with no round trip per step: the whole stretch is round r, and the phone's next round after it,
+r + 1, gets the window's K/V again in its verdict (the seed, as round 0's), since the phone's drafter saw
+none of the server's positions.
 
 While PARKED the request keeps its KV blocks but holds no batch slot, so the engine does not run ahead.
 Rounds are numbered from 0; the tree of round r is accepted only while the session waits for round r.
@@ -47,6 +53,7 @@ class SessionState(enum.Enum):
     PREFILLING = "prefilling"
     PARKED = "parked"
     VERIFYING = "verifying"
+    SERVER = "server"  # decoding with the server's MTP head, no tree (server mode)
     FINISHED = "finished"
 
 
@@ -79,6 +86,14 @@ class Session:
     finish_code: str | None = None  # why the engine finished it (timeout, evicted, ...)
     num_kv_blocks: int = 0  # blocks pinned while parked (filled by the scheduler)
     finished_at: float | None = None
+    seed_due: bool = False  # the next round's verdict carries the window's K/V (after a server-mode stretch)
+    server_steps: int = 0  # engine steps decoded in server mode (stats)
+    server_tokens: int = 0  # tokens committed in server mode (stats)
+
+    @property
+    def mode(self) -> str:
+        """``server`` while the server drafts for the session, else ``phone``."""
+        return "server" if self.state is SessionState.SERVER else "phone"
 
 
 class SessionRegistry:
@@ -135,6 +150,9 @@ class SessionRegistry:
             raise SessionError(f"session {sid!r} is still prefilling", code="session_busy")
         if s.state is SessionState.VERIFYING:
             raise SessionError(f"session {sid!r} is verifying round {s.expected_round}", code="session_busy")
+        if s.state is SessionState.SERVER:
+            raise SessionError(f"session {sid!r} is in server mode (the server drafts for it): switch it to phone "
+                               f"mode before sending trees", code="wrong_mode")
         if round_ != s.expected_round:
             if round_ == s.expected_round - 1:
                 code = "duplicate_round"
@@ -159,6 +177,35 @@ class SessionRegistry:
 
     def mark_parked(self, s: Session) -> None:
         s.state = SessionState.PARKED
+        s.last_active = self._clock()
+
+    def check_switch(self, sid: str, mode: str, round_: int) -> Session:
+        """The session if it may switch to ``mode`` at ``round_`` now (a round boundary), else a typed error."""
+        s = self.get(sid)
+        if mode not in ("phone", "server"):
+            raise SessionError(f"unknown mode {mode!r}: use 'phone' (the phone drafts trees) or 'server' (the "
+                               f"server drafts with its MTP head)", code="bad_mode")
+        if s.state is SessionState.FINISHED:
+            code = s.finish_code or "session_finished"
+            raise SessionError(f"session {sid!r} is finished ({code})", code=code)
+        if s.state in (SessionState.PREFILLING, SessionState.VERIFYING):
+            raise SessionError(f"session {sid!r} is {s.state.value}: a mode switch waits for the round boundary "
+                               f"(after round {s.expected_round}'s verdict)", code="mid_round")
+        if round_ != s.expected_round:
+            raise SessionError(f"session {sid!r} is at round {s.expected_round}, the switch named round {round_}",
+                               code="stale_round" if round_ < s.expected_round else "future_round")
+        return s
+
+    def mark_server(self, s: Session) -> None:
+        s.state = SessionState.SERVER
+        s.last_active = self._clock()
+
+    def end_server_stretch(self, s: Session) -> None:
+        """Back to phone mode: the server-mode stretch was round ``expected_round``; the next one owes the
+        phone the window's K/V."""
+        s.state = SessionState.PARKED
+        s.expected_round += 1
+        s.seed_due = True
         s.last_active = self._clock()
 
     def mark_finished(self, s: Session, code: str | None = None) -> None:

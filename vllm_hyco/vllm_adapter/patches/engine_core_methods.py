@@ -23,6 +23,8 @@ The methods, each as ``method(arguments)``: result:
   taken: the scheduler's guard, one for both callers)
 * ``hyco_take_verdict(sid, round)``: ``RoundVerdict``
 * ``hyco_session_info(sid)``: ``SessionInfo`` (``unknown_session`` when the engine does not know the sid)
+* ``hyco_set_mode(sid, mode, round)``: ``SessionInfo`` after switching the session to ``"server"`` or
+  ``"phone"`` mode at a round boundary (``engine_core/server_mode.py``)
 * ``hyco_close(sid, forget)``: True when it aborted a live session (``forget``: the registry drops the sid too)
 * ``hyco_poll()``: the sids the idle-timeout/eviction policies finished now
 * ``hyco_stats()``: ``EngineStats``
@@ -93,6 +95,11 @@ def hyco_session_info(self: Any, sid: str) -> Any:
 
 
 @_utility
+def hyco_set_mode(self: Any, sid: str, mode: str, round_: int) -> Any:
+    return _scheduler(self).hyco_set_mode(str(sid), str(mode), int(round_))
+
+
+@_utility
 def hyco_close(self: Any, sid: str, forget: bool = False) -> bool:
     return bool(_scheduler(self).hyco_close(str(sid), bool(forget)))
 
@@ -109,7 +116,8 @@ def hyco_stats(self: Any) -> Any:
 
 
 #: the methods, one per ``engine_contract.UTILITY_METHODS`` entry (tests/unit/test_engine_contract.py checks it)
-METHODS = (hyco_submit_tree, hyco_take_verdict, hyco_session_info, hyco_close, hyco_poll, hyco_stats)
+METHODS = (hyco_submit_tree, hyco_take_verdict, hyco_session_info, hyco_set_mode, hyco_close, hyco_poll,
+           hyco_stats)
 
 PATCHES = [
     Patch(TARGET, fn.__name__, lambda _absent, f=fn: f, adds=True,

@@ -4,8 +4,8 @@ Matches vLLM 0.32 (V1 runner: ``input_batch.block_table[g]``, ``model.embed_inpu
 ``_sample`` calls :func:`handoff` after the decision and the compaction (``worker/tree_step.py``): per tree,
 the hand-off layers' K/V rows (the root and the compacted path), h at v* and e(bonus), gathered and
 quantized to int8 on the device with the model's fixed scales (``kernels.handoff_gather``), then copied to
-the host as int8 in one transfer, as an ``engine_contract.Handoff``. Round 0's seed (the last W positions)
-is gathered and quantized the same way. Under tensor parallelism every rank quantizes its own KV heads here;
+the host as int8 in one transfer, as an ``engine_contract.Handoff``. The seed (the last W positions, at
+round 0 and at the round after server mode) is gathered and quantized the same way. Under tensor parallelism every rank quantizes its own KV heads here;
 the K/V pieces of the whole step are gathered to rank 0 in one collective (``tp_heads``).
 """
 
@@ -86,9 +86,9 @@ def handoff(runner: Any, step: StepTrees, dec: StepDecision, hidden: torch.Tenso
         names += [f"{kind}_k", f"{kind}_v"]
         kv += [k_rows, v_rows if v_rows is not None else k_rows]
         heads += [total[kind]] * 2
-    # round 0's seeds: (start, end, {kind: (k, v)}) of this rank's heads, on the device
+    # the seeds (round 0, the round after server mode): (start, end, {kind: (k, v)}) of this rank's heads
     seeds = {b: _seed(runner, tr, layers, scales, tr.context_len + len(dec.path_rows[b]) + 1, shard)
-             for b, tr in enumerate(step.trees) if tr.round == 0}
+             for b, tr in enumerate(step.trees) if tr.seed}
     seed_pieces = [(b, kind) for b in seeds for kind in layers]
     for b, kind in seed_pieces:
         kv += list(seeds[b][2][kind])

@@ -36,13 +36,14 @@ import torch
 from vllm_hyco.vllm_adapter import surface
 
 
-def session_rows(runner: Any) -> set[int]:
-    """Batch rows of this step's phone-session requests (``extra_args["hyco"]``)."""
+def session_rows(runner: Any, server_reqs: frozenset[str] = frozenset()) -> set[int]:
+    """Batch rows of this step's phone-mode session requests (``extra_args["hyco"]``); a session in server
+    mode (``SchedulerOutput.hyco_server_reqs``) is drafted as an ordinary request."""
     rows = set()
     for b, req_id in enumerate(runner.input_batch.req_ids):
         state = runner.requests.get(req_id)
         extra = getattr(getattr(state, "sampling_params", None), "extra_args", None) or {}
-        if isinstance(extra.get("hyco"), dict):
+        if isinstance(extra.get("hyco"), dict) and req_id not in server_reqs:
             rows.add(b)
     return rows
 

@@ -118,7 +118,7 @@ class HycoRunnerMixin:
                                 num_rows=int(num_scheduled_tokens[b]),
                                 context_len=int(self.input_batch.num_computed_tokens_cpu[b]),
                                 round=spec.round, tokens=list(spec.tokens), parents=list(spec.parents), eps=spec.eps,
-                                draft_q=None if spec.draft_q is None else dict(spec.draft_q))
+                                draft_q=None if spec.draft_q is None else dict(spec.draft_q), seed=spec.seed)
             assert tr.num_rows <= len(spec.tokens), "a tree request got more rows than its tree has"
             rows = slice(tr.q_start, tr.q_start + tr.num_rows)
             self.positions[rows] = tr.positions.to(device=self.positions.device, dtype=self.positions.dtype)
@@ -219,7 +219,8 @@ class HycoRunnerMixin:
                                 spec_decode_metadata: Any, common_attn_metadata: Any, slot_mappings: Any) -> Any:
         tree_plan.set_active_trees(None)  # the drafter's attention over the shared KV layers is vLLM's own
         cfg = self.hyco.config
-        sessions = ordinary_mtp.session_rows(self) if cfg is not None and cfg.drafts_ordinary else None
+        server = getattr(scheduler_output, "hyco_server_reqs", None) or frozenset()
+        sessions = ordinary_mtp.session_rows(self, server) if cfg is not None and cfg.drafts_ordinary else None
         if not sessions:  # the null proposer, or a step of ordinary requests only: vLLM's own drafting
             return super().propose_draft_token_ids(
                 scheduler_output, sampled_token_ids, sampling_metadata, hidden_states, sample_hidden_states,

@@ -54,14 +54,16 @@ class TreeRows:
     masks: torch.Tensor  # [num_rows] int64 ancestor bitmask (bit j: row j is an ancestor or the row)
     host_s: float = 0.0  # host time spent on this tree outside the model (plan, decision, compaction, hand-off)
     draft_q: dict | None = None  # sampled rows' q, {row: (ids, weights)} (rows past num_rows are ignored)
+    seed: bool = False  # the hand-off carries the window's K/V (round 0, the round after server mode)
 
     @classmethod
     def build(cls, *, req_id: str, batch_idx: int, q_start: int, num_rows: int, context_len: int,
               round: int, tokens: list[int], parents: list[int], eps: float | None,
-              draft_q: dict | None = None) -> TreeRows:
+              draft_q: dict | None = None, seed: bool | None = None) -> TreeRows:
         tokens, parents = list(tokens[:num_rows]), list(parents[:num_rows])  # a prefix of a tree is a tree
         return cls(req_id=req_id, batch_idx=batch_idx, q_start=q_start, num_rows=num_rows,
                    context_len=context_len, round=round, tokens=tokens, parents=parents, eps=eps, draft_q=draft_q,
+                   seed=round == 0 if seed is None else seed,
                    depths=torch.from_numpy(tree_contract.depths(parents)),
                    anc=torch.from_numpy(tree_contract.ancestor_matrix(parents)),
                    masks=torch.from_numpy(tree_contract.ancestor_mask(parents)))

@@ -53,11 +53,18 @@ VLLM_KEYS = ("model", "num_speculative_tokens", "draft_sample_method", "num_spec
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 SERVER_MODES = ("allow", "forbid")
 MAX_MTP_DEPTH = DEFAULT_NODE_BUDGET
-#: vLLM 0.32 ``SpeculativeConfig`` options a hyco server does not pass through (refused by name, not as unknown;
-#: tests/unit/test_config_ordinary_mtp.py checks each is a vLLM option)
-VLLM_REFUSED_KEYS = ("attention_backend", "code_revision", "disable_padded_drafter_batch", "draft_tensor_parallel_size",
-                     "enforce_eager", "kv_cache_dtype", "max_model_len", "parallel_drafting", "quantization",
-                     "rejection_sample_method", "revision", "tensor_parallel_size", "use_local_argmax_reduction")
+#: every other field of vLLM 0.32's ``SpeculativeConfig``: a hyco server does not pass them through and refuses
+#: each by name (tests/unit/test_config_ordinary_mtp.py checks that this list and VLLM_KEYS are all of vLLM's)
+VLLM_REFUSED_KEYS = (
+    "attention_backend", "code_revision", "disable_eagle_block_drop", "disable_padded_drafter_batch",
+    "draft_load_config", "draft_model_config", "draft_parallel_config", "draft_tensor_parallel_size",
+    "dspark_draft_topk", "enable_adaptive_verification", "enforce_eager", "index_share_for_mtp_iteration",
+    "kv_cache_dtype", "max_model_len", "moe_backend", "parallel_drafting", "prompt_lookup_max",
+    "prompt_lookup_min", "quantization", "rejection_sample_method", "revision",
+    "suffix_decoding_max_cached_requests", "suffix_decoding_max_spec_factor", "suffix_decoding_max_tree_depth",
+    "suffix_decoding_min_token_prob", "synthetic_acceptance_length", "synthetic_acceptance_rates",
+    "target_model_config", "target_parallel_config", "tensor_parallel_size", "use_heterogeneous_vocab",
+    "use_local_argmax_reduction")
 ADDITIONAL_CONFIG_KEY = "hyco"  # VllmConfig.additional_config[ADDITIONAL_CONFIG_KEY] = HycoConfig.to_dict()
 
 

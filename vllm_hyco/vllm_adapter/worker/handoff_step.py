@@ -5,8 +5,9 @@ Matches vLLM 0.32 (V1 runner: ``input_batch.block_table[g]``, ``model.embed_inpu
 the hand-off layers' K/V rows (the root and the compacted path), h at v* and e(bonus), gathered and
 quantized to int8 on the device with the model's fixed scales (``kernels.handoff_gather``), then copied to
 the host as int8 in one transfer, as an ``engine_contract.Handoff``. The seed (the last W positions, at
-round 0 and at the round after server mode) is gathered and quantized the same way. Under tensor parallelism every rank quantizes its own KV heads here;
-the K/V pieces of the whole step are gathered to rank 0 in one collective (``tp_heads``).
+round 0 and at the round after server mode) is gathered and quantized the same way. Under tensor
+parallelism every rank quantizes its own KV heads here; the K/V pieces of the whole step are gathered to
+rank 0 in one collective (``tp_heads``).
 """
 
 from __future__ import annotations

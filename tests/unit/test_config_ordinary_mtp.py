@@ -114,3 +114,11 @@ def test_server_mode_options():
         with pytest.raises(ConfigError) as err:
             HycoConfig.from_dict(spec)
         assert needle in str(err.value)
+
+
+def test_a_verifier_no_family_serves_is_refused_before_vllm_builds_the_engine(tmp_path):
+    args = _args(tmp_path, {})
+    (tmp_path / "verifier" / "config.json").write_text(json.dumps({"model_type": "mimo"}))
+    with pytest.raises(ConfigError) as err:
+        expand_engine_args(args, is_cpu=True)
+    assert "'mimo'" in str(err.value) and "gemma4" in str(err.value)

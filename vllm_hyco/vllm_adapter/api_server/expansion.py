@@ -219,6 +219,20 @@ def _config_dict(path: str) -> dict[str, Any]:
     return PretrainedConfig.get_config_dict(path)[0]
 
 
+def check_family(args: Any) -> None:
+    """Refuse, here rather than when the worker starts, a verifier no family of the model seam serves
+    (``vllm_hyco.models``: the message names its ``model_type`` and the families served). A checkpoint whose
+    config cannot be read here is left to vLLM, which reads it next."""
+    model = getattr(args, "model", None)
+    if not model:
+        return
+    try:
+        config = _config_dict(str(model))
+    except (OSError, ValueError):
+        return
+    family_of(config)
+
+
 def mtp_speculative_config(cfg: HycoConfig, verifier: str) -> dict[str, Any]:
     """vLLM's own MTP spec for ordinary requests: the family's method, its drafter checked by model type."""
     family = family_of(_config_dict(verifier))
@@ -242,6 +256,7 @@ def mtp_speculative_config(cfg: HycoConfig, verifier: str) -> dict[str, Any]:
 def expand_engine_args(args: Any, *, is_cpu: bool) -> HycoConfig:
     """Validate ``args.speculative_config`` (a HyCo spec), rewrite ``args`` in place, return the config."""
     cfg = HycoConfig.parse(args.speculative_config)
+    check_family(args)
     check_topology(args)
     check_capture(args, is_cpu=is_cpu)
     scheduler = getattr(args, "scheduler_cls", None)

@@ -14,6 +14,7 @@ from hyco_lab.bench import mixed
 from hyco_lab.bench import server as S
 from hyco_lab.bench.drive import ClosedLoop, Timed
 from hyco_lab.bench.metrics import RequestRecord
+from hyco_lab.bench.report import fixture_family
 from vllm_hyco.errors import ConfigError
 
 
@@ -159,11 +160,11 @@ def test_process_helpers_read_this_process():
 def test_family_records_the_shipped_verifier_sha(tmp_path):
     (tmp_path / "fixtures.json").write_text(json.dumps({"options": {"weights": "trained"},
                                                         "fingerprints": {"verifier": "abc"}}))
-    fam = mixed.family(tmp_path)
+    fam = fixture_family(tmp_path)
     assert fam["weights"] == "trained" and fam["fingerprints"] == {"verifier": "abc"}
     assert len(fam.get("verifier_sha256", "")) == 64
     (tmp_path / "fixtures.json").write_text(json.dumps({"options": {"weights": "random"}}))
-    assert "verifier_sha256" not in mixed.family(tmp_path)
+    assert "verifier_sha256" not in fixture_family(tmp_path)
 
 
 def _window(arm: str, kind: str, tpots: list[float]) -> dict:

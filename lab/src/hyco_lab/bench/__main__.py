@@ -26,7 +26,14 @@ from hyco_lab.bench.drive import Sampling, run_cloud, run_phones
 from hyco_lab.bench.linkproxy import LinkModel
 from hyco_lab.bench.mixed import Mixed
 from hyco_lab.bench.mixed import save as save_mixed
-from hyco_lab.bench.report import build_results, fixture_weights, handoff_values, phone_notes, write_report
+from hyco_lab.bench.report import (
+    build_results,
+    fixture_family,
+    fixture_weights,
+    handoff_values,
+    phone_notes,
+    write_report,
+)
 from hyco_lab.bench.server import BenchServer, budget_counters, counters_delta, spec_counters
 from vllm_hyco.errors import ConfigError, HycoError
 
@@ -390,7 +397,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     env: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                            "machine": args.machine or machine(), "fixtures": str(bench.fx),
-                           "weights": fixture_weights(bench.fx), "link": bench.link.to_dict(),
+                           "weights": fixture_weights(bench.fx), "family": fixture_family(bench.fx),
+                           "link": bench.link.to_dict(),
                            "prompts": len(bench.prompts),
                            "prompt_set": args.prompt_set, "runs": args.runs, "phones": args.phones,
                            "node_budget": args.node_budget or None,

@@ -47,7 +47,7 @@ from hyco_lab.bench import metrics as M
 from hyco_lab.bench import server as S
 from hyco_lab.bench.drive import ClosedLoop, Timed, cloud_caller, phone_caller
 from hyco_lab.bench.metrics import RequestRecord
-from hyco_lab.bench.report import fixture_weights
+from hyco_lab.bench.report import fixture_family
 from hyco_lab.bench.server import BenchServer, counters_delta, spec_counters
 from vllm_hyco.errors import ConfigError
 from vllm_hyco.vllm_adapter.patches.step_timing import delta
@@ -324,7 +324,7 @@ class Mixed:
 
     def results(self, pinning: dict) -> dict:
         return {"arms": [self.arm_summary(a) for a in self.arms], "runs": self.windows, "ratios": self.ratios(),
-                "pinning": pinning, "family": family(self.bench.fx),
+                "pinning": pinning, "family": fixture_family(self.bench.fx),
                 "settings": {"background_clients": self.n, "foreground_requests": len(self.prompts),
                              "runs": self.bench.args.runs, "phones_only": self.phones_only,
                              "phone_requests": self.phone_requests, "link": self.bench.link.to_dict(),
@@ -393,21 +393,6 @@ def _sum_counters(rows: list[dict]) -> dict[str, Any]:
     width = max((len(r["accepted_per_pos"]) for r in rows), default=0)
     per_pos = [sum(r["accepted_per_pos"][i] for r in rows if i < len(r["accepted_per_pos"])) for i in range(width)]
     return {k: sum(r[k] for r in rows) for k in ("drafts", "draft_tokens", "accepted")} | {"accepted_per_pos": per_pos}
-
-
-def family(fx: Path) -> dict[str, Any]:
-    """The fixture family: its weights label, the shipped verifier's sha256 (``MANIFEST.json`` of the trained
-    checkpoints; the bench's fp32 copy is cast from it) and the built models' fingerprints."""
-    from hyco_lab.fixtures.trained import MANIFEST, TRAINED_DIR
-
-    weights, out = fixture_weights(fx), {"fixtures": str(fx)}
-    with contextlib.suppress(OSError, ValueError):
-        out["fingerprints"] = json.loads((fx / "fixtures.json").read_text()).get("fingerprints")
-    if weights == "trained":
-        with contextlib.suppress(OSError, ValueError, KeyError):
-            files = json.loads((TRAINED_DIR / MANIFEST).read_text())["files"]
-            out["verifier_sha256"] = files["verifier/model.safetensors"]["sha256"]
-    return {"weights": weights, **out}
 
 
 # -- the report -----------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ saving against delivery speed, like the paper's Figure 1) and ``mat.png`` (MAT p
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Any
@@ -71,7 +72,9 @@ def markdown(results: dict[str, Any]) -> str:
     env, summary = results["env"], results["summary"]
     lines = [f"# HyCo benchmark ({env.get('date', '')})", "",
              (f"Machine: {env.get('machine', '?')}. Fixtures: {env.get('fixtures', '?')} "
-              f"({env.get('weights', '?')} weights). Link: {env.get('link', {})}. Prompts: "
+              f"({env.get('weights', '?')} weights, verifier sha256 "
+              f"{(env.get('family') or {}).get('verifier_sha256', 'not recorded')}). "
+              f"Link: {env.get('link', {})}. Prompts: "
               f"{env.get('prompts')} x {env.get('runs')} runs, max_tokens {env.get('max_tokens')}, "
               f"temperature {env.get('temperature')}, top-k {env.get('top_k') or 'off'}, top-p "
               f"{env.get('top_p')}. Phone bundle: {_notes(env)}."),
@@ -338,6 +341,21 @@ def fixture_weights(fx: Path) -> str:
         return json.loads((fx / "fixtures.json").read_text()).get("options", {}).get("weights", "?")
     except (OSError, ValueError):
         return "?"
+
+
+def fixture_family(fx: Path) -> dict[str, Any]:
+    """The family a run measured: its weights label, the shipped verifier's sha256 (``MANIFEST.json`` of the
+    trained checkpoints; the bench's fp32 copy is cast from it) and the built models' fingerprints."""
+    from hyco_lab.fixtures.trained import MANIFEST, TRAINED_DIR
+
+    weights, out = fixture_weights(fx), {"fixtures": str(fx)}
+    with contextlib.suppress(OSError, ValueError):
+        out["fingerprints"] = json.loads((fx / "fixtures.json").read_text()).get("fingerprints")
+    if weights == "trained":
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            files = json.loads((TRAINED_DIR / MANIFEST).read_text())["files"]
+            out["verifier_sha256"] = files["verifier/model.safetensors"]["sha256"]
+    return {"weights": weights, **out}
 
 
 def rebuild(out_dir: str | Path, env_updates: dict[str, Any] | None = None) -> dict[str, Path]:

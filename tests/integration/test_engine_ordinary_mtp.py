@@ -255,3 +255,45 @@ def test_mode_switch_refusals_are_typed_and_change_nothing(engines):
     hy._step()
     assert hy._info(s.sid).state in ("parked", "finished")
     hy.close(s.sid)
+
+
+def test_preemption_in_server_mode_loses_nothing(engines):
+    """vLLM preempts a session in server mode (its own ``_preempt_request``, as its scheduler does when blocks
+    run out): the request re-prefills as any request and decodes on; a switch back to phone mode waits until
+    it has a decoded token again (``session_busy``), and the whole answer is still plain greedy's."""
+    import time
+
+    from vllm import SamplingParams
+
+    from vllm_hyco.errors import SessionError
+    from vllm_hyco.vllm_adapter.api_server.inprocess import HycoEngine
+
+    mtp, hyco = engines
+    prompt = _prompt(random.Random(13), 30)
+    want = list(mtp.generate([{"prompt_token_ids": prompt}],
+                             SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+                             use_tqdm=False)[0].outputs[0].token_ids)
+    hy = HycoEngine(hyco)
+    sched = hyco.llm_engine.engine_core.engine_core.scheduler
+    s = hy.open(prompt_token_ids=prompt, temperature=0.0, max_tokens=30, ignore_eos=True)
+    v = hy.submit(s.sid, 0, [s.root, want[0]], [-1, 0])
+    out = list(v.committed)
+    hy.set_mode(s.sid, "server")
+    out += hy.decode_server(s.sid, steps=2).committed
+    request = sched.requests[s.engine_req_id]
+    sched.running.remove(request)
+    sched._preempt_request(request, time.monotonic())
+    with pytest.raises(SessionError) as err:
+        hy.set_mode(s.sid, "phone")
+    assert err.value.code == "session_busy"
+    out += hy.decode_server(s.sid, steps=3).committed  # re-prefilled, then decoding again
+    assert request.num_preemptions == 1
+    info = hy.set_mode(s.sid, "phone")
+    root, rnd = info.root, info.expected_round
+    while True:
+        chain = want[len(out):len(out) + 4]
+        v = hy.submit(s.sid, rnd, [root] + chain, [-1] + list(range(len(chain))))
+        out, root, rnd = out + v.committed, v.bonus, rnd + 1
+        if v.finished:
+            break
+    assert out == want

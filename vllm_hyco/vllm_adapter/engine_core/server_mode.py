@@ -43,8 +43,8 @@ def switch(sched: Any, sid: str, mode: str, round_: int) -> SessionInfo:
                 sched.running.append(request)
             reg.mark_server(s)
         else:
-            if request in sched.running:
-                sched.running.remove(request)
+            _check_parkable(sched, s, request)
+            sched.running.remove(request)
             request.spec_token_ids = []  # the MTP drafts made for a next step that will not run
             s.num_kv_blocks = sum(len(g) for g in sched.kv_cache_manager.get_block_ids(request.request_id))
             reg.end_server_stretch(s)
@@ -66,6 +66,14 @@ def _check_allowed(sched: Any, s: Session, request: Any) -> None:
     if request not in sched.running and len(sched.running) >= sched.max_num_running_reqs:
         raise SessionError(f"all {sched.max_num_running_reqs} batch slots (max_num_seqs) are busy; ask again",
                            code="server_busy")
+
+
+def _check_parkable(sched: Any, s: Session, request: Any) -> None:
+    """Back to phone mode only at a decoded token: not while vLLM re-prefills a preempted request (it is in
+    ``waiting``, or part of its prompt is not computed yet), whose next tree would have no root to hang on."""
+    if request not in sched.running or request.num_computed_tokens != request.num_tokens - 1:
+        raise SessionError(f"session {s.sid!r} is being re-prefilled after a preemption; ask for phone mode "
+                           f"again after its next tokens", code="session_busy")
 
 
 def server_reqs(sched: Any, scheduled: Any) -> frozenset[str]:

@@ -35,6 +35,8 @@ import time
 import traceback
 from pathlib import Path
 
+from hyco_lab.fixtures.report import PER_POS, SPEC_METRICS, spec_counters
+
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
        "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
@@ -42,8 +44,6 @@ LLM_KW = dict(dtype="float32", max_model_len=1024, max_num_seqs=4, enforce_eager
               distributed_executor_backend="uni", seed=0, trust_remote_code=True, disable_log_stats=False)
 MAX_TOKENS = 32
 SAMPLED = dict(temperature=1.0, top_k=64, top_p=0.95)
-SPEC = "vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens"
-PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 
 # step -> (fixture folder, speculative_config or None, extra env)
 STEPS: dict[str, tuple[str, dict | None, dict]] = {
@@ -76,21 +76,8 @@ def build(out: Path) -> dict:
 
 # ---------------------------------------------------------------- child side (one engine per process)
 
-def _counters(llm) -> dict:
-    out: dict = {name: 0 for name in SPEC}
-    out[PER_POS] = []
-    for m in llm.get_metrics():
-        if m.name in SPEC:
-            out[m.name] += m.value
-        elif m.name == PER_POS:
-            vals = list(m.values)
-            acc = out[PER_POS] + [0] * (len(vals) - len(out[PER_POS]))
-            out[PER_POS] = [a + b for a, b in zip(acc, vals + [0] * (len(acc) - len(vals)))]
-    return out
-
-
 def _delta(after: dict, before: dict) -> dict:
-    d = {name.split(":")[1]: after[name] - before[name] for name in SPEC}
+    d = {name.split(":")[1]: after[name] - before[name] for name in SPEC_METRICS}
     pos = [a - (before[PER_POS][i] if i < len(before[PER_POS]) else 0) for i, a in enumerate(after[PER_POS])]
     d["accepted_per_pos"] = pos
     drafts = d["spec_decode_num_drafts"]
@@ -244,10 +231,10 @@ def run_step(name: str, out: Path) -> dict:
                          ("sampled", SamplingParams(**SAMPLED, seed=7, max_tokens=MAX_TOKENS, ignore_eos=True))):
         t0 = time.perf_counter()
         try:
-            before = _counters(llm)
+            before = spec_counters(llm)
             outs = llm.generate(inputs, params, use_tqdm=False)
             result[mode] = {"works": True, "tokens": [list(o.outputs[0].token_ids) for o in outs],
-                            "spec": _delta(_counters(llm), before) if spec is not None else None}
+                            "spec": _delta(spec_counters(llm), before) if spec is not None else None}
         except Exception as exc:  # noqa: BLE001
             result[mode] = {"works": False, "error": _error(exc)}
         result[mode]["wall_s"] = round(time.perf_counter() - t0, 2)

@@ -42,11 +42,6 @@ def _runner(llm):
     return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
 
 
-def _spec_counters(llm) -> dict:
-    return {m.name.rsplit(":", 1)[1]: getattr(m, "values", None) or m.value
-            for m in llm.get_metrics() if "spec_decode" in m.name}
-
-
 def _ordinary_requests():
     """(inputs, params) of the ordinary requests: greedy, seeded sampling with n = 2, a stop string, logprobs,
     a penalty."""
@@ -72,17 +67,19 @@ def _summary(outputs) -> list[tuple]:
 def test_greedy_ordinary_requests_match_vllm_mtp_and_are_speculated(engines):
     from vllm import SamplingParams
 
+    from hyco_lab.fixtures.report import spec_counters
+
     mtp, hyco = engines
     rng = random.Random(1)
     prompts = [{"prompt_token_ids": _prompt(rng, ORDINARY_LEN)} for _ in range(3)]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     ref = mtp.generate(prompts, params, use_tqdm=False)
-    before = _spec_counters(hyco)
+    before = spec_counters(hyco)
     got = hyco.generate(prompts, params, use_tqdm=False)
-    after = _spec_counters(hyco)
+    after = spec_counters(hyco)
     assert _summary(got) == _summary(ref)
-    drafts = after["spec_decode_num_draft_tokens"] - before.get("spec_decode_num_draft_tokens", 0)
-    accepted = after["spec_decode_num_accepted_tokens"] - before.get("spec_decode_num_accepted_tokens", 0)
+    drafts = after["vllm:spec_decode_num_draft_tokens"] - before["vllm:spec_decode_num_draft_tokens"]
+    accepted = after["vllm:spec_decode_num_accepted_tokens"] - before["vllm:spec_decode_num_accepted_tokens"]
     assert drafts > 0 and drafts % K == 0, "ordinary requests were not drafted K deep"
     assert accepted > 0
 

@@ -73,9 +73,9 @@ def vllm_runs(fixtures, rows):
     for spec in (True, False):
         llm = _engine(fixtures, spec)
         try:
-            before = report._spec_counters(llm)
+            before = report.spec_counters(llm)
             gens = llm.generate(prompts, params, use_tqdm=False)
-            after = report._spec_counters(llm)
+            after = report.spec_counters(llm)
         finally:
             _close(llm)
         per_pos = [a - b for a, b in zip(after[report.PER_POS],
@@ -128,9 +128,9 @@ def sampled_run(request, fixtures):
     llm = _engine(fixtures, True, request.param)
     try:
         kernel = report.expand_kernel_status()
-        before = report._spec_counters(llm)
+        before = report.spec_counters(llm)
         gens = llm.generate(prompts, params, use_tqdm=False)
-        after = report._spec_counters(llm)
+        after = report.spec_counters(llm)
     finally:
         _close(llm)
     per_pos = [a - b for a, b in zip(after[report.PER_POS], before[report.PER_POS] + [0] * len(after[report.PER_POS]))]

@@ -229,22 +229,25 @@ class HycoEngine:
         except SessionError as e:  # ended during the round without a verdict
             self._drop(sid, self._finish_code(sid) if e.code == "no_verdict" else e.code)
             raise
-        outs = self._take(self._sessions[sid])
-        text = "".join(o.outputs[0].text for o in outs if o.outputs)
-        finished = any(o.finished for o in outs)
-        if finished:
-            self._drop(sid, "session_finished", abort=False)
+        text, finished, reason = self._drain_outputs(sid, self._take(self._sessions[sid]))
         t = verdict.tree
         path_rows = list(t.path_rows)
         return Verdict(
             sid=sid, round=round_, path_rows=path_rows, path_tokens=[tokens[r] for r in path_rows],
-            bonus=t.bonus, committed=list(verdict.committed), text=text, finished=finished,
-            finish_reason=next((str(o.outputs[0].finish_reason) for o in outs
-                                if o.finished and o.outputs), None),
+            bonus=t.bonus, committed=list(verdict.committed), text=text, finished=finished, finish_reason=reason,
             handoff=t.handoff, node_budget=grant_node_budget(verdict.node_budget, self.node_budget),
             stats={"num_rows": t.num_rows, "accepted": len(path_rows), "hits": t.hits,
                    "root_position": t.root_pos, "wall_s": wall, "host_s": t.host_s,
                    **({"logits": t.logits} if t.logits is not None else {})})
+
+    def _drain_outputs(self, sid: str, outs: list[Any]) -> tuple[str, bool, str | None]:
+        """A session's delta outputs since the last take: their text, whether it finished (then it is dropped
+        here) and why."""
+        finished = any(o.finished for o in outs)
+        if finished:
+            self._drop(sid, "session_finished", abort=False)
+        reason = next((str(o.outputs[0].finish_reason) for o in outs if o.finished and o.outputs), None)
+        return "".join(o.outputs[0].text for o in outs if o.outputs), finished, reason
 
     # -- server mode ------------------------------------------------------------------------------------
     def set_mode(self, sid: str, mode: str) -> SessionInfo:
@@ -266,17 +269,12 @@ class HycoEngine:
             outs += self._take(req_id)
             if outs and outs[-1].finished:
                 break
-        finished = any(o.finished for o in outs)
-        if finished:
-            self._drop(sid, "session_finished", abort=False)
+        text, finished, reason = self._drain_outputs(sid, outs)
         tokens = [t for o in outs if o.outputs for t in o.outputs[0].token_ids]
         info = None if finished else self._info(sid)
         return Verdict(sid=sid, round=-1 if info is None else info.expected_round, path_rows=[], path_tokens=[],
-                       bonus=tokens[-1] if tokens else -1, committed=tokens,
-                       text="".join(o.outputs[0].text for o in outs if o.outputs), finished=finished,
-                       finish_reason=next((str(o.outputs[0].finish_reason) for o in outs if o.finished and o.outputs),
-                                          None),
-                       handoff=None, node_budget=self.node_budget,
+                       bonus=tokens[-1] if tokens else -1, committed=tokens, text=text, finished=finished,
+                       finish_reason=reason, handoff=None, node_budget=self.node_budget,
                        stats={"mode": "server", "steps": steps, "wall_s": time.perf_counter() - start})
 
     def close(self, sid: str) -> bool:

@@ -11,7 +11,7 @@ reserves K lookahead KV slots per request as an MTP server with that K does, not
 
 Trees do not go through the lookup: a session's tree is its spec tokens (``rounds.submit``), scheduled
 whole. The drafts the proposer makes never reach a session (``HycoScheduler.update_draft_token_ids``), and
-vLLM's spec-decode stats count ordinary requests only (:func:`counts_in_vllm_stats`): a tree round is not a
+vLLM's spec-decode stats count ordinary requests only (:func:`drafted_by_vllm`): a tree round is not a
 chain, and HyCo reports its rounds itself (``/metrics`` ``hyco_*``).
 """
 
@@ -53,7 +53,7 @@ def install(scheduler: Any, cfg: HycoConfig | None) -> None:
     scheduler.num_lookahead_tokens = min(scheduler.num_lookahead_tokens, cfg.mtp_depth)
 
 
-def counts_in_vllm_stats(scheduler: Any, req_id: str) -> bool:
+def drafted_by_vllm(scheduler: Any, req_id: str) -> bool:
     """Whether a request's MTP drafts are vLLM's (they reach it, and its spec-decode counters count them): an
     ordinary request's and a session's in server mode are; a session's tree is not."""
     s = scheduler.hyco.sessions.by_req(req_id)

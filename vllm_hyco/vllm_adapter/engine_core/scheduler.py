@@ -131,7 +131,7 @@ class HycoScheduler(Scheduler):
         return (mgr.create_kv_cache_blocks(computed), num_local, 0, *hit[3:])
 
     def update_draft_token_ids(self, draft_token_ids: Any) -> None:
-        keep = [i for i, r in enumerate(draft_token_ids.req_ids) if ordinary_mtp.counts_in_vllm_stats(self, r)]
+        keep = [i for i, r in enumerate(draft_token_ids.req_ids) if ordinary_mtp.drafted_by_vllm(self, r)]
         if len(keep) < len(draft_token_ids.req_ids):
             draft_token_ids.req_ids = [draft_token_ids.req_ids[i] for i in keep]
             draft_token_ids.draft_token_ids = [draft_token_ids.draft_token_ids[i] for i in keep]
@@ -139,7 +139,7 @@ class HycoScheduler(Scheduler):
 
     def make_spec_decoding_stats(self, spec_decoding_stats: Any, num_draft_tokens: int, num_accepted_tokens: int,
                                  num_invalid_spec_tokens: Any, request_id: str) -> Any:
-        if not ordinary_mtp.counts_in_vllm_stats(self, request_id):
+        if not ordinary_mtp.drafted_by_vllm(self, request_id):
             return spec_decoding_stats
         return super().make_spec_decoding_stats(spec_decoding_stats, num_draft_tokens, num_accepted_tokens,
                                                 num_invalid_spec_tokens, request_id)

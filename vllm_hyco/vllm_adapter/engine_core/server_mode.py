@@ -44,9 +44,8 @@ def switch(sched: Any, sid: str, mode: str, round_: int) -> SessionInfo:
             reg.mark_server(s)
         else:
             _check_parkable(sched, s, request)
-            sched.running.remove(request)
             request.spec_token_ids = []  # the MTP drafts made for a next step that will not run
-            s.num_kv_blocks = sum(len(g) for g in sched.kv_cache_manager.get_block_ids(request.request_id))
+            sched._hyco_park(s, request)  # out of `running`, its pinned blocks counted, as after a verdict
             reg.end_server_stretch(s)
     return rounds.info(sched, sid)
 

@@ -224,6 +224,15 @@ ERROR_CODES: dict[str, ErrorCode] = {
     "unsupported_field": _C(True, 400,
                    "a request field HyCo sessions cannot honour (e.g. `min_p`, `logit_bias`)"),
     "server_busy": _C(False, 503, "the server cannot take this round now; resend the same tree"),
+    "wrong_mode": _C(False, 409, "a tree sent while the session is in server mode; switch back with a `mode` "
+                                 "frame first"),
+    "mid_round": _C(False, 409, "a switch asked while a round is in flight; wait for its verdict and ask again"),
+    "server_mode_unavailable": _C(False, 409, "this server does not draft for phones (no MTP `model`, or the "
+                                              "operator forbids server mode): keep drafting on the phone"),
+    "server_mode_full": _C(False, 503, "every server-mode place is taken (`max_server_sessions`): keep drafting "
+                                       "on the phone and ask again later"),
+    "session_busy": _C(False, 409, "the session is re-prefilled after a preemption; ask again after its next "
+                                   "tokens"),
     "internal_error": _C(True, 500, "a server bug; the message says what failed"),
 }
 del _C

@@ -106,11 +106,18 @@ def test_phone_built_client_frames_equal_the_golden_bytes():
             None,
             caps,
             ksh,
-            ResumeRequest(MANIFEST["session_id"], 2, True),
+            ResumeRequest(MANIFEST["session_id"], 2, True, 7),
             phone_spec().fingerprint,
         ),
     )
     assert encode_frame(resume) == read("frame_start_resume.msgpack")
+    from vllm_hyco.handoff.mode_frames import AckFrame, ModeFrame, PingFrame
+
+    # server mode (v3): the phone's own mode, ack and ping frames
+    assert encode_frame(ModeFrame("server", 6, 64)) == read("frame_mode_server.msgpack")
+    assert encode_frame(ModeFrame("phone", 6)) == read("frame_mode_phone.msgpack")
+    assert encode_frame(AckFrame(21)) == read("frame_ack.msgpack")
+    assert encode_frame(PingFrame(0x1234_5678_9ABC)) == read("frame_ping.msgpack")
     assert encode_frame(TreeFrame.from_lists(0, [2], [-1])) == read("frame_tree_root_only.msgpack")
     first = decode_client_frame(read("frame_tree_first.msgpack"))
     assert first.schema == session_schema().schema_hash

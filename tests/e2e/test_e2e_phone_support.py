@@ -39,6 +39,13 @@ MAX_SESSIONS = 40
 HYCO = {"method": "hyco", "max_sessions": MAX_SESSIONS, "session_idle_timeout_s": IDLE_TIMEOUT_S,
         "budget_policy": "static"}
 _SERVER: dict = {}
+MTP_K = 4
+
+
+def hyco_spec(fixtures_dir: Path) -> dict:
+    """The shared server's spec: with the family's MTP drafter, so ordinary requests are speculated and
+    phone sessions may switch to server mode (issue 33)."""
+    return {**HYCO, "model": str(fixtures_dir / "assistant"), "num_speculative_tokens": MTP_K}
 
 
 def http_get(url: str, timeout: float = 10.0, headers: dict | None = None) -> tuple[int, bytes]:
@@ -89,7 +96,7 @@ def phone_server(fixtures_dir: Path) -> str:
     args = [*cli(), "serve", str(fixtures_dir / "verifier"), "--host", "127.0.0.1", "--port", str(port),
             "--served-model-name", MODEL, "--dtype", "float32", "--max-model-len", "1024",
             "--max-num-seqs", "32", "--enforce-eager", "--distributed-executor-backend", "uni",
-            "--api-key", API_KEY, "--speculative-config", json.dumps(HYCO)]
+            "--api-key", API_KEY, "--speculative-config", json.dumps(hyco_spec(fixtures_dir))]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT)
     atexit.register(stop_process, proc)

@@ -91,7 +91,7 @@ def test_session_frames_and_the_schema_confirmation():
 
         s2, frames = await svc.resume(resume(ack.session_id, 1), owner="c2")
         again = decode_server_frame(frames[0])
-        assert s2 is s and again == SessionFrame(ack.session_id, 1, 32, spec) and frames[1:] == out
+        assert s2 is s and again == SessionFrame(ack.session_id, 1, 32, spec, "phone", 2, False) and frames[1:] == out
         with pytest.raises(WireError) as e:  # the resumed connection confirms again
             await svc.tree(s, TreeFrame.from_lists(2, [101], [-1]))
         assert e.value.code == "missing_field"

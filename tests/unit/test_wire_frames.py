@@ -156,7 +156,7 @@ def test_tree_wire_layout():
         (dict(round=KeyError), "missing_field"),
         (dict(session="x"), "unknown_field"),
         (dict(v=1), "unsupported_version"),
-        (dict(v=3), "unsupported_version"),
+        (dict(v=4), "unsupported_version"),
         (dict(values=b"\x00" * 33), "bad_field_value"),
         (dict(values=b"\xff" * 3), "bad_field_value"),
         (dict(values=[255] * 33), "bad_field_type"),
@@ -364,13 +364,15 @@ def test_schema_hash_is_of_the_schema_encoding():
     assert other.schema_hash != SPEC.schema_hash and HandoffSpec.from_wire(other.to_wire()) == other
 
 
-def test_version_1_frames_get_an_unsupported_version_answer_they_can_read():
+def test_older_frames_get_an_unsupported_version_answer_they_can_read():
     from vllm_hyco.handoff.frames import reply_version
 
     v1 = raw(tree32(), v=1)
     msg = err(decode_client_frame, v1, "unsupported_version")
-    assert "version 2" in msg and "upgrade the phone app" in msg
-    assert reply_version(v1) == 1 and reply_version(b"\xc1") == 2 and reply_version(raw(tree32(), v=7)) == 2
+    assert "version 3" in msg and "upgrade the phone app" in msg
+    assert "upgrade the phone app" in err(decode_client_frame, raw(tree32(), v=2), "unsupported_version")
+    assert reply_version(v1) == 1 and reply_version(raw(tree32(), v=2)) == 2
+    assert reply_version(b"\xc1") == 3 and reply_version(raw(tree32(), v=7)) == 3
     answer = encode_frame(ErrorFrame("unsupported_version", msg, True), version=1)
     assert msgpack.unpackb(answer)["v"] == 1
     assert decode_server_frame(answer).code == "unsupported_version"  # error frames decode in every version

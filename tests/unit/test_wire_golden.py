@@ -49,7 +49,7 @@ def test_scales_file_gives_the_manifest_ids():
 
 
 def test_versions_and_the_schema_hash_in_the_manifest():
-    assert MANIFEST["protocol_version"] == PROTOCOL_VERSION == 2 and MANIFEST["handoff_schema"] == 2
+    assert MANIFEST["protocol_version"] == PROTOCOL_VERSION == 3 and MANIFEST["handoff_schema"] == 2
     assert golden_spec().schema_hash.hex() == MANIFEST["schema_hash"]
     session = decode_server_frame((GOLDEN / "frame_session.msgpack").read_bytes())
     assert session.schema == golden_spec() and session.session_id == MANIFEST["session_id"]
@@ -63,7 +63,7 @@ def test_a_version_1_phone_can_read_the_unsupported_version_answer():
     obj = msgpack.unpackb(raw)
     assert list(obj) == ["type", "v", "code", "message", "fatal"] and obj["v"] == 1
     assert obj["code"] == "unsupported_version" and obj["fatal"] is True
-    assert "version 2" in obj["message"] and "upgrade" in obj["message"]
+    assert "version 3" in obj["message"] and "upgrade" in obj["message"]
 
 
 def test_seed_chunks_reassemble_to_the_seed_handoff():

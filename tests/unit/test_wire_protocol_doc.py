@@ -48,7 +48,7 @@ def test_every_frame_type_and_field_is_documented():
         if not kind.endswith("_frame"):
             continue
         obj = msgpack.unpackb(data)
-        assert re.search(rf"^### 4\.\d `{obj['type']}` ", DOC, flags=re.M), name
+        assert re.search(rf"^### 4\.\d+ `{obj['type']}` ", DOC, flags=re.M), name
         for key in obj:
             assert f"| `{key}`" in DOC or key in ("type", "v"), (name, key)
     spec = golden_spec()

@@ -85,9 +85,11 @@ class ResumeRequest:
     session_id: str  # "<routing-key>.<random>", from the session's `session` frame (session_id.py)
     last_round: int  # the last round whose verdict (and hand-off) the phone holds; -1 for none
     need_seed: bool = False  # the phone lost its drafter state: resend a seed hand-off (<= W positions)
+    tokens: int = 0  # completion tokens the phone holds (v3): a server-mode stretch replays what follows
 
     def to_wire(self) -> dict:
-        return {"session_id": self.session_id, "last_round": self.last_round, "need_seed": self.need_seed}
+        return {"session_id": self.session_id, "last_round": self.last_round, "need_seed": self.need_seed,
+                "tokens": self.tokens}
 
     @classmethod
     def from_wire(cls, obj: Any, limits: WireLimits) -> ResumeRequest:
@@ -96,7 +98,8 @@ class ResumeRequest:
         problem = session_id_problem(sid)
         if problem is not None:
             raise _E(f"start.hyco.resume.session_id: {problem}", code="bad_hyco")
-        out = cls(sid, f.int("last_round", -1, limits.max_round), f.get("need_seed", bool))
+        out = cls(sid, f.int("last_round", -1, limits.max_round), f.get("need_seed", bool),
+                  f.int("tokens", 0, 1 << 62))
         f.done()
         return out
 

@@ -4,10 +4,12 @@ Every frame is one binary WebSocket message holding one msgpack map whose first 
 ``"type"`` (str) and ``"v"`` (the protocol version, int), followed by the frame's own fields
 (``client_frames.py``, ``server_frames.py``; docs/protocol.md is the spec)::
 
-    phone -> server:  start, tree
-    server -> phone:  session, verdict, handoff_chunk, error, final
+    phone -> server:  start, tree, mode, ack, ping
+    server -> phone:  session, verdict, handoff_chunk, error, final, mode, tokens, pong
 
-Version 2 (this one) moved the hand-off's self-describing header to the session's start (``session``
+Version 3 (this one) added server mode (``mode_frames.py``: a session's mode, the server's own tokens, the
+credit window, a link probe) and the session's mode and committed count in ``session``, ``resume`` and
+``final``. Version 2 moved the hand-off's self-describing header to the session's start (``session``
 frame) and added the session id's routing key and the tree's optional node values. The ``error`` frame has
 the same fields in every version, so a server answers a phone that speaks another version with an
 ``unsupported_version`` error in *that* version's envelope (:func:`reply_version`), and decoders accept
@@ -30,6 +32,7 @@ from vllm_hyco.errors import FrameError
 from vllm_hyco.handoff._fields import Fields, pack, unpack
 from vllm_hyco.handoff.client_frames import StartFrame, TreeFrame
 from vllm_hyco.handoff.limits import DEFAULT_LIMITS, WireLimits
+from vllm_hyco.handoff.mode_frames import AckFrame, ModeAckFrame, ModeFrame, PingFrame, PongFrame, TokensFrame
 from vllm_hyco.handoff.schema import HandoffSpec
 from vllm_hyco.handoff.server_frames import (
     ErrorFrame,
@@ -39,19 +42,22 @@ from vllm_hyco.handoff.server_frames import (
     VerdictFrame,
 )
 
-PROTOCOL_VERSION = 2
-SUPPORTED_PROTOCOL_VERSIONS = (2,)
-ERROR_FRAME_VERSIONS = (1, 2)  # versions whose `error` frame has this layout (type, v, code, message, ...)
+PROTOCOL_VERSION = 3
+SUPPORTED_PROTOCOL_VERSIONS = (3,)
+ERROR_FRAME_VERSIONS = (1, 2, 3)  # versions whose `error` frame has this layout (type, v, code, message, ...)
 UPGRADE_HINT = (
     "upgrade the phone app (hyco-mobile-client, or an app following docs/protocol.md) to a release that "
-    "speaks HyCo protocol version 2"
+    "speaks HyCo protocol version 3"
 )
 
-ClientFrame = StartFrame | TreeFrame
-ServerFrame = SessionFrame | VerdictFrame | HandoffChunkFrame | ErrorFrame | FinalFrame
-CLIENT_FRAMES = {cls.TYPE: cls for cls in (StartFrame, TreeFrame)}
+ClientFrame = StartFrame | TreeFrame | ModeFrame | AckFrame | PingFrame
+ServerFrame = (SessionFrame | VerdictFrame | HandoffChunkFrame | ErrorFrame | FinalFrame | ModeAckFrame | TokensFrame
+               | PongFrame)
+CLIENT_FRAMES = {cls.TYPE: cls for cls in (StartFrame, TreeFrame, ModeFrame, AckFrame, PingFrame)}
 SERVER_FRAMES = {
-    cls.TYPE: cls for cls in (SessionFrame, VerdictFrame, HandoffChunkFrame, ErrorFrame, FinalFrame)
+    cls.TYPE: cls
+    for cls in (SessionFrame, VerdictFrame, HandoffChunkFrame, ErrorFrame, FinalFrame, ModeAckFrame, TokensFrame,
+                PongFrame)
 }
 
 

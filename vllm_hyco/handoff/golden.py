@@ -29,6 +29,7 @@ from vllm_hyco.handoff.client_frames import (
     TreeFrame,
 )
 from vllm_hyco.handoff.frames import PROTOCOL_VERSION, UPGRADE_HINT, ClientFrame, ServerFrame, encode_frame
+from vllm_hyco.handoff.mode_frames import AckFrame, ModeAckFrame, ModeFrame, PingFrame, PongFrame, TokensFrame
 from vllm_hyco.handoff.quant import HandoffScales, save_scales
 from vllm_hyco.handoff.schema import HANDOFF_SCHEMA_VERSION, HandoffPayload, HandoffSpec, encode_handoff
 from vllm_hyco.handoff.server_frames import ErrorFrame, FinalFrame, SessionFrame, VerdictFrame, openai_chunk
@@ -116,8 +117,14 @@ def golden_files() -> dict[str, tuple[str, bytes]]:
         "start_resume": StartFrame(
             "chat.completions",
             None,
-            HycoOptions("exact", None, caps, KEEP_SET_HASH, ResumeRequest(SESSION_ID, 2, need_seed=True), fp),
+            HycoOptions("exact", None, caps, KEEP_SET_HASH, ResumeRequest(SESSION_ID, 2, need_seed=True, tokens=7),
+                        fp),
         ),
+        # server mode (protocol v3): switch at round 6 with a 64-token credit window; ack; a link probe
+        "mode_server": ModeFrame("server", 6, window=64),
+        "mode_phone": ModeFrame("phone", 6),
+        "ack": AckFrame(21),
+        "ping": PingFrame(0x1234_5678_9ABC),
         "tree_first": _tree_first(spec),
         "tree_32": _tree32(),
         "tree_root_only": TreeFrame.from_lists(0, [2], [-1]),
@@ -142,7 +149,13 @@ def golden_files() -> dict[str, tuple[str, bytes]]:
             f"(supported: [{PROTOCOL_VERSION}]); {UPGRADE_HINT}",
             True,
         ),
-        "final": FinalFrame(SESSION_ID, 9, 8, 5, 1.6, 1234, 56789),
+        "final": FinalFrame(SESSION_ID, 9, 8, 5, 1.6, 1234, 56789, server_tokens=3),
+        "session_server": SessionFrame(SESSION_ID, 6, 0, spec, mode="server", tokens=18, offers_server=True),
+        "mode_ack_server": ModeAckFrame("server", 6, 14, None, 0, 64, exact=True),
+        "tokens": TokensFrame(6, 14, (1201, 1202, 1203), chat_chunk(" abc")),
+        "tokens_final": TokensFrame(6, 30, (2,), chat_chunk("", "stop")),
+        "mode_ack_phone": ModeAckFrame("phone", 7, 31, 1203, 32, 0),
+        "pong": PongFrame(0x1234_5678_9ABC, True, 41.5),
     }
     out = {
         "scales_fixture.npz": ("scales", b""),

@@ -135,6 +135,9 @@ class SessionFrame:
     last_round: int  # the round of the server's last verdict; -1: none (a new session)
     node_budget: int  # draft nodes granted for the next round (0 once finished; wire key "budget")
     schema: HandoffSpec  # the layout of every hand-off of this session
+    mode: str = "phone"  # the session's mode now (protocol v3): "phone" or "server"
+    tokens: int = 0  # completion tokens committed so far (v3)
+    offers_server: bool = False  # the server would take a switch to server mode now (v3)
 
     @property
     def schema_hash(self) -> bytes:
@@ -147,6 +150,9 @@ class SessionFrame:
             "budget": self.node_budget,
             "schema": self.schema.to_wire(),
             "schema_hash": self.schema.schema_hash,
+            "mode": self.mode,
+            "tokens": self.tokens,
+            "offers_server": self.offers_server,
         }
 
     @classmethod
@@ -156,6 +162,8 @@ class SessionFrame:
         node_budget = f.int("budget", 0, limits.max_node_budget)
         schema = HandoffSpec.from_wire(f.get("schema", dict), limits)
         stated = f.bin("schema_hash")
+        mode = f.choice("mode", ("phone", "server"))
+        tokens, offers = f.int("tokens", 0, 1 << 62), f.get("offers_server", bool)
         f.done()
         if stated != schema.schema_hash:
             raise _E(
@@ -163,7 +171,7 @@ class SessionFrame:
                 f"({schema.schema_hash.hex()}: the first {SCHEMA_HASH_BYTES} bytes of sha256 of its encoding)",
                 code="bad_field_value",
             )
-        return cls(sid, last_round, node_budget, schema)
+        return cls(sid, last_round, node_budget, schema, mode, tokens, offers)
 
 
 @dataclass(frozen=True)
@@ -327,6 +335,7 @@ class FinalFrame:
     mat: float  # mean committed tokens per round (accepted path + bonus)
     bytes_up: int  # frame bytes the server received in this session
     bytes_down: int  # frame bytes it sent (this frame excluded)
+    server_tokens: int = 0  # completion tokens committed in server mode (v3); ``mat`` counts phone rounds only
 
     def to_wire(self) -> dict:
         usage = {
@@ -339,6 +348,7 @@ class FinalFrame:
             "mat": float(self.mat),
             "bytes_up": self.bytes_up,
             "bytes_down": self.bytes_down,
+            "server_tokens": self.server_tokens,
         }
         return {"sid": self.session_id, "usage": usage, "stats": stats}
 
@@ -362,7 +372,8 @@ class FinalFrame:
                 f"final.stats.mat = {mat} is outside [0, {limits.max_node_budget + 1}]", code="bad_field_value"
             )
         out = cls(
-            sid, prompt, completion, rounds, mat, s.int("bytes_up", 0, big), s.int("bytes_down", 0, big)
+            sid, prompt, completion, rounds, mat, s.int("bytes_up", 0, big), s.int("bytes_down", 0, big),
+            s.int("server_tokens", 0, completion),
         )
         s.done()
         return out

@@ -19,6 +19,7 @@ from typing import Any
 from vllm_hyco.errors import FrameError, HandoffSchemaError, WireError
 from vllm_hyco.handoff.client_frames import StartFrame
 from vllm_hyco.handoff.frames import PROTOCOL_VERSION, decode_client_frame, encode_frame, reply_version
+from vllm_hyco.handoff.mode_frames import AckFrame, ModeFrame, PingFrame
 from vllm_hyco.handoff.server_frames import ErrorFrame
 from vllm_hyco.serving.service import HycoService
 from vllm_hyco.serving.table import HeldSession
@@ -35,6 +36,7 @@ class PhoneConnection:
         self.ws, self.service = ws, service
         self.session: HeldSession | None = None
         self.metrics = service.metrics
+        self._send_lock = asyncio.Lock()  # the receive loop and a server-mode streamer both send
 
     async def run(self) -> None:
         await self.ws.accept()
@@ -90,9 +92,14 @@ class PhoneConnection:
                                         "message", code="bad_msgpack"))
         return data
 
+    async def send(self, data: bytes) -> None:
+        """Send one frame (a server-mode streamer calls it); raises when the socket is gone."""
+        await self._send(data)
+
     async def _send(self, data: bytes) -> None:
         try:
-            await self.ws.send_bytes(data)
+            async with self._send_lock:
+                await self.ws.send_bytes(data)
         except Exception as e:  # noqa: BLE001 - the phone is gone; its session waits for a resume
             raise _Gone(str(e)) from None
         self.metrics.bytes.labels(direction="down").inc(len(data))
@@ -130,6 +137,8 @@ class PhoneConnection:
         whose verdict reached the socket but that the phone never acknowledged waits only the table's
         ``unconfirmed_grace_s`` for a resume."""
         s = self._detach()
+        if s is not None:
+            self.service.note_owner(s)  # a server-mode stretch parks until the phone is back
         if s is not None and not s.delivered and not s.finished:
             await self.service.drop(s)
 
@@ -147,11 +156,26 @@ class PhoneConnection:
         if isinstance(frame, StartFrame):
             await self._start(frame, len(data))
             return
+        if isinstance(frame, PingFrame):  # a link probe: answered at once, with or without a session
+            await self._send(self.service.pong(frame.nonce))
+            return
         s = self.session
         if s is None or s.owner is not self:
             self.session = None
-            raise WireError("a tree arrived before `start` on this connection (or the session was resumed "
-                            "elsewhere); send start first", code="no_session", fatal=False, round=frame.round)
+            raise WireError(f"a {frame.TYPE} frame arrived before `start` on this connection (or the session was "
+                            f"resumed elsewhere); send start first", code="no_session", fatal=False,
+                            round=getattr(frame, "round", None))
+        if isinstance(frame, AckFrame):
+            self.service.ack(s, frame)
+            return
+        if isinstance(frame, ModeFrame):
+            for out in await self.service.set_mode(s, frame):
+                await self._send(out)
+                s.delivered = True  # the mode frame names the session's state: resumable from here on
+            self.service.start_stream(s)  # after the `mode` frame: the stretch's tokens follow it
+            if s.finished:
+                self._detach()
+            return
         for out in await self.service.tree(s, frame):
             await self._send(out)
             s.delivered = True  # the verdict (the first frame) names the session: resumable from here on
@@ -176,3 +200,5 @@ class PhoneConnection:
         s.delivered = s.delivered or len(frames) > 1  # more than the session frame: a verdict
         if s.finished:
             self._detach()
+        else:
+            self.service.start_stream(s)  # a resumed server-mode stretch streams on

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from vllm_hyco.engine_contract import EngineStats, RoundVerdict, TreeSubmission
+from vllm_hyco.engine_contract import EngineStats, RoundVerdict, SessionInfo, TreeSubmission
 
 
 class EngineSession(Protocol):
@@ -39,6 +39,15 @@ class RoundResult:
     finish_reason: str | None
 
 
+@dataclass(frozen=True)
+class Decoded:
+    """Tokens a session committed in server mode since the last take (stop strings applied)."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+
+
 class EngineClient(Protocol):
     """The engine as the phone route drives it (one per server)."""
 
@@ -49,6 +58,15 @@ class EngineClient(Protocol):
     async def open(self, endpoint: str, request: dict[str, Any], eps: float | None) -> EngineSession: ...
 
     async def round(self, s: EngineSession, tree: TreeSubmission) -> RoundResult: ...
+
+    async def set_mode(self, s: EngineSession, mode: str, round_: int) -> SessionInfo:
+        """Switch ``s`` to ``"server"`` / ``"phone"`` at its engine round ``round_``; the engine's typed refusal
+        (``server_mode_unavailable``, ``server_mode_full``, ``mid_round``, ``session_busy``...) is raised."""
+        ...
+
+    async def decoded(self, s: EngineSession, timeout_s: float) -> Decoded | None:
+        """The next tokens ``s`` committed in server mode (waits up to ``timeout_s``; None: none came)."""
+        ...
 
     async def close(self, s: EngineSession) -> None: ...
 

@@ -22,6 +22,12 @@ The metrics, each as ``name`` (type): labels:
 * ``vllm_hyco_step_cost_seconds`` (gauge): ``term``: fixed, per_row, per_row_kctx, per_tree, per_branching,
   per_plain, per_head, rmse: the step-cost model's fit
 * ``vllm_hyco_step_cost_steps`` (gauge): steps the cost model was fitted on
+* ``vllm_hyco_mode_tokens_total`` (counter): ``mode``: phone, server: committed tokens by the mode that drafted
+  them (the mode shares; no per-session label, a session's own share is in its engine info)
+* ``vllm_hyco_mode_switches_total`` (counter): ``to``: phone, server; ``vllm_hyco_mode_refusals_total``
+  (counter): ``code`` (server_mode_unavailable, server_mode_full, server_busy, ...)
+* ``vllm_hyco_server_mode_sessions`` (gauge): sessions in server mode now; ``vllm_hyco_server_mode_paused_total``
+  (counter): stretches paused because the phone's credit window ran out (or its socket went)
 """
 
 from __future__ import annotations
@@ -49,6 +55,11 @@ class HycoMetrics:
     verified: Any = None
     cost: Any = None
     cost_steps: Any = None
+    mode_tokens: Any = None
+    switches: Any = None
+    mode_refusals: Any = None
+    server_sessions: Any = None
+    paused: Any = None
 
     def node_budget(self, info: BudgetInfo | None, granted: int) -> None:
         """One verdict's budget: the nodes granted, the nodes verified, the cost model's current fit."""
@@ -97,5 +108,10 @@ def get() -> HycoMetrics:
             cost=Gauge(p + "step_cost_seconds", "Engine step-cost model: fixed, per row, per row x 1000 "
                        "context tokens, per request, and its RMSE", ["term"]),
             cost_steps=Gauge(p + "step_cost_steps", "Engine steps the step-cost model was fitted on"),
+            mode_tokens=Counter(p + "mode_tokens", "Committed tokens of phone sessions by mode", ["mode"]),
+            switches=Counter(p + "mode_switches", "Session mode switches done", ["to"]),
+            mode_refusals=Counter(p + "mode_refusals", "Session mode switches refused", ["code"]),
+            server_sessions=Gauge(p + "server_mode_sessions", "Phone sessions in server mode now"),
+            paused=Counter(p + "server_mode_paused", "Server-mode stretches paused for want of credit"),
         )
     return _METRICS

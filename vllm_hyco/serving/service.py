@@ -51,16 +51,19 @@ from vllm_hyco.handoff.tree_contract import DEFAULT_NODE_BUDGET, grant_node_budg
 from vllm_hyco.serving import metrics as _metrics
 from vllm_hyco.serving.engine_port import EngineClient, RoundResult
 from vllm_hyco.serving.handoffs import KvRing
+from vllm_hyco.serving.server_mode import ServerModeMixin
 from vllm_hyco.serving.table import HeldSession, SessionTable
 
 logger = logging.getLogger("vllm.hyco")
 
 
-class HycoService:
+class HycoService(ServerModeMixin):
     def __init__(self, bridge: EngineClient, model: ServerModel, *, node_budget: int = DEFAULT_NODE_BUDGET,
                  server_eps: float | None = None, max_sessions: int = 16, idle_timeout_s: float = 60.0,
-                 limits: WireLimits = DEFAULT_LIMITS, route_key: str = DEFAULT_ROUTE_KEY):
+                 limits: WireLimits = DEFAULT_LIMITS, route_key: str = DEFAULT_ROUTE_KEY, server_places: int = 0):
         self.bridge, self.model, self.limits = bridge, model, limits
+        self.server_places = server_places  # sessions that may be in server mode at once (0: not offered)
+        self.server_tps = 0.0  # tokens per second of recent server-mode stretches (the `pong` advertises it)
         self.route_key = check_route_key(route_key)  # the session ids' prefix (docs/protocol.md section 3)
         self.node_budget, self.server_eps = node_budget, server_eps
         self.table = SessionTable(max_sessions, idle_timeout_s)
@@ -100,6 +103,10 @@ class HycoService:
         self.metrics.parked.set(self.table.active())
 
     async def release(self, s: HeldSession) -> None:
+        if s.streamer is not None and not s.streamer.done() and s.streamer is not asyncio.current_task():
+            s.streamer.cancel()
+        if s.mode == "server" and not s.finished:
+            self.metrics.server_sessions.dec()
         if not s.closed:
             s.closed = True
             await self.bridge.close(s.engine)
@@ -125,7 +132,10 @@ class HycoService:
     def session_frame(self, s: HeldSession) -> bytes:
         """The start acknowledgement; the next tree must confirm its schema hash."""
         s.confirmed = False
-        ack = SessionFrame(s.sid, s.last_round, 0 if s.finished else s.node_budget, self.model.spec)
+        budget = 0 if s.finished or s.mode == "server" else s.node_budget
+        busy = sum(1 for x in self.table.sessions() if x.mode == "server" and not x.finished)
+        ack = SessionFrame(s.sid, s.last_round, budget, self.model.spec, s.mode, s.completion_tokens,
+                           busy < self.server_places)
         return encode_frame(ack)
 
     async def open(self, frame: StartFrame, owner: Any) -> tuple[HeldSession, list[bytes]]:
@@ -174,6 +184,9 @@ class HycoService:
     def check_tree(self, s: HeldSession, t: TreeFrame) -> None:
         if s.finished:
             raise self._reject("the session is finished; send a new start", "bad_round", t.round)
+        if s.mode == "server":
+            raise self._reject(f"the session is in server mode (round {s.expected_round}): the server drafts; send "
+                               f"`mode` phone to draft again", "wrong_mode", t.round)
         want = self.model.spec.schema_hash
         if t.schema is not None and t.schema != want:
             raise WireError(f"tree.schema {t.schema.hex()} is not this session's schema_hash {want.hex()} (the "
@@ -216,7 +229,7 @@ class HycoService:
                 raise
             s.touch()
             tree = TreeSubmission(
-                s.engine.sid, t.round, tuple(t.tokens), tuple(t.parents), labels=t.labels,
+                s.engine.sid, s.engine_round, tuple(t.tokens), tuple(t.parents), labels=t.labels,
                 values=None if t.values is None else tuple(int(x) / 255.0 for x in t.values),  # phone values (v2)
                 draft_q=None if t.draft_q is None else {r: (i, w) for r, i, w in t.draft_q.records()})
             try:
@@ -270,9 +283,12 @@ class HycoService:
         frames = [encode_frame(v), *(encode_frame(c) for c in chunks)]
         s.last_verdict, s.last_frames, s.last_round = v, list(frames), t.round  # a copy: `final` is apart
         s.expected_round = t.round + 1
+        s.engine_round += 1
+        s.seed_next = False
         s.rounds += 1
         s.completion_tokens += len(committed)
         m.rounds.inc()
+        m.mode_tokens.labels(mode="phone").inc(len(committed))
         m.accepted_path(path[: min(len(path), len(committed))], t.labels)
         if len(committed) > len(path):
             m.bonus.inc()
@@ -281,7 +297,8 @@ class HycoService:
             s.ring.rows = None  # no seed replays after the end
             down = s.bytes_down + sum(map(len, frames))  # the connection counts them when it sends them
             final = FinalFrame(s.sid, len(s.engine.prompt_ids), s.completion_tokens, s.rounds,
-                               s.completion_tokens / max(s.rounds, 1), s.bytes_up, down)
+                               (s.completion_tokens - s.server_tokens) / max(s.rounds, 1), s.bytes_up, down,
+                               s.server_tokens)
             s.final_frame = encode_frame(final)
             frames.append(s.final_frame)
             m.sessions.labels(outcome="finished").inc()
@@ -293,7 +310,7 @@ class HycoService:
         model = self.model
         e_q, h_q = model.quantize_eh(h)
         root_position = h.position + 1
-        if round_ == 0 and h.seed is not None:
+        if (round_ == 0 or s.seed_next) and h.seed is not None:  # round 0, or the first after a stretch
             rows = model.quantize_rows(h.seed.kv)
             s.ring.extend(h.seed.start, rows)
             return model.payload(h.seed.start, root_position, bonus, e_q, h_q, rows)
@@ -311,20 +328,26 @@ class HycoService:
             raise WireError(f"the server holds no session {rq.session_id} (expired or never existed); "
                             f"start over", code="unknown_session")
         async with s.lock:  # a round still in flight on the old connection completes first
-            if rq.last_round not in (s.last_round, s.last_round - 1):
+            if rq.last_round not in (s.last_round, s.last_round - 1) or rq.tokens > s.completion_tokens:
                 raise WireError(f"resume.last_round {rq.last_round} is impossible: the session's last verdict "
-                                f"is round {s.last_round} (send it or the one before)", code="bad_round",
-                                fatal=True)
+                                f"is round {s.last_round} (send it or the one before) and {s.completion_tokens} "
+                                f"tokens are committed", code="bad_round", fatal=True)
             s.owner, s.caps = owner, frame.hyco.capabilities
             s.acknowledged = True  # the phone names the session: it has its id
             s.resumes += 1
             s.touch()
             self.metrics.sessions.labels(outcome="resumed").inc()
             ack = self.session_frame(s)
-            if s.last_verdict is None:
+            self.note_owner(s)
+            if s.mode == "server":  # the stretch's `mode` frame, the `tokens` frames it lacks, then more
+                frames = [ack, *self.replay_stream(s, rq.tokens)]
+                if s.finished and s.final_frame is not None:
+                    frames.append(s.final_frame)
+                return s, frames
+            if not s.last_frames:
                 return s, [ack]
             frames = [ack, *s.last_frames]
-            if rq.need_seed and not s.finished:
+            if rq.need_seed and not s.finished and not s.seed_next:
                 frames = [ack, *self._seed_replay(s)]
             if s.finished and s.final_frame is not None:
                 frames.append(s.final_frame)

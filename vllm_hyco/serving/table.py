@@ -63,6 +63,25 @@ class HeldSession:
     bytes_up: int = 0
     bytes_down: int = 0
     resumes: int = 0
+    # server mode (serving/server_mode.py): the engine's own round count runs ahead of the wire's by one per
+    # pause of a stretch, so trees name ``engine_round`` to the engine
+    mode: str = "phone"
+    engine_round: int = 0
+    seed_next: bool = False  # the next verdict's hand-off is a seed (the first tree after a stretch)
+    mode_frame: bytes | None = None  # the last `mode` frame sent (replayed on resume)
+    window: int = 0  # the stretch's credit window, in tokens
+    acked: int = 0  # completion tokens the phone acknowledged
+    stream: list[tuple[int, bytes]] = field(default_factory=list)  # unacknowledged `tokens` frames (end, bytes)
+    streamer: Any = None  # the stretch's asyncio task
+    paused: bool = False  # the request is parked in the engine (credit used up, phone gone, or switching back)
+    credit: asyncio.Event = field(default_factory=asyncio.Event)
+    stop_waiter: Any = None  # a switch back waiting for the streamer to drain
+    stop_target: int | None = None  # completion tokens committed before the park
+    engine_committed: int = 0  # completion tokens the engine had committed at its last park
+    engine_finished: bool = False  # the request finished in the engine; the frontend's last outputs are due
+    server_tokens: int = 0
+    stretch_t0: float = 0.0
+    stretch_tokens: int = 0
 
     @property
     def kind(self) -> str:

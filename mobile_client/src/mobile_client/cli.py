@@ -34,6 +34,7 @@ from pathlib import Path
 
 from mobile_client.bundle import MTP_WINDOW, load_bundle
 from mobile_client.client import HycoClient, Timeouts
+from mobile_client.mode_rule import DEFAULT_FLOOR_TPS, ModeRule, ModeRuleConfig, PhoneOnly, ServerOnly
 from mobile_client.session import DRAFT_SAMPLING, PhoneSession, SessionOptions, fmt_round
 from vllm_hyco.errors import ConfigError, HycoError
 from vllm_hyco.handoff.tree_contract import DEFAULT_NODE_BUDGET
@@ -102,6 +103,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--failovers", type=int, default=2,
                     help="times a session may be reopened on another replica when the server lost it "
                          "(prompt + committed tokens; 0: never)")
+    ap.add_argument("--drafting", choices=("phone", "server", "auto"), default="phone",
+                    help="who drafts: the phone (HyCo), the server's own MTP head (server mode: no round trip per "
+                         "round), or auto: the rule of docs/phone-loop.md (phone while it keeps --floor-tps)")
+    ap.add_argument("--floor-tps", type=float, default=DEFAULT_FLOOR_TPS,
+                    help="auto: the tokens per second phone drafting must keep (default: a reading speed)")
+    ap.add_argument("--power-low", action="store_true", help="auto: the phone is hot or low on battery")
     ap.add_argument("--json-out", type=Path,
                     help="write the summary, the committed token ids and the round statistics as JSON")
     ap.add_argument("--quiet", action="store_true", help="no per-round lines")
@@ -133,13 +140,17 @@ async def _main(args) -> int:
 
     session = PhoneSession(bundle.drafter, prompt_tokens=ids, request=request, endpoint=endpoint,
                            spec=bundle.spec, options=opts, on_text=on_text)
+    policy = {"phone": PhoneOnly, "server": ServerOnly}.get(args.drafting)
+    policy = policy() if policy is not None else ModeRule(ModeRuleConfig(floor_tps=args.floor_tps),
+                                                           power_ok=lambda: not args.power_low)
     client = HycoClient(args.server, args.api_key, timeouts=Timeouts(frame_s=args.timeout),
-                        max_retries=args.retries, max_failovers=args.failovers)
+                        max_retries=args.retries, max_failovers=args.failovers, mode_policy=policy)
     on_round = None if args.quiet else (lambda s: print(f"\n{fmt_round(s)}", file=sys.stderr))
     result = await client.run(session, on_round=on_round)
     summary = result.summary()
     if result.final is not None:
         summary["server"] = {"rounds": result.final.rounds, "mat": result.final.mat,
+                             "server_tokens": result.final.server_tokens,
                              "bytes_up": result.final.bytes_up, "bytes_down": result.final.bytes_down}
     print(f"\nhyco-phone: {json.dumps(summary)}", file=sys.stderr)
     if args.json_out:

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from mobile_client.mode_rule import PhoneOnly
 from mobile_client.session import PhoneSession, RoundStats, SessionResult
 from vllm_hyco.errors import (
     ConnectionLostError,
@@ -50,6 +51,7 @@ from vllm_hyco.errors import (
 from vllm_hyco.handoff.chunks import HandoffAssembler
 from vllm_hyco.handoff.frames import decode_server_frame, encode_frame
 from vllm_hyco.handoff.limits import DEFAULT_LIMITS, WireLimits
+from vllm_hyco.handoff.mode_frames import ModeAckFrame, PingFrame, PongFrame, TokensFrame
 from vllm_hyco.handoff.server_frames import ErrorFrame, FinalFrame, HandoffChunkFrame, SessionFrame, VerdictFrame
 from vllm_hyco.handoff.session_id import ROUTE_QUERY_PARAM, route_key
 
@@ -57,6 +59,9 @@ SESSION_PATH = "/v1/hyco/session"
 #: phone-side decode errors that a seed hand-off repairs (docs/protocol.md section 7, "phone" codes)
 RESEED_CODES = frozenset({"chunk_missing", "chunk_duplicate", "chunk_out_of_order", "chunk_corrupt",
                           "bad_handoff"})
+#: a switch the server refused for now: stay in the mode and let the policy ask again later
+MODE_REFUSALS = frozenset({"server_mode_unavailable", "server_mode_full", "server_busy", "session_busy",
+                           "mid_round"})
 #: handshake answers of a proxy whose upstream (the session's replica) is gone
 GATEWAY_STATUSES = frozenset({502, 503, 504})
 
@@ -106,13 +111,19 @@ class HycoClient:
                  limits: WireLimits = DEFAULT_LIMITS, max_retries: int = 8, retry_delay_s: float = 0.05,
                  max_retry_delay_s: float = 2.0, busy_retries: int = 50, offload: bool = True,
                  http: aiohttp.ClientSession | None = None, sim_draft_ms: float = 0.0,
-                 sim_rtt_ms: float = 0.0, max_failovers: int = 2, failover_after: int = 2):
+                 sim_rtt_ms: float = 0.0, max_failovers: int = 2, failover_after: int = 2,
+                 mode_policy=None, window: int = 64):
         self.url, self.api_key, self.timeouts, self.limits = ws_url(server), api_key, timeouts, limits
         self.max_retries, self.retry_delay_s = max_retries, retry_delay_s
         self.max_retry_delay_s = max_retry_delay_s
         self.busy_retries, self.offload, self._http = busy_retries, offload, http
         self.sim_draft_ms, self.sim_rtt_ms = sim_draft_ms, sim_rtt_ms
         self.max_failovers, self.failover_after = max_failovers, failover_after
+        # which mode each round runs in (mobile_client.mode_rule): PhoneOnly (default), ServerOnly, ModeRule
+        self.policy = mode_policy if mode_policy is not None else PhoneOnly()
+        self.window = window  # server mode's credit window (tokens), unless the policy states one
+        self._nonce = 0
+        self._pings: dict[int, float] = {}
 
     async def run(self, session: PhoneSession, on_round: Callable[[RoundStats], None] | None = None
                   ) -> SessionResult:
@@ -191,9 +202,20 @@ class HycoClient:
         try:
             await self._send(ws, encode_frame(session.start_frame()))
             ack = await self._take_session(ws, session)
-            if resuming and ack.last_round >= 0:  # the server replays its last verdict first
+            if resuming and ack.last_round >= 0 and ack.mode == "phone":  # the server replays its last verdict
                 await self._take_verdict(ws, session, time.perf_counter(), on_round)
+            if resuming and ack.mode == "server":  # the stretch's mode frame and the tokens this phone lacks
+                session.mode = "server"
+            elif not resuming and session.round == 0 and self.policy.probe_s < float("inf"):
+                await self._probe(ws, session)  # the link's round trip, before the first tree
             while not session.finished:
+                if session.mode == "server":
+                    await self._stretch(ws, session, on_round)
+                    continue
+                if not session.tree_in_flight and self.policy.decide("phone", time.perf_counter(),
+                                                                     self._remaining(session)) == "server":
+                    await self._switch(ws, session, "server")
+                    continue
                 t_draft, fresh = time.perf_counter(), not session.tree_in_flight
                 frame = await self._call(session.next_tree)
                 if fresh:
@@ -211,6 +233,101 @@ class HycoClient:
             session.final = await self._take_final(ws, session)
         finally:
             await self._close(ws)
+
+    # -- server mode ---------------------------------------------------------------------------------------
+    @staticmethod
+    def _remaining(session: PhoneSession) -> int | None:
+        limit = session.request.get("max_tokens") or session.request.get("max_completion_tokens")
+        return None if not isinstance(limit, int) else max(0, limit - len(session.tokens))
+
+    async def _ping(self, ws) -> None:
+        self._nonce += 1
+        self._pings[self._nonce] = time.perf_counter()
+        await self._send(ws, encode_frame(PingFrame(self._nonce)))
+
+    def _pong(self, frame: PongFrame) -> None:
+        sent = self._pings.pop(frame.nonce, None)
+        observe = getattr(self.policy, "observe_rtt", None)
+        if sent is not None and observe is not None:
+            observe(time.perf_counter() - sent, time.perf_counter())
+        offer = getattr(self.policy, "observe_offer", None)
+        if offer is not None:
+            offer(frame.offers_server, frame.server_tps)
+
+    async def _probe(self, ws, session: PhoneSession) -> None:
+        await self._ping(ws)
+        frame, _ = await self._recv(ws, session)
+        if isinstance(frame, PongFrame):
+            self._pong(frame)
+        elif isinstance(frame, ErrorFrame):
+            raise HycoServerError(f"server error {frame.code}: {frame.message}", code=frame.code,
+                                  fatal=frame.fatal, round=frame.round)
+
+    async def _switch(self, ws, session: PhoneSession, mode: str) -> None:
+        """Ask for server mode at the round boundary; a refusal leaves the session in phone mode."""
+        window = getattr(getattr(self.policy, "cfg", None), "window", self.window)
+        await self._send(ws, encode_frame(session.mode_frame(mode, window)))
+        while True:
+            frame, _ = await self._recv(ws, session)
+            if isinstance(frame, PongFrame):
+                self._pong(frame)
+                continue
+            if isinstance(frame, ErrorFrame):
+                if not frame.fatal and frame.code in MODE_REFUSALS:
+                    refused = getattr(self.policy, "refused", None)
+                    if refused is not None:
+                        refused(time.perf_counter())
+                    return
+                raise HycoServerError(f"server error {frame.code}: {frame.message}", code=frame.code,
+                                      fatal=frame.fatal, round=frame.round)
+            if not isinstance(frame, ModeAckFrame):
+                raise FrameError(f"expected the mode frame, got a {frame.TYPE} frame", code="unknown_type")
+            session.apply_mode(frame)
+            return
+
+    async def _stretch(self, ws, session: PhoneSession, on_round) -> None:
+        """A server-mode stretch: take the tokens frames (acknowledging each), probe the link, and ask for
+        phone mode when the policy says so; returns when the session is back in phone mode or finished."""
+        switching, last_ping, t_prev = False, time.perf_counter(), time.perf_counter()
+        observe = getattr(self.policy, "observe_tokens", None)
+        while session.mode == "server" and not session.finished:
+            now = time.perf_counter()
+            if now - last_ping >= self.policy.probe_s and not switching:
+                await self._ping(ws)
+                last_ping = now
+            wait = min(self.timeouts.frame_s, max(0.01, last_ping + self.policy.probe_s - now))
+            try:
+                frame, n = await self._recv(ws, session, wait)
+            except _Dropped as e:
+                if not e.timeout or wait >= self.timeouts.frame_s:
+                    raise
+                continue
+            if isinstance(frame, PongFrame):
+                self._pong(frame)
+            elif isinstance(frame, ErrorFrame):
+                if not frame.fatal and frame.code in MODE_REFUSALS:  # the switch back must wait (session_busy)
+                    switching = False
+                    continue
+                raise HycoServerError(f"server error {frame.code}: {frame.message}", code=frame.code,
+                                      fatal=frame.fatal, round=frame.round)
+            elif isinstance(frame, ModeAckFrame):
+                session.apply_mode(frame)
+            elif isinstance(frame, TokensFrame):
+                stats = session.apply_tokens(frame, wait_ms=(now - t_prev) * 1e3, bytes_down=n)
+                t_prev = time.perf_counter()
+                if stats is not None:
+                    if observe is not None:
+                        observe(stats.committed, t_prev)
+                    if on_round is not None:
+                        on_round(stats)
+                if not session.finished:
+                    await self._send(ws, encode_frame(session.ack_frame()))
+            else:
+                raise FrameError(f"a {frame.TYPE} frame arrived in server mode", code="bad_verdict")
+            if not switching and not session.finished and session.mode == "server" and self.policy.decide(
+                    "server", time.perf_counter(), self._remaining(session)) == "phone":
+                await self._send(ws, encode_frame(session.mode_frame("phone")))
+                switching = True
 
     async def _connect(self, http, session: PhoneSession, resuming: bool = False):
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -300,6 +417,12 @@ class HycoClient:
                         continue
                     raise HycoServerError(f"server error {frame.code}: {frame.message}", code=frame.code,
                                           fatal=frame.fatal, round=frame.round)
+                if isinstance(frame, PongFrame):
+                    self._pong(frame)
+                    continue
+                if isinstance(frame, ModeAckFrame):  # a resume's replay of a switch back to phone mode
+                    session.apply_mode(frame)
+                    return
                 if not isinstance(frame, VerdictFrame):
                     raise FrameError(f"expected a verdict, got a {frame.TYPE} frame", code="bad_verdict")
                 session.resumable = True  # from here on a drop (even mid-chunks) resumes, last_round -1
@@ -319,6 +442,9 @@ class HycoClient:
                 raise _Dropped(f"hand-off lost ({e.code}: {e}); resuming with need_seed") from None
             if stats is None:  # a replay of a round already held
                 return
+            observe = getattr(self.policy, "observe_round", None)
+            if observe is not None:
+                observe(stats.committed, stats.draft_ms / 1e3, stats.wait_ms / 1e3, time.perf_counter())
             if on_round is not None:
                 on_round(stats)
             return

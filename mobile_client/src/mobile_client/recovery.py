@@ -82,6 +82,7 @@ class SessionRecovery:
             body["min_tokens"] = max(0, int(self.request["min_tokens"]) - done)
         self.request, self.endpoint, self._reopened_at = body, "completions", len(self.tokens)
         self.resumable, self.held_round, self.round, self.need_seed = False, -1, 0, False
+        self.mode = "phone"  # a new session starts in phone mode
         self.sid = self.schema = self.schema_hash = None  # the new session's `session` frame brings them
         self.failovers += 1
         p = self._pending

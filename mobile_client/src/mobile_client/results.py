@@ -24,6 +24,7 @@ class RoundStats:
     resumes: int = 0  # reconnections while this round was in flight
     proactive_hit: bool | None = None  # None: proactive drafting off
     proactive_ms: float = 0.0  # spent preparing the proactive tree (overlapped with the wait)
+    mode: str = "phone"  # "server": tokens the server drafted itself (one `tokens` frame; nodes 0)
 
 
 @dataclass
@@ -53,7 +54,10 @@ class SessionResult:
 def fmt_round(s: RoundStats) -> str:
     """One line per round for consoles and logs."""
     hit = "" if s.proactive_hit is None else f" pd={'hit' if s.proactive_hit else 'miss'}"
-    return (f"round {s.round:3d}: nodes {s.nodes:2d} accepted {s.accepted:2d} +{s.committed} tok | draft "
+    if s.mode == "server":
+        return (f"round {s.round:3d}: server | +{s.committed} tok | wait {s.wait_ms:7.2f} ms | down "
+                f"{s.bytes_down:7d} B{' resumed' * (s.resumes > 0)}")
+    return (f"round {s.round:3d}: phone | nodes {s.nodes:2d} accepted {s.accepted:2d} +{s.committed} tok | draft "
             f"{s.draft_ms:7.2f} ms wait {s.wait_ms:7.2f} ms | up {s.bytes_up:4d} B down {s.bytes_down:7d} B"
             f"{hit}{' resumed' * (s.resumes > 0)}")
 

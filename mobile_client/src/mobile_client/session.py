@@ -65,6 +65,7 @@ from mobile_client.drafters.sampling import GREEDY_BELOW, DraftSampling, session
 from mobile_client.phone_drafter import HycoPhoneDrafter, takes_keyword
 from mobile_client.recovery import PendingTree, SessionRecovery
 from mobile_client.results import RoundStats, SessionResult, fmt_round
+from mobile_client.server_mode import ServerModeSession
 from mobile_client.tree import DraftTree, trim, value_order
 from vllm_hyco.errors import ConfigError, FrameError, HandoffSchemaError, SessionError
 from vllm_hyco.handoff.client_frames import (
@@ -136,7 +137,7 @@ def _bad_verdict(msg: str) -> FrameError:
     return FrameError(msg, code="bad_verdict")
 
 
-class PhoneSession(SessionRecovery):
+class PhoneSession(SessionRecovery, ServerModeSession):
     """Per-session state: committed tokens, the root and its position, the hand-off state, the tree in flight.
 
     ``prompt_tokens`` are the prompt's ids as the server tokenizes them (chat template applied): the phone
@@ -181,6 +182,8 @@ class PhoneSession(SessionRecovery):
         self._prefill_context = self.prompt_tokens[:-1]  # committed tokens before the first root
         self._prepared = None  # the ProactiveDraft prepared during the last wait
         self._last_bet_key: tuple = ((), -1)  # (accepted path tokens, bonus) of the last verdict
+        self.mode = "phone"  # "server" during a server-mode stretch (protocol v3, mobile_client.server_mode)
+        self.window = 0  # the stretch's credit window granted by the server
         # conditional acceptance by (depth, source) from the verdicts: the rows' order. A phone passes one
         # model to all its sessions (same drafter, same server model); None: this session's alone
         self.acceptance = acceptance if acceptance is not None else AcceptanceModel(engine_half_life=SESSION_HALF_LIFE)
@@ -207,7 +210,7 @@ class PhoneSession(SessionRecovery):
         if not self.resumable:  # before verdict 0 the server frees the session when the socket drops
             self.sid = self.schema = self.schema_hash = None
             return StartFrame(self.endpoint, self.request, self._hyco(None))
-        resume = ResumeRequest(self.sid, self.held_round, self.need_seed)
+        resume = ResumeRequest(self.sid, self.held_round, self.need_seed, len(self.tokens))
         return StartFrame(self.endpoint, None, self._hyco(resume))
 
     def apply_session(self, ack: SessionFrame) -> None:
@@ -240,6 +243,9 @@ class PhoneSession(SessionRecovery):
         """The tree of round ``self.round``: the one in flight again (after a reconnect), else a new one."""
         if self.finished:
             raise SessionError("the session is finished; no more trees", code="session_finished")
+        if self.mode == "server":
+            raise SessionError("the session is in server mode: the server drafts; switch back first",
+                               code="wrong_mode")
         if self._pending is not None:
             return self._outgoing(self._pending)
         if self.node_budget is None:

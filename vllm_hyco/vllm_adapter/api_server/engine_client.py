@@ -39,7 +39,7 @@ from typing import Any
 
 from vllm_hyco.engine_contract import EngineStats, RoundVerdict, SessionInfo, TreeSubmission, decode_result
 from vllm_hyco.errors import EngineError, FrameError, HycoError, RequestFieldError, SessionError
-from vllm_hyco.serving.engine_port import RoundResult
+from vllm_hyco.serving.engine_port import Decoded, RoundResult
 
 #: the sampling fields a HyCo session honours (every other generation field changes the tree decision)
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed", "max_tokens", "stop", "ignore_eos", "min_tokens")
@@ -313,6 +313,38 @@ class EngineBridge:
             if out.finished:
                 s.finished = True
                 return ids, text, reason or "stop"
+
+    # -- server mode ---------------------------------------------------------------------------------
+    async def set_mode(self, s: EngineSession, mode: str, round_: int) -> SessionInfo:
+        info: SessionInfo = await self.call("hyco_set_mode", s.sid, mode, round_)
+        return info
+
+    async def decoded(self, s: EngineSession, timeout_s: float) -> Decoded | None:
+        """The outputs that reached the session's queue: waits for the first up to ``timeout_s``, then takes
+        what else is there."""
+        ids: list[int] = []
+        text, reason = "", None
+        try:
+            out = await asyncio.wait_for(s.queue.get(), timeout_s)
+        except asyncio.TimeoutError:
+            return None
+        while True:
+            if out is None or isinstance(out, Exception):
+                s.finished = True
+                if ids or out is None:
+                    return Decoded(ids, text, reason or "abort")
+                raise SessionError(f"the engine ended the session ({out!r})", code="session_finished")
+            if out.outputs:
+                c = out.outputs[0]
+                ids += list(c.token_ids)
+                text += c.text
+            if out.finished:
+                s.finished = True
+                return Decoded(ids, text, str((out.outputs[0].finish_reason if out.outputs else None) or "stop"))
+            try:
+                out = s.queue.get_nowait()
+            except asyncio.QueueEmpty:
+                return Decoded(ids, text, None)
 
     async def close(self, s: EngineSession) -> None:
         try:

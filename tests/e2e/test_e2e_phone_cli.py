@@ -24,7 +24,7 @@ from test_e2e_phone_support import API_KEY, MODEL, phone_server
 MAX_TOKENS = 40
 PROMPTS = ["In the beginning God created", "Thou shalt not"]
 CHAT = [{"role": "user", "content": "Recite Genesis 1:1."}]
-ROUND_LINE = re.compile(r"^round +(\d+): nodes +(\d+) accepted +(\d+) \+(\d+) tok \|", re.MULTILINE)
+ROUND_LINE = re.compile(r"^round +(\d+): phone \| nodes +(\d+) accepted +(\d+) \+(\d+) tok \|", re.MULTILINE)
 
 
 @pytest.fixture(scope="module")

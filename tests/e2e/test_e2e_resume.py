@@ -149,7 +149,7 @@ def test_schema_mismatch_ends_the_session_and_version_1_phones_are_told_to_upgra
                 await phone.send(msgpack.packb({**frame_to_wire(start_frame(PROMPT, 4)), "v": 1}))
                 raw = msgpack.unpackb(await phone.recv_raw())
                 assert raw["type"] == "error" and raw["v"] == 1 and raw["code"] == "unsupported_version"
-                assert raw["fatal"] and "version 2" in raw["message"] and "upgrade" in raw["message"]
+                assert raw["fatal"] and "version 3" in raw["message"] and "upgrade" in raw["message"]
                 # the same connection then opens a version-2 session; a wrong schema hash ends it
                 await phone.send(start_frame(PROMPT, 4))
                 ack = await phone.recv()

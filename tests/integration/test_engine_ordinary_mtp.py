@@ -294,3 +294,68 @@ def test_preemption_in_server_mode_loses_nothing(engines):
         if v.finished:
             break
     assert out == want
+
+
+def test_exact_sampling_is_lossless_on_a_session_that_switches(engines, fixtures_dir):
+    """T = 1, exact mode: a phone round (root only: the server samples one token), a server-mode step (vLLM's MTP
+    drafts, its rejection sampler verifies), then a phone round again. The second and the last completion
+    tokens, over sessions with different seeds, follow plain sampling's distribution (chi-square against 800
+    plain samples, alpha 1e-3, ``tests/unit/distcheck.py``)."""
+    import sys
+    from collections import Counter
+    from pathlib import Path
+
+    import numpy as np
+    from vllm import SamplingParams
+
+    from vllm_hyco.vllm_adapter.api_server.inprocess import HycoEngine
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+    from distcheck import chi_square
+    from transformers import AutoTokenizer
+
+    mtp, hyco = engines
+    tok = AutoTokenizer.from_pretrained(str(fixtures_dir / "verifier"))
+    prompt = tok.encode("And the LORD said unto Moses,", add_special_tokens=True)  # a text the family was trained on
+    n_ref, n_hy, length = 800, 96, 4
+    sampling = dict(temperature=1.0, max_tokens=length, ignore_eos=True)
+    ref = mtp.generate([{"prompt_token_ids": prompt}] * n_ref,
+                       [SamplingParams(seed=10_000 + i, **sampling) for i in range(n_ref)], use_tqdm=False)
+    ref_ids = [list(o.outputs[0].token_ids) for o in ref]
+    hy = HycoEngine(hyco)
+    got, modes = [], Counter()
+    for i in range(n_hy):
+        s = hy.open(prompt_token_ids=prompt, seed=i, **sampling)
+        v = hy.submit(s.sid, 0, [s.root], [-1])
+        out = list(v.committed)
+        hy.set_mode(s.sid, "server")
+        stretch = hy.decode_server(s.sid, steps=1)
+        out += stretch.committed
+        modes["server"] += len(stretch.committed)
+        while not stretch.finished and len(out) < length:
+            info = hy.set_mode(s.sid, "phone")
+            v = hy.submit(s.sid, info.expected_round, [info.root], [-1])
+            out += v.committed
+            modes["phone_after"] += len(v.committed)
+            if v.finished:
+                break
+            hy.set_mode(s.sid, "server")
+            stretch = hy.decode_server(s.sid, steps=1)
+            out += stretch.committed
+        if not (stretch.finished or (out and len(out) >= length)):
+            hy.close(s.sid)
+        got.append(out[:length])
+    assert all(len(o) == length for o in got) and modes["phone_after"] > 0
+    tested = 0
+    for pos in range(1, length):
+        vocab = sorted({r[pos] for r in ref_ids} | {g[pos] for g in got})
+        index = {t: k for k, t in enumerate(vocab)}
+        probs = np.bincount([index[r[pos]] for r in ref_ids], minlength=len(vocab)) / n_ref
+        observed = np.bincount([index[g[pos]] for g in got], minlength=len(vocab)).astype(float)
+        big = probs * n_hy >= 5
+        if not big.any() or probs[~big].sum() * n_hy < 5:  # under two bins after merging: nothing to test
+            continue
+        stat, crit = chi_square(observed, probs + 1e-12)
+        assert stat < crit, (pos, stat, crit)
+        tested += 1
+    assert tested >= 2  # the first server-mode token and the phone round's after the stretch

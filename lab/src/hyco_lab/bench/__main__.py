@@ -112,6 +112,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--machine", default=None, help="how to describe this machine in the report")
     p.add_argument("--engine-threads", type=int, default=1,
                    help="CPU engine: OpenMP threads (passive waits, no binding); 0: vLLM's default binding")
+    p.add_argument("--link-sweep", action="store_true",
+                   help="issue 33's link sweep instead (hyco_lab.bench.linksweep, its own options: "
+                        "python -m hyco_lab.bench --link-sweep --help)")
     return p.parse_args(argv)
 
 
@@ -374,6 +377,10 @@ def _log(msg: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if "--link-sweep" in (sys.argv[1:] if argv is None else argv):  # its own options (hyco_lab.bench.linksweep)
+        from hyco_lab.bench import linksweep
+
+        return linksweep.main([a for a in (sys.argv[1:] if argv is None else argv) if a != "--link-sweep"])
     args = parse_args(argv)
     try:
         selected = C.select(args.configs)

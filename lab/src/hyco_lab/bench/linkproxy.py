@@ -8,10 +8,21 @@ on a 10 Mbit/s uplink costs 1.8 ms of serialization plus RTT/2, and back-to-back
 other as they would on a real bottleneck link. No loss, no jitter: the link is a model (docs/decisions.md D8,
 "simulated"), not a measurement.
 
+**A link that changes mid-answer** (``LinkSchedule``, issue 33's link sweep): a sequence of links, each from a
+given second on, e.g. ``changing:lan@0,bad@4,lan@8`` (``;`` between steps also works, and is needed when a
+step is a custom ``rtt=..,up=..`` link). Its clock starts **when the proxy accepts a connection**, for each
+connection on its own: a phone session is one WebSocket connection, so every session sees the same change at
+the same second after it opened, mid-answer when the answer takes longer than the first step (a reconnect
+would start the clock again; the bench's lossless links do not drop). Each chunk is stamped with the link of
+the second it reaches the proxy; bytes already on the link keep their times, and the order is kept. The plain
+``changing`` is ``lan@0, bad@T, lan@2T`` with T = ``CHANGE_S`` (``changing:T`` sets T).
+
     >>> LinkModel.parse("lte").rtt_ms, LinkModel.parse("rtt=20,up=5,down=50").up_mbps
     (50.0, 5.0)
     >>> round(LinkModel(rtt_ms=50, up_mbps=10, down_mbps=40).one_way_s("up", 2200) * 1e3, 2)
     26.76
+    >>> [x.name for x in parse_link("changing:lan@0,bad@3").links], parse_link("changing:2").starts
+    (['lan', 'bad'], (0.0, 2.0, 4.0))
 
 Usage::
 
@@ -57,6 +68,14 @@ class LinkModel:
     def to_dict(self) -> dict:
         return {"name": self.name, "rtt_ms": self.rtt_ms, "up_mbps": self.up_mbps, "down_mbps": self.down_mbps}
 
+    def at(self, t_s: float) -> LinkModel:
+        """The link ``t_s`` seconds after a connection opened: always this one (see ``LinkSchedule``)."""
+        return self
+
+    @property
+    def changes(self) -> int:
+        return 0
+
     @classmethod
     def parse(cls, text: str) -> LinkModel:
         """A preset name (``lan``, ``lte``, ``5g``) or ``rtt=MS,up=MBPS,down=MBPS`` (any subset; the rest
@@ -78,33 +97,98 @@ class LinkModel:
 
 
 #: Presets. LTE sits in the paper's 40-58 ms of network + serialization per round (Appendix G); 5G NSA a
-#: little lower; ``lan`` is a near-zero link (a phone on the server's own network, or no phone at all).
+#: little lower; ``lan`` is a near-zero link (a phone on the server's own network, or no phone at all); ``bad``
+#: a poor cell or congested link, 300 ms round trip and 1 Mbit/s each way.
 PRESETS = {
     "lan": LinkModel(rtt_ms=0.5, up_mbps=1000.0, down_mbps=1000.0, name="lan"),
     "lte": LinkModel(rtt_ms=50.0, up_mbps=10.0, down_mbps=40.0, name="lte"),
     "5g": LinkModel(rtt_ms=30.0, up_mbps=50.0, down_mbps=200.0, name="5g"),
+    "bad": LinkModel(rtt_ms=300.0, up_mbps=1.0, down_mbps=1.0, name="bad"),
 }
+
+#: the plain ``changing`` link's step, seconds: lan, then bad from CHANGE_S, lan again from 2 * CHANGE_S
+CHANGE_S = 4.0
+CHANGING = "changing"
+
+
+@dataclass(frozen=True)
+class LinkSchedule:
+    """Links that take over from one another at given seconds after a connection opened (module docstring).
+    ``starts[0]`` is 0 and the starts increase; ``links[i]`` holds from ``starts[i]`` until ``starts[i + 1]``."""
+
+    starts: tuple[float, ...]
+    links: tuple[LinkModel, ...]
+    name: str = CHANGING
+
+    def __post_init__(self):
+        ok = len(self.starts) == len(self.links) >= 1 and self.starts[0] == 0
+        if not (ok and all(b > a for a, b in zip(self.starts, self.starts[1:]))):
+            raise ConfigError(f"changing link: the first step at 0 s, then increasing seconds, one link each; got "
+                              f"starts {self.starts} for {len(self.links)} links")
+
+    def at(self, t_s: float) -> LinkModel:
+        """The link in force ``t_s`` seconds after the connection opened."""
+        i = 0
+        while i + 1 < len(self.starts) and t_s >= self.starts[i + 1]:
+            i += 1
+        return self.links[i]
+
+    @property
+    def changes(self) -> int:
+        """Times the link changes (during a connection that lasts past the last start)."""
+        return len(self.links) - 1
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "clock": "connection", "changes": self.changes,
+                "steps": [{"at_s": t, **x.to_dict()} for t, x in zip(self.starts, self.links)]}
+
+    @classmethod
+    def parse(cls, text: str) -> LinkSchedule:
+        """``changing`` (lan@0, bad@CHANGE_S, lan@2 CHANGE_S), ``changing:T`` (the same with T seconds) or
+        ``changing:LINK@S,LINK@S,...`` (``;`` between steps when a link is ``rtt=..,up=..,down=..``)."""
+        key = text.strip().lower()
+        head, _, body = key.partition(":")
+        if head != CHANGING:
+            raise ConfigError(f"--link {text!r}: a changing link starts with 'changing'")
+        try:
+            if not body or "@" not in body:
+                t = float(body) if body else CHANGE_S
+                return cls((0.0, t, 2 * t), (PRESETS["lan"], PRESETS["bad"], PRESETS["lan"]), key)
+            steps = [part.rsplit("@", 1) for part in filter(None, body.split(";" if ";" in body else ","))]
+            return cls(tuple(float(at) for _, at in steps), tuple(LinkModel.parse(x) for x, _ in steps), key)
+        except ValueError as e:
+            raise ConfigError(f"--link {text!r}: use 'changing', 'changing:SECONDS' or "
+                              f"'changing:LINK@SECONDS,LINK@SECONDS,...' (the first at 0)") from e
+
+
+def parse_link(text: str) -> LinkModel | LinkSchedule:
+    """A fixed link (``LinkModel.parse``'s forms) or a changing one (``LinkSchedule.parse``'s)."""
+    if text.strip().lower().startswith(CHANGING):
+        return LinkSchedule.parse(text)
+    return LinkModel.parse(text)
 
 
 class _Pipe:
     """One direction of one connection: reads, stamps delivery times, writes in order."""
 
-    def __init__(self, link: LinkModel, direction: str, proxy: LinkProxy):
+    def __init__(self, link: LinkModel | LinkSchedule, direction: str, proxy: LinkProxy, t0: float = 0.0):
         self.link, self.direction, self.proxy = link, direction, proxy
+        self.t0 = t0  # when the connection opened (loop time): a changing link's clock
         self.free_at = 0.0  # when the sender's side of the link is idle again (loop time)
         self.queue: asyncio.Queue = asyncio.Queue()
 
     def stamp(self, now: float, nbytes: int) -> float:
         """When ``nbytes`` handed to the link at ``now`` arrive: after the bytes queued before them and
-        their own serialization, plus RTT / 2.
+        their own serialization, plus RTT / 2, on the link in force at ``now``.
 
         >>> p = _Pipe(LinkModel(rtt_ms=10, up_mbps=8, down_mbps=8), "up", None)
         >>> [round(p.stamp(0.0, 1000) * 1e3, 3), round(p.stamp(0.0, 1000) * 1e3, 3)]  # 1 ms each, queued
         [6.0, 7.0]
         """
+        link = self.link.at(now - self.t0)
         start = max(now, self.free_at)
-        self.free_at = start + self.link.serialize_s(self.direction, nbytes)
-        return self.free_at + self.link.rtt_ms / 2e3
+        self.free_at = start + link.serialize_s(self.direction, nbytes)
+        return self.free_at + link.rtt_ms / 2e3
 
     async def read(self, reader: asyncio.StreamReader) -> None:
         loop = asyncio.get_running_loop()
@@ -150,9 +234,10 @@ def _close(writer: asyncio.StreamWriter) -> None:
 
 class LinkProxy:
     """Listens on 127.0.0.1 (``port``, chosen by the OS unless given) and forwards every connection to
-    ``target`` through ``link``. Counts the bytes each way (``bytes_up``, ``bytes_down``)."""
+    ``target`` through ``link`` (a ``LinkSchedule``: its clock starts at each connection's accept). Counts the
+    bytes each way (``bytes_up``, ``bytes_down``)."""
 
-    def __init__(self, target: tuple[str, int], link: LinkModel, *, port: int = 0):
+    def __init__(self, target: tuple[str, int], link: LinkModel | LinkSchedule, *, port: int = 0):
         self.target, self.link, self.port = target, link, port
         self.bytes_up = self.bytes_down = 0
         self.connections = 0
@@ -170,14 +255,19 @@ class LinkProxy:
         self.port = self._server.sockets[0].getsockname()[1]
         return self
 
+    def pipes(self, t0: float) -> tuple[_Pipe, _Pipe]:
+        """The two directions of a connection accepted at ``t0`` (loop time)."""
+        return _Pipe(self.link, "up", self, t0), _Pipe(self.link, "down", self, t0)
+
     async def _handle(self, c_reader: asyncio.StreamReader, c_writer: asyncio.StreamWriter) -> None:
         self.connections += 1
+        t0 = asyncio.get_running_loop().time()
         try:
             s_reader, s_writer = await asyncio.open_connection(*self.target)
         except OSError:
             c_writer.close()
             return
-        up, down = _Pipe(self.link, "up", self), _Pipe(self.link, "down", self)
+        up, down = self.pipes(t0)
         jobs = [up.read(c_reader), up.write(s_writer), down.read(s_reader), down.write(c_writer)]
         tasks = [asyncio.ensure_future(j) for j in jobs]
         self._tasks.update(tasks)

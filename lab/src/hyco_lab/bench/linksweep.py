@@ -127,8 +127,13 @@ def switches(modes: list[str], start: str | None = None) -> int:
 
 class Sweep:
     def __init__(self, args: argparse.Namespace):
+        import torch
+
         from hyco_lab.bench.__main__ import bench_prompts, fixtures_dir
 
+        # the phones' drafters: one torch thread. On a loaded 2-CPU box two spinning OpenMP threads made a
+        # 10 ms SLM pass take 1-2 s now and then (the overrun is taken out of the wall time, not the sweep's)
+        torch.set_num_threads(1)
         self.args = args
         self.fx = fixtures_dir(args.fixtures)
         self.cfg = C.CONFIGS[args.config]

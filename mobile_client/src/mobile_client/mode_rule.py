@@ -33,6 +33,7 @@ from vllm_hyco.errors import ConfigError
 DEFAULT_FLOOR_TPS = 6.0
 PRIOR_MAT = 2.0  # tokens per phone round before any is measured
 PRIOR_BASE_S = 0.06  # a phone round's time besides drafting and the round trip, before any is measured
+PRIOR_DRAFT_S = 0.053  # the paper's device time per round (52.9 ms), before any round is measured
 EMA = 0.3
 
 
@@ -105,7 +106,7 @@ class ModeRule:
         self.cfg, self.power_ok = config, power_ok
         self.probe_s = config.probe_s
         self.rtt_s: float | None = None
-        self.mat, self.draft_s, self.base_s = PRIOR_MAT, 0.0, PRIOR_BASE_S
+        self.mat, self.draft_s, self.base_s = PRIOR_MAT, PRIOR_DRAFT_S, PRIOR_BASE_S
         self.phone_tps: float | None = None  # measured, EMA over phone rounds
         self.rounds = 0
         self.rounds_since = 0  # phone rounds since the last switch

@@ -47,7 +47,7 @@ from hyco_lab.bench import metrics as M
 from hyco_lab.bench import server as S
 from hyco_lab.bench.drive import ClosedLoop, Timed, cloud_caller, phone_caller
 from hyco_lab.bench.metrics import RequestRecord
-from hyco_lab.bench.report import fixture_family
+from hyco_lab.bench.report import SESSION_MODE, fixture_family
 from hyco_lab.bench.server import BenchServer, counters_delta, spec_counters
 from vllm_hyco.errors import ConfigError
 from vllm_hyco.vllm_adapter.patches.step_timing import delta
@@ -325,6 +325,7 @@ class Mixed:
     def results(self, pinning: dict) -> dict:
         return {"arms": [self.arm_summary(a) for a in self.arms], "runs": self.windows, "ratios": self.ratios(),
                 "pinning": pinning, "family": fixture_family(self.bench.fx),
+                "session_mode": SESSION_MODE,
                 "settings": {"background_clients": self.n, "foreground_requests": len(self.prompts),
                              "runs": self.bench.args.runs, "phones_only": self.phones_only,
                              "phone_requests": self.phone_requests, "link": self.bench.link.to_dict(),

@@ -77,7 +77,8 @@ def markdown(results: dict[str, Any]) -> str:
               f"Link: {env.get('link', {})}. Prompts: "
               f"{env.get('prompts')} x {env.get('runs')} runs, max_tokens {env.get('max_tokens')}, "
               f"temperature {env.get('temperature')}, top-k {env.get('top_k') or 'off'}, top-p "
-              f"{env.get('top_p')}. Phone bundle: {_notes(env)}."),
+              f"{env.get('top_p')}. Phone bundle: {_notes(env)}. Phone sessions: "
+              f"{env.get('session_mode', 'phone mode (the only one before protocol v3)')}."),
              "",
              ("| configuration | g ms/token (CPU) | g ratio | GPU-modelled g | MAT | tok/s | draft ms/token "
               "(modelled) | up B/round | down B/round | TTFT p50 / p90 ms | errors |"),
@@ -341,6 +342,11 @@ def fixture_weights(fx: Path) -> str:
         return json.loads((fx / "fixtures.json").read_text()).get("options", {}).get("weights", "?")
     except (OSError, ValueError):
         return "?"
+
+
+#: every benchmark row that compares HyCo with Cloud+MTP pins phone mode (HycoClient's default policy): a phone
+#: session never hands its drafting to the server's MTP head (issue 33)
+SESSION_MODE = "phone mode pinned (mobile_client.mode_rule.PhoneOnly, HycoClient's default)"
 
 
 def fixture_family(fx: Path) -> dict[str, Any]:

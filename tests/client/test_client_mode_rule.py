@@ -1,0 +1,71 @@
+"""The mode rule (mobile_client.mode_rule.ModeRule) on measured numbers, no server: it keeps phone mode while
+the phone keeps the floor, leaves after the hysteresis window when it does not (at once for the power flag),
+comes back only when its estimate with the catch-up beats the floor by the margin, never asks again right after
+a refusal, and starts in server mode when the first probe already puts the phone under the floor."""
+
+from mobile_client.mode_rule import Alternate, ModeRule, ModeRuleConfig, PhoneOnly, ServerOnly
+
+CFG = ModeRuleConfig(floor_tps=6.0, hold_s=1.0, margin=0.25, min_rounds=3)
+
+
+def rounds(rule, n, tokens, draft_s, wait_s, t0=0.0, dt=0.5):
+    for i in range(n):
+        rule.observe_round(tokens, draft_s, wait_s, t0 + i * dt)
+
+
+def test_stays_in_phone_mode_above_the_floor_and_leaves_after_the_window_below_it():
+    rule = ModeRule(CFG)
+    rule.observe_rtt(0.05, 0.0)
+    assert rule.decide("phone", 0.0) is None  # the probe says the phone keeps the floor: start drafting
+    rounds(rule, 5, tokens=3, draft_s=0.05, wait_s=0.1)  # 20 tok/s
+    assert rule.decide("phone", 3.0) is None
+    rule.observe_rtt(0.4, 3.0)
+    rounds(rule, 6, tokens=2, draft_s=0.05, wait_s=0.45, t0=3.0)  # 4 tok/s: under the floor
+    assert rule.decide("phone", 6.0) is None  # the reason starts now
+    assert rule.decide("phone", 6.5) is None  # inside the hysteresis window
+    assert rule.decide("phone", 7.1) == "server"
+
+
+def test_back_to_phone_only_with_the_margin_and_the_catch_up():
+    rule = ModeRule(CFG)
+    rule.observe_rtt(0.3, 0.0)
+    rounds(rule, 4, tokens=2, draft_s=0.05, wait_s=0.35)
+    rule._switch("server")
+    assert rule.decide("server", 10.0, remaining=200) is None  # still a 300 ms link
+    for _ in range(20):
+        rule.observe_rtt(0.02, 10.0)
+    est = rule.phone_estimate(remaining=200)
+    assert est >= CFG.floor_tps * (1 + CFG.margin)
+    assert rule.decide("server", 10.0, remaining=200) is None
+    assert rule.decide("server", 11.1, remaining=200) == "phone"
+    assert rule.phone_estimate(remaining=2) < rule.phone_estimate(remaining=200)  # the catch-up is counted
+
+
+def test_power_flag_refusals_and_the_first_probe():
+    power = {"ok": True}
+    rule = ModeRule(CFG, power_ok=lambda: power["ok"])
+    rule.observe_rtt(0.05, 0.0)
+    rounds(rule, 3, tokens=3, draft_s=0.05, wait_s=0.1)
+    power["ok"] = False
+    assert rule.decide("phone", 1.0) is None and rule.decide("phone", 2.0) == "server"
+    rule.refused(2.0)
+    assert rule.decide("phone", 5.0) is None  # not again within retry_s
+    slow = ModeRule(CFG)
+    slow.observe_rtt(0.35, 0.0)
+    assert slow.decide("phone", 0.0) == "server"  # 300+ ms before the first tree: start in server mode
+    off = ModeRule(CFG)
+    off.observe_rtt(0.35, 0.0)
+    off.observe_offer(False, 0.0)
+    assert off.decide("phone", 0.0) is None  # the server does not offer it
+
+
+def test_forced_policies():
+    assert PhoneOnly().decide("phone", 0.0) is None and ServerOnly().decide("phone", 0.0) == "server"
+    alt = Alternate(stretch_tokens=2)
+    assert alt.decide("phone", 0.0) is None
+    alt.observe_round(3, 0.0, 0.0, 0.0)
+    assert alt.decide("phone", 0.0) == "server"
+    alt.observe_tokens(1, 0.0)
+    assert alt.decide("server", 0.0) is None
+    alt.observe_tokens(1, 0.0)
+    assert alt.decide("server", 0.0) == "phone" and alt.decide("phone", 0.0) is None

@@ -51,7 +51,7 @@ STEP_GATHER = ("auto", "on", "off")
 #: vLLM's ``mtp`` method's: ``num_speculative_tokens`` is the MTP depth K, not the node budget)
 VLLM_KEYS = ("model", "num_speculative_tokens", "draft_sample_method", "num_speculative_tokens_per_batch_size")
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
-SERVER_MODES = ("allow", "forbid")
+SERVER_MODES = ("allow", "forbid", "only")
 MAX_MTP_DEPTH = DEFAULT_NODE_BUDGET
 #: every other field of vLLM 0.32's ``SpeculativeConfig``: a hyco server does not pass them through and refuses
 #: each by name (tests/unit/test_config_ordinary_mtp.py checks that this list and VLLM_KEYS are all of vLLM's)
@@ -107,7 +107,8 @@ class HycoConfig:
             (ranges from batch size 1, sorted, not overlapping; each K at most ``num_speculative_tokens``).
         ordinary_mtp: False turns ordinary requests' MTP off even with ``model`` set.
         server_mode: ``allow`` (default): a phone session may switch to server mode, where the server's MTP
-            head drafts for it (needs ``model``); ``forbid``: phone mode only.
+            head drafts for it (needs ``model``); ``forbid``: phone mode only; ``only``: server mode only (every
+            session is drafted by the server's MTP head from its first token; needs ``model``).
         max_server_sessions: sessions in server mode at once (each holds a batch slot all the time); None =
             ``max_sessions``.
     """
@@ -147,8 +148,16 @@ class HycoConfig:
         _check_replica_id(self.replica_id)
         _check_ordinary_mtp(self)
         _check_choice("server_mode", self.server_mode, SERVER_MODES,
-                      "allow: a session may switch to server mode when the server drafts (model set); forbid")
+                      "allow: a session may switch to server mode when the server drafts (model set); forbid; "
+                      "only: every session in server mode")
         _check_int("max_server_sessions", self.max_server_sessions, 1, 1 << 16, optional=True)
+        if self.server_mode == "only" and not self.drafts_ordinary:
+            raise ConfigError("hyco option server_mode \"only\" runs every phone session with the server's MTP head: "
+                              "set \"model\" (the family's MTP drafter) and leave ordinary_mtp on, or use \"allow\"")
+        if self.server_mode == "only" and self.server_session_cap < self.max_sessions:
+            raise ConfigError(f"hyco option server_mode \"only\" puts every session in server mode: "
+                              f"max_server_sessions ({self.max_server_sessions}) must be at least max_sessions "
+                              f"({self.max_sessions}), or left out")
 
     # ------------------------------------------------------------------ derived
     @property

@@ -229,6 +229,8 @@ ERROR_CODES: dict[str, ErrorCode] = {
     "mid_round": _C(False, 409, "a switch asked while a round is in flight; wait for its verdict and ask again"),
     "server_mode_unavailable": _C(False, 409, "this server does not draft for phones (no MTP `model`, or the "
                                               "operator forbids server mode): keep drafting on the phone"),
+    "phone_mode_unavailable": _C(False, 409, "this server drafts every session itself (`server_mode` \"only\"): "
+                                             "stay in server mode"),
     "server_mode_full": _C(False, 503, "every server-mode place is taken (`max_server_sessions`): keep drafting "
                                        "on the phone and ask again later"),
     "session_busy": _C(False, 409, "the session is re-prefilled after a preemption; ask again after its next "

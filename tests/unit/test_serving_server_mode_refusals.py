@@ -104,3 +104,33 @@ def test_mode_frames_decode_strictly():
     with pytest.raises(FrameError) as e:
         decode_client_frame(encode_frame(bad))
     assert e.value.code == "bad_field_value"
+
+
+def test_server_mode_only_starts_every_session_in_server_mode_and_refuses_phone_mode():
+    spec = golden_spec()
+    svc = HycoService(ModeBridge(spec), ServerModel(spec, golden_scales(), 128, False), route_key="r7",
+                      server_places=4, phone_mode=False)
+
+    async def scenario():
+        s, frames = await svc.open(start(), owner=None)
+        ack, mode = (decode_server_frame(f) for f in frames)
+        assert (ack.mode, ack.node_budget, mode.mode, mode.round, mode.tokens) == ("server", 0, "server", 0, 0)
+        with pytest.raises(WireError) as e:
+            await svc.set_mode(s, ModeFrame("phone", 0))
+        assert (e.value.code, e.value.fatal) == ("phone_mode_unavailable", False)
+        with pytest.raises(WireError) as e:
+            await svc.tree(s, TreeFrame.from_lists(0, [PROMPT[-1]], [-1], schema=ack.schema_hash))
+        assert e.value.code == "wrong_mode"
+
+    asyncio.run(scenario())
+
+
+def test_server_mode_only_is_checked_at_startup():
+    from vllm_hyco.config import HycoConfig
+    from vllm_hyco.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="model"):
+        HycoConfig(server_mode="only")
+    with pytest.raises(ConfigError, match="max_server_sessions"):
+        HycoConfig(server_mode="only", model="m", num_speculative_tokens=2, max_sessions=8, max_server_sessions=4)
+    assert HycoConfig(server_mode="only", model="m", num_speculative_tokens=2).server_mode == "only"

@@ -28,4 +28,5 @@ def create_service(engine: Any, model_path: str, hyco_config: Any):
                        max_sessions=hyco_config.max_sessions, idle_timeout_s=hyco_config.session_idle_timeout_s,
                        route_key=hyco_config.replica_id or envs.VLLM_HYCO_ROUTE_KEY,
                        server_places=hyco_config.server_session_cap if getattr(hyco_config, "drafts_ordinary", False)
-                       and hyco_config.server_mode != "forbid" else 0)
+                       and hyco_config.server_mode != "forbid" else 0,
+                       phone_mode=getattr(hyco_config, "server_mode", "allow") != "only")

@@ -188,8 +188,11 @@ class PhoneConnection:
             s, frames = await self.service.open(frame, owner=self)
             self.session = s
             s.bytes_up += nbytes
-            for out in frames:  # the session frame
+            for out in frames:  # the session frame (and, with server_mode "only", the stretch's mode frame)
                 await self._send(out)
+            if len(frames) > 1:
+                s.delivered = True
+            self.service.start_stream(s)
             return
         s, frames = await self.service.resume(frame, owner=self)
         self.session = s

@@ -54,6 +54,7 @@ class ServerModeMixin:
     bridge: Any
     metrics: Any
     server_places: int  # sessions that may be in server mode at once; 0: this server does not offer it
+    phone_mode: bool  # False: server_mode "only", every session runs in server mode
 
     # -- the switch -------------------------------------------------------------------------------------------
     async def set_mode(self, s: HeldSession, f: ModeFrame) -> list[bytes]:
@@ -97,6 +98,9 @@ class ServerModeMixin:
         return [s.mode_frame]
 
     async def _to_phone(self, s: HeldSession, f: ModeFrame) -> list[bytes]:
+        if not self.phone_mode:
+            raise self._refuse("this server drafts every session itself (server_mode \"only\"): stay in server mode",
+                               "phone_mode_unavailable", f.round)
         if f.round != s.expected_round:
             raise self._refuse(f"the session's server-mode stretch is round {s.expected_round}; ask for phone mode "
                                f"at that round, not {f.round}", "bad_round", f.round)

@@ -43,6 +43,7 @@ from vllm_hyco.handoff.chunks import plan_handoff
 from vllm_hyco.handoff.client_frames import StartFrame, TreeFrame
 from vllm_hyco.handoff.frames import encode_frame
 from vllm_hyco.handoff.limits import DEFAULT_LIMITS, WireLimits
+from vllm_hyco.handoff.mode_frames import ModeFrame
 from vllm_hyco.handoff.schema import HANDOFF_SCHEMA_VERSION, HandoffPayload
 from vllm_hyco.handoff.server_frames import FinalFrame, SessionFrame, VerdictFrame, openai_chunk
 from vllm_hyco.handoff.server_model import ServerModel
@@ -60,9 +61,11 @@ logger = logging.getLogger("vllm.hyco")
 class HycoService(ServerModeMixin):
     def __init__(self, bridge: EngineClient, model: ServerModel, *, node_budget: int = DEFAULT_NODE_BUDGET,
                  server_eps: float | None = None, max_sessions: int = 16, idle_timeout_s: float = 60.0,
-                 limits: WireLimits = DEFAULT_LIMITS, route_key: str = DEFAULT_ROUTE_KEY, server_places: int = 0):
+                 limits: WireLimits = DEFAULT_LIMITS, route_key: str = DEFAULT_ROUTE_KEY, server_places: int = 0,
+                 phone_mode: bool = True):
         self.bridge, self.model, self.limits = bridge, model, limits
         self.server_places = server_places  # sessions that may be in server mode at once (0: not offered)
+        self.phone_mode = phone_mode  # False (server_mode "only"): every session runs in server mode
         self.server_tps = 0.0  # tokens per second of recent server-mode stretches (the `pong` advertises it)
         self.route_key = check_route_key(route_key)  # the session ids' prefix (docs/protocol.md section 3)
         self.node_budget, self.server_eps = node_budget, server_eps
@@ -174,6 +177,9 @@ class HycoService(ServerModeMixin):
         self.table.add(s)
         self.metrics.sessions.labels(outcome="opened").inc()
         self.metrics.parked.set(self.table.active())
+        if not self.phone_mode:  # server_mode "only": the stretch starts at round 0
+            mode = await self.set_mode(s, ModeFrame("server", 0))
+            return s, [self.session_frame(s), *mode]
         return s, [self.session_frame(s)]
 
     # -- rounds -----------------------------------------------------------------------------------------

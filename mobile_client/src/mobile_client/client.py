@@ -61,7 +61,7 @@ RESEED_CODES = frozenset({"chunk_missing", "chunk_duplicate", "chunk_out_of_orde
                           "bad_handoff"})
 #: a switch the server refused for now: stay in the mode and let the policy ask again later
 MODE_REFUSALS = frozenset({"server_mode_unavailable", "server_mode_full", "server_busy", "session_busy",
-                           "mid_round"})
+                           "mid_round", "phone_mode_unavailable"})
 #: handshake answers of a proxy whose upstream (the session's replica) is gone
 GATEWAY_STATUSES = frozenset({502, 503, 504})
 
@@ -204,7 +204,7 @@ class HycoClient:
             ack = await self._take_session(ws, session)
             if resuming and ack.last_round >= 0 and ack.mode == "phone":  # the server replays its last verdict
                 await self._take_verdict(ws, session, time.perf_counter(), on_round)
-            if resuming and ack.mode == "server":  # the stretch's mode frame and the tokens this phone lacks
+            if ack.mode == "server":  # a resumed stretch, or a server that drafts every session (server_mode "only")
                 session.mode = "server"
             elif not resuming and session.round == 0 and self.policy.probe_s < float("inf"):
                 await self._probe(ws, session)  # the link's round trip, before the first tree
@@ -307,6 +307,9 @@ class HycoClient:
             elif isinstance(frame, ErrorFrame):
                 if not frame.fatal and frame.code in MODE_REFUSALS:  # the switch back must wait (session_busy)
                     switching = False
+                    refused = getattr(self.policy, "refused", None)
+                    if refused is not None:
+                        refused(time.perf_counter())
                     continue
                 raise HycoServerError(f"server error {frame.code}: {frame.message}", code=frame.code,
                                       fatal=frame.fatal, round=frame.round)

@@ -12,7 +12,8 @@ its expected committed tokens. This module holds the three parts of the decision
   expected acceptance is the product of the conditional estimates along its path (siblings are exclusive
   and the likelier is tried first: one node's children, likeliest first, share at most 1, each keeping at
   most what the likelier ones left). Phone-sent values are
-  untrusted: :func:`bound_values` takes ``min(phone, server)`` per node, so they can only lower a node.
+  untrusted until the session's verdicts show them to predict better than the server (``trust.ValueTrust``);
+  until then :func:`bound_values`' ``min(phone, server)`` per node holds, so they can only lower a node.
   :func:`reliability_table` bins predicted against observed acceptance (calibration).
 * :class:`StepCostModel`: the step's cost as ``c0 + c1 * rows + c2 * kctx + c3 * trees + c4 * branching +
   c5 * plain``, with ``rows`` the tokens the step scheduled, ``kctx`` the attention work (sum over
@@ -56,6 +57,7 @@ import numpy as np
 from vllm_hyco import envs
 from vllm_hyco.errors import TreeValidationError
 from vllm_hyco.handoff.tree_contract import MAX_NODE_BUDGET, NodeLabel, depths
+from vllm_hyco.spec_decode.trust import ValueTrust
 
 PRIOR_ACCEPT = 0.66  # the paper's per-edge acceptance factor λ (Algorithm 3): the estimate before any round
 PRIOR_STRENGTH = 2.0  # pseudo-observations behind each level's prior
@@ -387,6 +389,7 @@ class Plan:
     sent: int
     values: np.ndarray  # [nodes + 1]
     predicted: np.ndarray  # [nodes + 1] the server's own estimate (for the reliability table)
+    phone: np.ndarray | None = None  # [nodes + 1] the phone's values, when it sent them (its trust is learnt)
 
 
 class BudgetPolicy:
@@ -402,6 +405,7 @@ class BudgetPolicy:
             raise ValueError(f"budget_policy {policy!r}: choose from {', '.join(POLICIES)}")
         self.cap, self.policy = int(cap), policy
         self.acceptance = AcceptanceModel()
+        self.trust = ValueTrust()
         self.cost = StepCostModel(max_rows=max_rows, min_steps=min_steps)
         self.log: deque[tuple[float, float]] = deque(maxlen=log_size)
         self.last_nodes: int | None = None  # the last cut's kept nodes (for the metrics)
@@ -415,7 +419,7 @@ class BudgetPolicy:
              phone_values: Sequence[float] | None = None, *, ctx: int = 0, sharing: int = 1) -> Plan:
         """The cut of one tree verified in a step with ``sharing`` requests, context ``ctx`` tokens."""
         server = self.acceptance.node_values(parents, labels, sid)
-        vals = bound_values(server, phone_values)
+        vals = server if phone_values is None else self._trusted(sid, server, phone_values)
         sent = len(vals) - 1
         nodes = sent
         chain = chain_prefix(parents)
@@ -432,15 +436,23 @@ class BudgetPolicy:
             nodes = min(sent, max(1, sizes[self.probes % len(sizes)]))
             self.probes += 1
         self.last_nodes = nodes
-        return Plan(nodes, sent, vals[: nodes + 1], server[: nodes + 1])
+        phone = None if phone_values is None else np.asarray(phone_values, dtype=np.float64)[: nodes + 1]
+        return Plan(nodes, sent, vals[: nodes + 1], server[: nodes + 1], phone)
+
+    def _trusted(self, sid: str | None, server: np.ndarray, phone_values: Sequence[float]) -> np.ndarray:
+        bound_values(server, phone_values)  # the shape check (length_mismatch)
+        return self.trust.values(sid, server, phone_values)
 
     def observe_round(self, sid: str | None, parents: Sequence[int], labels: Sequence[int] | None,
-                      path_rows: Sequence[int], predicted: np.ndarray | None = None) -> None:
+                      path_rows: Sequence[int], predicted: np.ndarray | None = None,
+                      phone: np.ndarray | None = None) -> None:
         self.acceptance.observe(sid, parents, labels, path_rows)
         if predicted is not None and len(predicted) > 1:
             hit = np.zeros(len(predicted), dtype=bool)
             hit[[r for r in path_rows if 0 < r < len(predicted)]] = True
             self.log.extend(zip(predicted[1:].tolist(), hit[1:].astype(float).tolist()))
+            if phone is not None:
+                self.trust.observe(sid, predicted, phone[: len(predicted)], hit, depths(list(parents))[: len(hit)])
 
     def observe_step(self, rows: int, kctx: float, seconds: float, trees: int = 1, branching: int = 0,
                      plain: int = 0, head: int = 0) -> bool:
@@ -463,6 +475,7 @@ class BudgetPolicy:
 
     def forget(self, sid: str) -> None:
         self.acceptance.forget(sid)
+        self.trust.forget(sid)
 
     def reliability(self, bins: int = 10) -> list[dict]:
         if not self.log:

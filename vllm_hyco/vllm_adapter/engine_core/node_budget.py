@@ -59,7 +59,8 @@ def grant(st: SchedulerState, s: Session, verdict: TreeVerdict) -> tuple[int, Bu
     if t is not None:
         n = min(verdict.num_rows, len(t.parents))  # rows actually verified
         pol.observe_round(s.sid, t.parents[:n], None if t.labels is None else t.labels[:n], verdict.path_rows,
-                          None if plan is None else plan.predicted[:n])
+                          None if plan is None else plan.predicted[:n],
+                          None if plan is None or plan.phone is None else plan.phone[:n])
     granted = pol.next_budget(plan, first_round=t is not None and t.round == 0)
     info = BudgetInfo(policy=pol.policy, cap=pol.cap, nodes_sent=None if plan is None else plan.sent,
                       nodes_verified=None if plan is None else plan.nodes,

@@ -48,8 +48,10 @@ def test_the_wire_reads_the_seam():
 
 
 def test_unknown_families_and_broken_configs_are_refused_by_name():
-    with pytest.raises(ConfigError, match="HyCo serves model families gemma4 .* model_type is 'llama'"):
+    with pytest.raises(ConfigError, match="HyCo serves model families gemma4 .* model_type 'llama'"):
         family_of({"model_type": "llama"})
+    with pytest.raises(ConfigError, match=r"\(MiMoForCausalLM\) has model_type 'mimo'"):  # named by architecture
+        family_of({"model_type": "mimo", "architectures": ["MiMoForCausalLM"]})
     with pytest.raises(ConfigError, match="not a Gemma-4 text config"):
         GEMMA4.handoff_layers({"model_type": "gemma4_text", "hidden_size": 8,
                                "layer_types": ["sliding_attention", "sliding_attention"]})  # no full layer

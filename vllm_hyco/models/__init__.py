@@ -9,7 +9,7 @@ it. A config no family serves is refused by name (:func:`family_of`).
 >>> family_of({"model_type": "llama"})  # doctest: +ELLIPSIS
 Traceback (most recent call last):
 ...
-vllm_hyco.errors.ConfigError: HyCo serves model families gemma4 (...); this checkpoint's model_type is 'llama'
+vllm_hyco.errors.ConfigError: HyCo serves model families gemma4 (...); this checkpoint (...) has model_type 'llama', ...
 """
 
 from __future__ import annotations
@@ -34,4 +34,6 @@ def family_of(config: Mapping[str, Any]) -> ModelFamily:
         if any(t in family.model_types for t in types if t):
             return family
     known = "; ".join(f"{f.name} (model_type {', '.join(f.model_types)})" for f in FAMILIES)
-    raise ConfigError(f"HyCo serves model families {known}; this checkpoint's model_type is {types[0]!r}")
+    arch = ", ".join(config.get("architectures") or []) or "no architectures listed"
+    raise ConfigError(f"HyCo serves model families {known}; this checkpoint ({arch}) has model_type {types[0]!r}, "
+                      f"which no family's model seam serves (vllm_hyco/models/)")

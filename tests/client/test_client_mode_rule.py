@@ -69,3 +69,12 @@ def test_forced_policies():
     assert alt.decide("server", 0.0) is None
     alt.observe_tokens(1, 0.0)
     assert alt.decide("server", 0.0) == "phone" and alt.decide("phone", 0.0) is None
+
+
+def test_hyco_phone_takes_the_drafting_policy():
+    from mobile_client.cli import parse_args
+
+    args = parse_args(["--server", "http://h", "--model-dir", "m", "--prompt", "x", "--drafting", "auto",
+                       "--floor-tps", "9", "--power-low"])
+    assert (args.drafting, args.floor_tps, args.power_low) == ("auto", 9.0, True)
+    assert parse_args(["--server", "http://h", "--model-dir", "m", "--prompt", "x"]).drafting == "phone"

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from hyco_lab.bench.linkproxy import CHANGE_S, PRESETS, LinkModel, LinkProxy, LinkSchedule, _Pipe, parse_link
+from hyco_lab.bench.linkproxy import CHANGING_STEPS, PRESETS, LinkModel, LinkProxy, LinkSchedule, _Pipe, parse_link
 from vllm_hyco.errors import ConfigError
 
 
@@ -24,9 +24,10 @@ def test_bad_preset_and_the_old_forms_still_parse():
 
 def test_changing_forms():
     plain = parse_link("changing")
-    assert isinstance(plain, LinkSchedule) and plain.starts == (0.0, CHANGE_S, 2 * CHANGE_S)
+    assert isinstance(plain, LinkSchedule) and plain.starts == tuple(t for t, _ in CHANGING_STEPS) == (0.0, 0.5, 4.5)
     assert [x.name for x in plain.links] == ["lan", "bad", "lan"] and plain.changes == 2
-    assert parse_link("Changing:2.5").starts == (0.0, 2.5, 5.0)
+    symmetric = parse_link("Changing:2.5")
+    assert symmetric.starts == (0.0, 2.5, 5.0) and [x.name for x in symmetric.links] == ["lan", "bad", "lan"]
     three = parse_link("changing:lan@0,lte@1.5,bad@3")
     assert three.starts == (0.0, 1.5, 3.0) and [x.name for x in three.links] == ["lan", "lte", "bad"]
     custom = parse_link("changing:rtt=20,up=5@0;bad@2")
@@ -46,6 +47,8 @@ def test_the_link_in_force_at_each_second():
     s = parse_link("changing:3")
     got = [s.at(t).name for t in (0.0, 2.999, 3.0, 5.9, 6.0, 1e6)]
     assert got == ["lan", "lan", "bad", "bad", "lan", "lan"]
+    assert [s.changes_before(t) for t in (1.0, 3.0, 3.5, 6.5)] == [0, 0, 1, 2]
+    assert PRESETS["bad"].changes_before(1e6) == 0
 
 
 def test_pipe_switches_models_on_the_connection_clock():

@@ -80,7 +80,7 @@ class ValueTrust:
         skill = (st.brier_base - st.brier_phone) / st.brier_base
         return float(np.clip(skill / SKILL_FULL, 0.0, 1.0) * st.n / (st.n + EVIDENCE))
 
-    def values(self, sid: str | None, server: np.ndarray, phone: Sequence[float] | None) -> np.ndarray:
+    def values(self, sid: str | None, server: np.ndarray, phone: Sequence[float] | np.ndarray | None) -> np.ndarray:
         """The values the cut uses (row 0, the root, keeps the server's)."""
         if phone is None:
             return server
@@ -93,8 +93,8 @@ class ValueTrust:
         out[0] = server[0]
         return np.clip(out, 0.0, 1.0)
 
-    def observe(self, sid: str | None, server: np.ndarray, phone: Sequence[float] | None, accepted: np.ndarray,
-                depth: Sequence[int]) -> None:
+    def observe(self, sid: str | None, server: np.ndarray, phone: Sequence[float] | np.ndarray | None,
+                accepted: np.ndarray, depth: Sequence[int] | np.ndarray) -> None:
         """One verified tree: per row the ``server`` and ``phone`` values, whether it was accepted and its depth
         (row 0, the root, is skipped)."""
         if sid is None or phone is None or len(accepted) <= 1:

@@ -12,5 +12,7 @@ Modules (none imports vLLM at import time; the harness starts servers as subproc
 | ``drive.py`` | drive a configuration's requests (openai client or phone sessions) into records |
 | ``metrics.py`` | records -> the paper's Table 11 metrics, 3-run spreads, g ratios |
 | ``report.py`` | markdown table, JSON, PNG plots |
+| ``mixed.py`` | ordinary requests beside phones: Cloud+MTP and HyCo servers under the same closed-loop load |
+| ``linksweep.py`` | phone mode, server mode and the mode rule per link (a changing one included), ``--link-sweep`` |
 | ``__main__.py`` | the command line |
 """

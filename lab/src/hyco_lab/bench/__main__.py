@@ -380,7 +380,8 @@ def main(argv: list[str] | None = None) -> int:
     if "--link-sweep" in (sys.argv[1:] if argv is None else argv):  # its own options (hyco_lab.bench.linksweep)
         from hyco_lab.bench import linksweep
 
-        return linksweep.main([a for a in (sys.argv[1:] if argv is None else argv) if a != "--link-sweep"])
+        return linksweep.main([a for a in (sys.argv[1:] if argv is None else argv) if a != "--link-sweep"],
+                              fixtures_dir=fixtures_dir, bench_prompts=bench_prompts, machine=machine)
     args = parse_args(argv)
     try:
         selected = C.select(args.configs)

@@ -14,8 +14,12 @@ step is a custom ``rtt=..,up=..`` link). Its clock starts **when the proxy accep
 connection on its own: a phone session is one WebSocket connection, so every session sees the same change at
 the same second after it opened, mid-answer when the answer takes longer than the first step (a reconnect
 would start the clock again; the bench's lossless links do not drop). Each chunk is stamped with the link of
-the second it reaches the proxy; bytes already on the link keep their times, and the order is kept. The plain
-``changing`` is ``lan@0, bad@T, lan@2T`` with T = ``CHANGE_S`` (``changing:T`` sets T).
+the second it reaches the proxy; bytes already on the link keep their times, and the order is kept.
+``changing:T`` is ``lan@0, bad@T, lan@2T``. The plain ``changing`` is ``lan@0, bad@0.5, lan@4.5``
+(``CHANGING_STEPS``): the first change lands mid-answer for every session of the link sweep (its fastest, a
+256-token server-mode answer on lan, took about 1 s on the 2-CPU bench machine), the bad stretch lasts 4 s
+(about ten phone rounds, room for the mode rule's hysteresis of 1 s and 3 rounds) and the phone-mode answers
+(about 7 s on lan) see the way back to lan too.
 
     >>> LinkModel.parse("lte").rtt_ms, LinkModel.parse("rtt=20,up=5,down=50").up_mbps
     (50.0, 5.0)
@@ -23,6 +27,8 @@ the second it reaches the proxy; bytes already on the link keep their times, and
     26.76
     >>> [x.name for x in parse_link("changing:lan@0,bad@3").links], parse_link("changing:2").starts
     (['lan', 'bad'], (0.0, 2.0, 4.0))
+    >>> parse_link("changing").starts
+    (0.0, 0.5, 4.5)
 
 Usage::
 
@@ -76,6 +82,9 @@ class LinkModel:
     def changes(self) -> int:
         return 0
 
+    def changes_before(self, t_s: float) -> int:
+        return 0
+
     @classmethod
     def parse(cls, text: str) -> LinkModel:
         """A preset name (``lan``, ``lte``, ``5g``) or ``rtt=MS,up=MBPS,down=MBPS`` (any subset; the rest
@@ -106,8 +115,8 @@ PRESETS = {
     "bad": LinkModel(rtt_ms=300.0, up_mbps=1.0, down_mbps=1.0, name="bad"),
 }
 
-#: the plain ``changing`` link's step, seconds: lan, then bad from CHANGE_S, lan again from 2 * CHANGE_S
-CHANGE_S = 4.0
+#: the plain ``changing`` link: (from second, preset) steps (module docstring)
+CHANGING_STEPS = ((0.0, "lan"), (0.5, "bad"), (4.5, "lan"))
 CHANGING = "changing"
 
 
@@ -138,21 +147,27 @@ class LinkSchedule:
         """Times the link changes (during a connection that lasts past the last start)."""
         return len(self.links) - 1
 
+    def changes_before(self, t_s: float) -> int:
+        """Changes in the first ``t_s`` seconds of a connection."""
+        return sum(1 for t in self.starts[1:] if t < t_s)
+
     def to_dict(self) -> dict:
         return {"name": self.name, "clock": "connection", "changes": self.changes,
                 "steps": [{"at_s": t, **x.to_dict()} for t, x in zip(self.starts, self.links)]}
 
     @classmethod
     def parse(cls, text: str) -> LinkSchedule:
-        """``changing`` (lan@0, bad@CHANGE_S, lan@2 CHANGE_S), ``changing:T`` (the same with T seconds) or
+        """``changing`` (``CHANGING_STEPS``), ``changing:T`` (lan@0, bad@T, lan@2T) or
         ``changing:LINK@S,LINK@S,...`` (``;`` between steps when a link is ``rtt=..,up=..,down=..``)."""
         key = text.strip().lower()
         head, _, body = key.partition(":")
         if head != CHANGING:
             raise ConfigError(f"--link {text!r}: a changing link starts with 'changing'")
         try:
-            if not body or "@" not in body:
-                t = float(body) if body else CHANGE_S
+            if not body:
+                return cls(tuple(t for t, _ in CHANGING_STEPS), tuple(PRESETS[x] for _, x in CHANGING_STEPS), key)
+            if "@" not in body:
+                t = float(body)
                 return cls((0.0, t, 2 * t), (PRESETS["lan"], PRESETS["bad"], PRESETS["lan"]), key)
             steps = [part.rsplit("@", 1) for part in filter(None, body.split(";" if ";" in body else ","))]
             return cls(tuple(float(at) for _, at in steps), tuple(LinkModel.parse(x) for x, _ in steps), key)

@@ -5,8 +5,9 @@
 
 One server (the hyco spec with the family's MTP ``model``, so sessions may switch to server mode), the simulated
 phones of the harness (``phones.load_phone`` / ``BenchClient``: modelled device time per round, ``sim_draft_ms``),
-and per link (``linkproxy``: ``lan``, ``lte``, ``bad`` = 300 ms / 1 Mbit/s, ``changing`` = lan, bad from T s
-after the session's connection opened, lan again from 2T) three **arms**: ``phone`` (``PhoneOnly``), ``server``
+and per link (``linkproxy``: ``lan``, ``lte``, ``bad`` = 300 ms / 1 Mbit/s, ``changing`` = lan, bad from 0.5 s
+to 4.5 s after the session's connection opened, lan again after: ``linkproxy.CHANGING_STEPS``, why there) three
+**arms**: ``phone`` (``PhoneOnly``), ``server``
 (``ServerOnly``) and ``rule`` (``ModeRule``, default config, floor 6 tok/s). For each prompt the arms run one
 after another (same prompt, same seed: they pair by prompt), each session through its own link proxy, so the
 engine's CPU between two probes is that session's alone.
@@ -15,9 +16,13 @@ Per session: **tok/s** = tokens / the wall time from ``client.run`` to the round
 less this CPU's drafting beyond the modelled device time (``phones.cpu_overrun_ms``, as the harness);
 **mode share** = tokens of server-mode rounds / all tokens; **switches** = mode changes in the ``RoundStats``
 sequence (``switches_open`` also counts a switch before the first round, the session having opened in phone
-mode); **server g** = the engine-core process's CPU ms (``/proc``, before/after) / tokens (``g_core_ms``: the
-engine timer's core CPU, ``g_model_ms``: its model calls). Fixed-length answers (``ignore_eos``), sampling as
-the harness (T = 1, top-k 64, top-p 0.95, seeded).
+mode), ``changes_seen`` the link changes before its last token; **server g** = the engine-core process's CPU
+ms (``/proc``, before/after) less its idle rate over that span (``Sweep.apply_g``; measured with no session after
+the warm-up and after each link) / tokens (``g_raw_ms``: not less the idle rate; ``g_core_ms``: the engine timer's
+core CPU, steps and HyCo's utility calls; ``g_model_ms``: its model calls; ``g_api_ms``: the API server's
+processes, frames and detokenization, not in g). Fixed-length answers
+(``ignore_eos``), sampling as the harness (T = 1, top-k 64, top-p 0.95, seeded); the phones' drafters on one
+torch thread.
 
 The rule is fed the simulated phone's modelled device time per round (``BenchRule``): the client pads drafting
 to ``sim_draft_ms`` but reports this CPU's drafting time in ``RoundStats.draft_ms``, which is what the rule
@@ -27,8 +32,10 @@ Per link: each arm's tok/s mean with a 95 % percentile bootstrap interval (2,000
 over each forced arm (``mixed.paired_ratio``: prompts resampled in pairs), each arm's g (a ratio of sums,
 sessions resampled) and mode share; the **check**: among the forced arms whose mean tok/s meets the floor the
 one with less g (none meets it: the faster) is the reference; the rule passes when its mean tok/s is within the
-reference's interval or above it, and its g at most the upper end of the reference's g interval; on a changing
-link also every rule session switched at most once per link change (``switches_open``).
+reference's interval or above it, and its g at most the upper end of the reference's g interval (``check``; with
+the core timer's g in place of the process's: ``check_core``, g ranking the forced arms too); on a changing
+link also every rule session switched at most once per link change it saw (``switches_open`` <=
+``changes_seen``).
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ from hyco_lab.bench import configs as C
 from hyco_lab.bench import phones
 from hyco_lab.bench import server as S
 from hyco_lab.bench.drive import Sampling, _target
-from hyco_lab.bench.linkproxy import CHANGE_S, CHANGING, LinkProxy, parse_link
+from hyco_lab.bench.linkproxy import LinkProxy, parse_link
 from hyco_lab.bench.mixed import paired_ratio, ratio_ci
 from hyco_lab.bench.report import fixture_family
 from mobile_client.mode_rule import ModeRule, ModeRuleConfig, PhoneOnly, ServerOnly
@@ -53,7 +60,7 @@ from vllm_hyco.errors import ConfigError, HycoError
 
 ARMS = ("phone", "server", "rule")
 SEED0 = 330_000
-DEFAULT_OUT = "benchmarks/results/link-sweep-33"
+DEFAULT_OUT = "benchmarks/out/link-sweep"  # gitignored; the published run: --out benchmarks/results/link-sweep-33
 
 
 class BenchRule(ModeRule):
@@ -77,9 +84,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-set", default="family", choices=("family", "uc_val", "bench", "recall"))
     p.add_argument("--max-tokens", type=int, default=256, help="tokens per answer (fixed: ignore_eos)")
     p.add_argument("--links", default="lan,lte,bad,changing",
-                   help="comma-separated: lan, lte, 5g, bad, changing, changing:T, changing:LINK@S;LINK@S (';' "
-                        "between a changing link's steps here)")
-    p.add_argument("--change-s", type=float, default=CHANGE_S, help="T of the plain 'changing' link, seconds")
+                   help="comma-separated: lan, lte, 5g, bad, changing (lan, bad from 0.5 s to 4.5 s, lan), "
+                        "changing:T (lan, bad from T to 2T, lan), changing:LINK@S;LINK@S;... (';' between steps here)")
     p.add_argument("--arms", default=",".join(ARMS), help="comma-separated, from: phone, server, rule")
     p.add_argument("--floor", type=float, default=ModeRuleConfig().floor_tps, help="the rule's floor, tok/s")
     p.add_argument("--config", default="hyco-exact", help="the phones' configuration (hyco_lab.bench.configs)")
@@ -88,6 +94,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=64)
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--warmup", type=int, default=1, help="unmeasured sessions per arm on lan first")
+    p.add_argument("--idle-s", type=float, default=10.0, help="each measurement of the idle engine's CPU (0: none)")
     p.add_argument("--fixtures", default=None)
     p.add_argument("--out", default=DEFAULT_OUT)
     p.add_argument("--engine-threads", type=int, default=1)
@@ -98,13 +105,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if bad:
         raise ConfigError(f"--arms: unknown {bad}; choose from {', '.join(ARMS)}")
     return args
-
-
-def links_of(text: str, change_s: float) -> list:
-    out = []
-    for name in (x.strip() for x in text.split(",") if x.strip()):
-        out.append(parse_link(f"{CHANGING}:{change_s:g}" if name == CHANGING else name))
-    return out
 
 
 def policy_of(arm: str, session, floor: float, window: int):
@@ -126,26 +126,28 @@ def switches(modes: list[str], start: str | None = None) -> int:
 
 
 class Sweep:
-    def __init__(self, args: argparse.Namespace):
-        import torch
+    """``fx``, ``prompts``, ``machine``: from ``hyco_lab.bench.__main__`` (its ``fixtures_dir``, ``bench_prompts``,
+    ``machine``; handed over by its dispatch, so that this module does not import it back)."""
 
-        from hyco_lab.bench.__main__ import bench_prompts, fixtures_dir
+    def __init__(self, args: argparse.Namespace, fx: Path, prompts: list[dict], machine: str):
+        import torch
 
         # the phones' drafters: one torch thread. On a loaded 2-CPU box two spinning OpenMP threads made a
         # 10 ms SLM pass take 1-2 s now and then (the overrun is taken out of the wall time, not the sweep's)
         torch.set_num_threads(1)
         self.args = args
-        self.fx = fixtures_dir(args.fixtures)
+        self.fx, self.machine = fx, machine
         self.cfg = C.CONFIGS[args.config]
-        self.links = links_of(args.links, args.change_s)
+        self.links = [parse_link(x.strip()) for x in args.links.split(",") if x.strip()]
         self.arms = [a for a in args.arms.split(",") if a]
         self.sampling = Sampling(args.max_tokens, args.temperature, args.top_k, args.top_p)
-        self.prompts = bench_prompts(args.prompt_set, args.prompts)
+        self.prompts = prompts
         tok = self.fx / "tokenizer" if (self.fx / "tokenizer").exists() else self.fx / "verifier"
         self.ids = [phones.prompt_ids(tok, p["messages"]) for p in self.prompts]
         self.out = Path(args.out)
         self.sessions: list[dict] = []
-        self.engine_pids: list[int] = []
+        self.pids: dict[str, list[int]] = {"engine": [], "api": []}
+        self.idle: list[float] = []  # the engine-core process's idle CPU, ms per second (measure_idle)
 
     def spec(self) -> str:
         spec = json.loads(self.cfg.server_spec(str(self.fx / "assistant"), max_sessions=8))
@@ -153,8 +155,9 @@ class Sweep:
 
     def probe(self, srv: S.BenchServer) -> dict[str, Any]:
         t = srv.timing()
-        proc = sum(S.process_cpu_s(p) or 0.0 for p in self.engine_pids) if self.engine_pids else None
-        return {"proc_s": proc, "core_s": float(t.get("core_cpu_s", 0.0)),
+        proc = sum(S.process_cpu_s(p) or 0.0 for p in self.pids["engine"]) if self.pids["engine"] else None
+        api = sum(S.process_cpu_s(p) or 0.0 for p in self.pids["api"])
+        return {"t": time.perf_counter(), "proc_s": proc, "api_s": api, "core_s": float(t.get("core_cpu_s", 0.0)),
                 "model_s": float(t.get(t.get("g_clock", "cpu_s"), 0.0)), "steps": int(t.get("steps", 0))}
 
     async def session(self, url: str, link, i: int, arm: str) -> dict[str, Any]:
@@ -198,6 +201,7 @@ class Sweep:
                 "final_server_tokens": getattr(result.final, "server_tokens", None),
                 "mode_share": round(server_tokens / tokens, 4) if tokens else None,
                 "switches": switches(modes), "switches_open": switches(modes, start="phone"),
+                "changes_seen": link.changes_before(last),
                 "policy_switches": getattr(policy, "switches", None), "segments": segments,
                 "phone_rounds": len(phone_rounds),
                 "mat": round(sum(r.committed for r in phone_rounds) / len(phone_rounds), 3) if phone_rounds else None,
@@ -211,14 +215,11 @@ class Sweep:
         except Exception as e:  # noqa: BLE001 - recorded, not raised: errors are a metric of the sweep
             rec = {"prompt": self.prompts[i]["id"], "error": f"{type(e).__name__}: {e}"[:300]}
         after = self.probe(srv)
-        eng = {k: round(1e3 * (after[k] - before[k]), 3) for k in ("core_s", "model_s")}
+        eng = {k: round(1e3 * (after[k] - before[k]), 3) for k in ("core_s", "model_s", "api_s")}
         eng["proc_ms"] = round(1e3 * (after["proc_s"] - before["proc_s"]), 3) if before["proc_s"] is not None else None
-        eng["steps"] = after["steps"] - before["steps"]
-        tokens = rec.get("tokens") or 0
-        cpu = eng["proc_ms"] if eng["proc_ms"] is not None else eng["core_s"]
-        rec |= {"link": link.name, "arm": arm, "engine": eng, "g_ms": round(cpu / tokens, 4) if tokens else None,
-                "g_core_ms": round(eng["core_s"] / tokens, 4) if tokens else None,
-                "g_model_ms": round(eng["model_s"] / tokens, 4) if tokens else None}
+        eng["steps"], eng["span_s"] = after["steps"] - before["steps"], round(after["t"] - before["t"], 3)
+        rec |= {"link": link.name, "arm": arm, "engine": eng}
+        self.apply_g(rec)
         if measured:
             self.sessions.append(rec)
         _log(f"{'' if measured else 'warm-up '}{link.name} {arm} {rec['prompt']}: " + (
@@ -227,23 +228,54 @@ class Sweep:
             f"{rec['mode_share']:.2f}, switches {rec['switches']}, g {rec['g_ms']} ms/token"))
         return rec
 
+    def apply_g(self, rec: dict[str, Any]) -> None:
+        """g per token: the engine-core process's CPU less its idle rate over the probes' span (the engine process
+        of plain vLLM too burns about 10-15 ms of CPU a second with nothing to do: a phone-mode answer lasts
+        longer, and would be charged more of it); the raw, the core timer's, its model calls' and the API's."""
+        eng, tokens = rec["engine"], rec.get("tokens") or 0
+        idle = self.idle_ms_s() * eng["span_s"]
+        cpu = eng["proc_ms"] - idle if eng["proc_ms"] is not None else eng["core_s"]
+        eng["idle_ms"] = round(idle, 3)
+        for key, x in (("g_ms", cpu), ("g_raw_ms", eng["proc_ms"]), ("g_core_ms", eng["core_s"]),
+                       ("g_model_ms", eng["model_s"]), ("g_api_ms", eng["api_s"])):
+            rec[key] = round(x / tokens, 4) if tokens and x is not None else None
+
+    def idle_ms_s(self) -> float:
+        return sum(self.idle) / len(self.idle) if self.idle and self.pids["engine"] else 0.0
+
+    def measure_idle(self) -> None:
+        """The engine-core process's CPU ms per second with no session (``apply_g``)."""
+        if not self.pids["engine"] or self.args.idle_s <= 0:
+            return
+        time.sleep(1.0)
+        a, t = sum(S.process_cpu_s(p) or 0.0 for p in self.pids["engine"]), time.perf_counter()
+        time.sleep(self.args.idle_s)
+        b = sum(S.process_cpu_s(p) or 0.0 for p in self.pids["engine"])
+        self.idle.append(1e3 * (b - a) / (time.perf_counter() - t))
+        _log(f"  idle engine-core CPU: {self.idle[-1]:.1f} ms/s (mean so far {self.idle_ms_s():.1f})")
+
     def run(self) -> dict[str, Any]:
         spec = self.spec()
         _log(f"starting the server: {spec}")
-        srv = S.BenchServer(self.fx / "verifier", spec, max_num_seqs=4, log_dir=self.out / "logs",
+        srv = S.BenchServer(self.fx / "verifier", spec, max_num_seqs=4,  # its log in a temporary folder
                             threads=self.args.engine_threads or None,
                             extra_args=["--max-num-batched-tokens", str(self.args.max_num_batched_tokens)])
         with srv:
-            self.engine_pids = S.server_processes(srv)["engine"]
-            _log(f"  up in {srv.startup_s:.0f} s; engine-core processes {self.engine_pids or 'none (core timer)'}")
+            self.pids = S.server_processes(srv)
+            _log(f"  up in {srv.startup_s:.0f} s, log {srv.log_path}; engine-core processes "
+                 f"{self.pids['engine'] or 'none (g: the core timer)'}")
             for w in range(self.args.warmup):
                 for arm in self.arms:
                     self.one(srv, parse_link("lan"), w % len(self.prompts), arm, measured=False)
+            self.measure_idle()
             for link in self.links:
                 for i in range(len(self.prompts)):
                     for arm in self.arms:
                         self.one(srv, link, i, arm)
+                self.measure_idle()
                 _log(f"link {link.name} done: {summary_line(self.link_summary(link))}")
+        for rec in self.sessions:  # with the mean of every idle measurement
+            self.apply_g(rec)
         return self.results()
 
     def link_summary(self, link) -> dict[str, Any]:
@@ -251,16 +283,15 @@ class Sweep:
                               link.changes)
 
     def results(self) -> dict[str, Any]:
-        from hyco_lab.bench.__main__ import machine
-
         a = self.args
-        env = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": a.machine or machine(),
+        env = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": a.machine or self.machine,
                "fixtures": str(self.fx), "family": fixture_family(self.fx), "server_spec": json.loads(self.spec()),
                "phone_config": json.loads(phones.describe(self.cfg)), "prompts": len(self.prompts),
                "prompt_set": a.prompt_set, "max_tokens": a.max_tokens, "ignore_eos": True,
                "sampling": self.sampling.body(SEED0), "floor_tps": a.floor, "window": a.window, "arms": self.arms,
                "links": {x.name: x.to_dict() for x in self.links}, "engine_threads": a.engine_threads,
-               "engine_pids_found": bool(self.engine_pids), "argv": sys.argv[1:]}
+               "engine_pids_found": bool(self.pids["engine"]), "idle_engine_cpu_ms_s": [round(x, 2) for x in self.idle],
+               "argv": sys.argv[1:]}
         return {"env": env, "links": {x.name: self.link_summary(x) for x in self.links}, "sessions": self.sessions,
                 "note": __doc__.split("\n\n", 2)[2]}
 
@@ -272,22 +303,33 @@ def summarize_link(sessions: list[dict], arms: list[str], floor: float, changes:
     out: dict[str, Any] = {"arms": {}, "ratios": {}, "changes": changes}
     for arm, ss in by_arm.items():
         tps = ratio_ci([s["tok_s"] for s in ss], [1.0] * len(ss))
-        g = ratio_ci([s["g_ms"] * s["tokens"] for s in ss], [s["tokens"] for s in ss])
+        tokens = [s["tokens"] for s in ss]
+        g, g_core = (ratio_ci([s[k] * s["tokens"] for s in ss], tokens) for k in ("g_ms", "g_core_ms"))
         share = ratio_ci([s["server_tokens"] for s in ss], [s["tokens"] for s in ss])
         sw = [s["switches"] for s in ss]
         errors = sum(1 for s in sessions if s["arm"] == arm and s.get("error"))
         out["arms"][arm] = {"sessions": len(ss), "errors": errors,
                             "tok_s": tps, "g_ms": g, "mode_share": share,
-                            "g_core_ms": _pooled(ss, "g_core_ms"), "g_model_ms": _pooled(ss, "g_model_ms"),
+                            "g_raw_ms": _pooled(ss, "g_raw_ms"),
+                            "g_core_ms": g_core,
+                            "g_model_ms": _pooled(ss, "g_model_ms"),
+                            "g_api_ms": _pooled(ss, "g_api_ms"),
                             "switches_mean": round(sum(sw) / len(sw), 3) if sw else None,
                             "switches_max": max(sw, default=None),
-                            "switches_open_max": max((s["switches_open"] for s in ss), default=None)}
+                            "switches_open_max": max((s["switches_open"] for s in ss), default=None),
+                            "switches_over_changes": sum(s["switches_open"] > s["changes_seen"] for s in ss),
+                            "changes_seen_mean": _mean([s["changes_seen"] for s in ss])}
     if "rule" in by_arm:
         rule = {s["prompt"]: s["tok_s"] for s in by_arm["rule"]}
         for arm in (a for a in arms if a != "rule"):
             out["ratios"][f"rule/{arm}"] = paired_ratio(rule, {s["prompt"]: s["tok_s"] for s in by_arm[arm]})
         out["check"] = check(out["arms"], floor, changes)
+        out["check_core"] = check(out["arms"], floor, changes, g="g_core_ms")
     return out
+
+
+def _mean(xs: list[float]) -> float | None:
+    return round(sum(xs) / len(xs), 3) if xs else None
 
 
 def _pooled(ss: list[dict], key: str) -> float | None:
@@ -295,12 +337,12 @@ def _pooled(ss: list[dict], key: str) -> float | None:
     return round(sum(s[key] * s["tokens"] for s in ss) / tokens, 4) if tokens else None
 
 
-def check(arms: dict[str, dict], floor: float, changes: int) -> dict[str, Any]:
+def check(arms: dict[str, dict], floor: float, changes: int, g: str = "g_ms") -> dict[str, Any]:
     """The rule against the better forced arm (module docstring).
 
     >>> a = {"phone": {"tok_s": {"value": 9.0, "lo": 8.0, "hi": 10.0}, "g_ms": {"value": 1.0, "hi": 1.1}},
     ...      "server": {"tok_s": {"value": 30.0, "lo": 28.0, "hi": 32.0}, "g_ms": {"value": 2.0, "hi": 2.2}},
-    ...      "rule": {"tok_s": {"value": 8.5}, "g_ms": {"value": 1.05}, "switches_open_max": 0}}
+    ...      "rule": {"tok_s": {"value": 8.5}, "g_ms": {"value": 1.05}, "switches_over_changes": 0}}
     >>> r = check(a, 6.0, 0); r["reference"], r["passed"]
     ('phone', True)
     """
@@ -310,22 +352,22 @@ def check(arms: dict[str, dict], floor: float, changes: int) -> dict[str, Any]:
         return {"passed": None, "why": "no rule or no forced arm measured"}
     meeting = [k for k, v in forced.items() if v["tok_s"]["value"] >= floor]
     if meeting:
-        ref = min(meeting, key=lambda k: forced[k]["g_ms"]["value"])
+        ref = min(meeting, key=lambda k: forced[k][g]["value"])
         why = f"{ref}: the least g among the forced arms meeting {floor:g} tok/s ({', '.join(meeting)})"
     else:
         ref = max(forced, key=lambda k: forced[k]["tok_s"]["value"])
         why = f"{ref}: no forced arm meets {floor:g} tok/s, the faster"
     r, f = rule, forced[ref]
     speed_ok = r["tok_s"]["value"] >= f["tok_s"]["lo"]
-    g_ok = r["g_ms"]["value"] <= f["g_ms"]["hi"]
+    g_ok = r[g]["value"] <= f[g]["hi"]
     out = {"reference": ref, "why": why, "rule_tok_s": r["tok_s"]["value"],
            "reference_tok_s": [f["tok_s"]["lo"], f["tok_s"]["hi"]], "tok_s_ok": speed_ok,
            "within_interval": f["tok_s"]["lo"] <= r["tok_s"]["value"] <= f["tok_s"]["hi"],
-           "rule_g_ms": r["g_ms"]["value"], "reference_g_ms": f["g_ms"]["value"], "reference_g_hi": f["g_ms"]["hi"],
+           "g": g, "rule_g_ms": r[g]["value"], "reference_g_ms": f[g]["value"], "reference_g_hi": f[g]["hi"],
            "g_ok": g_ok}
     passed = speed_ok and g_ok
-    if changes:
-        out["switches_ok"] = (r.get("switches_open_max") or 0) <= changes
+    if changes:  # no rule session switched more often than the link changed before its last token
+        out["switches_ok"] = not r.get("switches_over_changes")
         passed = passed and out["switches_ok"]
     out["passed"] = passed
     return out
@@ -352,27 +394,32 @@ def markdown(res: dict[str, Any]) -> str:
            f"{fam.get('verifier_sha256', 'not recorded')}. {env['prompts']} prompts ({env['prompt_set']}) x "
            f"{env['max_tokens']} tokens (ignore_eos), sampling {env['sampling']}, one session at a time; phone "
            f"{env['phone_config']}; rule floor {env['floor_tps']} tok/s, window {env['window']}.", "",
-           "| link | arm | tok/s [95 %] | rule / arm tok/s [95 %] | server g ms/token [95 %] | g core / model "
-           "ms/token | mode share [95 %] | switches / session (mean, max) | errors |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "| link | arm | tok/s [95 %] | rule / arm tok/s [95 %] | server g ms/token [95 %] | g raw / core / model / "
+           "API ms/token | mode share [95 %] | switches / session (mean, max) | link changes seen / session | errors |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for name, link in res["links"].items():
         for arm, v in link["arms"].items():
             ratio = link["ratios"].get(f"rule/{arm}")
             out.append(f"| {name} | {arm} | {_ci(v['tok_s'])} | {_ci(ratio, 3) if ratio else '–'} | "
-                       f"{_ci(v['g_ms'], 3)} | {v['g_core_ms']} / {v['g_model_ms']} | {_ci(v['mode_share'])} | "
-                       f"{v['switches_mean']}, {v['switches_max']} | {v['errors']} |")
+                       f"{_ci(v['g_ms'], 3)} | {v['g_raw_ms']} / {v['g_core_ms']['value']} / {v['g_model_ms']} / "
+                       f"{v['g_api_ms']} | "
+                       f"{_ci(v['mode_share'])} | {v['switches_mean']}, {v['switches_max']} | "
+                       f"{v['changes_seen_mean'] if link['changes'] else '–'} | {v['errors']} |")
     out += ["", "## The check", "",
-            "| link | reference arm (why) | rule tok/s | reference tok/s interval | tok/s ok | rule g | reference g "
-            "(upper end) | g ok | switches ok | passed |", "|---|---|---|---|---|---|---|---|---|---|"]
+            "g: the engine-core process's CPU less its idle rate (`check`); core: the engine timer's core CPU "
+            "(`check_core`), which also ranks the forced arms.", "",
+            "| link | g | reference arm (why) | rule tok/s | reference tok/s interval | tok/s ok | rule g | "
+            "reference g (upper end) | g ok | switches ok | passed |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, link in res["links"].items():
-        c = link.get("check") or {}
-        if c.get("passed") is None:
-            out.append(f"| {name} | {c.get('why', '–')} |" + " |" * 8)
-            continue
-        lo, hi = c["reference_tok_s"]
-        out.append(f"| {name} | {c['why']} | {c['rule_tok_s']:.2f} | [{lo:.2f}, {hi:.2f}] | {_yes(c['tok_s_ok'])} | "
-                   f"{c['rule_g_ms']:.3f} | {c['reference_g_ms']:.3f} ({c['reference_g_hi']:.3f}) | "
-                   f"{_yes(c['g_ok'])} | {_yes(c.get('switches_ok'))} | **{_yes(c['passed'])}** |")
+        for tag, c in (("g", link.get("check") or {}), ("core", link.get("check_core") or {})):
+            if c.get("passed") is None:
+                out.append(f"| {name} | {tag} | {c.get('why', '–')} |" + " |" * 8)
+                continue
+            lo, hi = c["reference_tok_s"]
+            out.append(f"| {name} | {tag} | {c['why']} | {c['rule_tok_s']:.2f} | [{lo:.2f}, {hi:.2f}] | "
+                       f"{_yes(c['tok_s_ok'])} | {c['rule_g_ms']:.3f} | {c['reference_g_ms']:.3f} "
+                       f"({c['reference_g_hi']:.3f}) | {_yes(c['g_ok'])} | {_yes(c.get('switches_ok'))} | "
+                       f"**{_yes(c['passed'])}** |")
     links = "; ".join(f"{k}: {json.dumps(v)}" for k, v in env["links"].items())
     return "\n".join(out + ["", f"Links: {links}", "", res["note"], ""])
 
@@ -432,10 +479,11 @@ def _log(msg: str) -> None:
     print(f"[link-sweep {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None, *, fixtures_dir, bench_prompts, machine) -> int:
+    """``python -m hyco_lab.bench --link-sweep``; the three callables are ``hyco_lab.bench.__main__``'s."""
     try:
         args = parse_args(argv)
-        sweep = Sweep(args)
+        sweep = Sweep(args, fixtures_dir(args.fixtures), bench_prompts(args.prompt_set, args.prompts), machine())
         sweep.out.mkdir(parents=True, exist_ok=True)
         res = sweep.run()
     except HycoError as e:

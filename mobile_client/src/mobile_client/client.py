@@ -447,7 +447,9 @@ class HycoClient:
                 return
             observe = getattr(self.policy, "observe_round", None)
             if observe is not None:
-                observe(stats.committed, stats.draft_ms / 1e3, stats.wait_ms / 1e3, time.perf_counter())
+                # drafting as it took on the device: a simulated phone pads it to sim_draft_ms
+                draft_s = max(stats.draft_ms, self.sim_draft_ms) / 1e3
+                observe(stats.committed, draft_s, stats.wait_ms / 1e3, time.perf_counter())
             if on_round is not None:
                 on_round(stats)
             return

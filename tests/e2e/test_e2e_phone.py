@@ -22,6 +22,7 @@ from test_e2e_phone_support import (
     make_phone,
     metric_values,
     phone_server,
+    plain_greedy,
     start_frame,
     tree_frame,
     wait_drained,
@@ -55,15 +56,10 @@ def oai(server):
 
 
 @pytest.fixture(scope="module")
-def plain(oai):
+def plain(server):
     """Plain greedy decoding of every prompt through the OpenAI completions endpoint (the reference):
     ``{prompt: (text, token ids)}``."""
-    out = {}
-    for p in PROMPTS:
-        choice = oai.completions.create(model=MODEL, prompt=p, max_tokens=MAX_TOKENS, temperature=0,
-                                        extra_body={"ignore_eos": True, "return_token_ids": True}).choices[0]
-        out[p] = (choice.text, list(choice.model_extra["token_ids"]))
-    return out
+    return plain_greedy(server, PROMPTS, MAX_TOKENS)
 
 
 def _phone(tok, prompt: str, reference: tuple[str, list[int]], seed: int, p_plant: float = 0.8):

@@ -168,6 +168,20 @@ def metric_values(base: str, name: str) -> dict[str, float]:
     return out
 
 
+def plain_greedy(base: str, prompts, max_tokens: int) -> dict[str, tuple[str, list[int]]]:
+    """Plain greedy decoding of each prompt through ``base``'s OpenAI completions route (the reference of the
+    phone tests): ``{prompt: (text, token ids)}``."""
+    import openai
+
+    oai = openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY, timeout=300, max_retries=0)
+    out = {}
+    for p in prompts:
+        c = oai.completions.create(model=MODEL, prompt=p, max_tokens=max_tokens, temperature=0,
+                                   extra_body={"ignore_eos": True, "return_token_ids": True}).choices[0]
+        out[p] = (c.text, list(c.model_extra["token_ids"]))
+    return out
+
+
 # -- the reference phone ----------------------------------------------------------------------------------
 class PlantedDrafter:
     """Random trees; with probability ``p_plant`` the known continuation is planted as a chain.

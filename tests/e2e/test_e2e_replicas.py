@@ -38,6 +38,7 @@ from test_e2e_phone_support import (
     make_phone,
     metric_values,
     pipe,
+    plain_greedy,
     resume_frame,
     start_frame,
     tree_frame,
@@ -202,15 +203,7 @@ def tok(fixtures_dir):
 @pytest.fixture(scope="module")
 def plain(cluster):
     """Plain greedy decoding of every prompt through the proxy's OpenAI completions route."""
-    import openai
-
-    oai = openai.OpenAI(base_url=f"{cluster.base}/v1", api_key=API_KEY, timeout=300, max_retries=0)
-    out = {}
-    for p in PROMPTS:
-        c = oai.completions.create(model=MODEL, prompt=p, max_tokens=MAX_TOKENS, temperature=0,
-                                   extra_body={"ignore_eos": True, "return_token_ids": True}).choices[0]
-        out[p] = (c.text, list(c.model_extra["token_ids"]))
-    return out
+    return plain_greedy(cluster.base, PROMPTS, MAX_TOKENS)
 
 
 def _body(prompt: str) -> dict:

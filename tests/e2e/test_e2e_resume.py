@@ -13,13 +13,13 @@ import time
 import aiohttp
 import pytest
 from test_e2e_phone_support import (
-    API_KEY,
     MODEL,
     KillingProxy,
     RawPhone,
     make_client,
     make_phone,
     phone_server,
+    plain_greedy,
     resume_frame,
     start_frame,
     tree_frame,
@@ -48,12 +48,7 @@ def tok(fixtures_dir):
 
 @pytest.fixture(scope="module")
 def plain(server):
-    import openai
-
-    oai = openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, timeout=300, max_retries=0)
-    c = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
-                               extra_body={"ignore_eos": True, "return_token_ids": True}).choices[0]
-    return c.text, list(c.model_extra["token_ids"])
+    return plain_greedy(server, [PROMPT], MAX_TOKENS)[PROMPT]
 
 
 def test_killed_connections_lose_no_token(server, tok, plain):

@@ -10,7 +10,16 @@ import asyncio
 
 import aiohttp
 import pytest
-from test_e2e_phone_support import MODEL, RawPhone, make_client, make_phone, metric_values, phone_server, start_frame
+from test_e2e_phone_support import (
+    MODEL,
+    RawPhone,
+    make_client,
+    make_phone,
+    metric_values,
+    phone_server,
+    plain_greedy,
+    start_frame,
+)
 
 from mobile_client.mode_rule import Alternate, ModeRule, ModeRuleConfig, ServerOnly
 from vllm_hyco.handoff.client_frames import ClientCapabilities, HycoOptions, ResumeRequest, StartFrame
@@ -35,15 +44,7 @@ def tok(fixtures_dir):
 
 @pytest.fixture(scope="module")
 def plain(server):
-    import openai
-
-    oai = openai.OpenAI(base_url=f"{server}/v1", api_key="hyco-e2e-key", timeout=300, max_retries=0)
-    out = {}
-    for p in PROMPTS:
-        c = oai.completions.create(model=MODEL, prompt=p, max_tokens=MAX_TOKENS, temperature=0,
-                                   extra_body={"ignore_eos": True, "return_token_ids": True}).choices[0]
-        out[p] = (c.text, list(c.model_extra["token_ids"]))
-    return out
+    return plain_greedy(server, PROMPTS, MAX_TOKENS)
 
 
 def _session(tok, prompt, plain, seed=0):

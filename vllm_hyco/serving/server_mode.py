@@ -33,7 +33,7 @@ from vllm_hyco.engine_contract import SessionInfo
 from vllm_hyco.errors import HycoError, WireError
 from vllm_hyco.handoff.frames import encode_frame
 from vllm_hyco.handoff.mode_frames import AckFrame, ModeAckFrame, ModeFrame, PongFrame, TokensFrame
-from vllm_hyco.handoff.server_frames import FinalFrame, openai_chunk
+from vllm_hyco.handoff.server_frames import openai_chunk
 from vllm_hyco.serving.table import HeldSession
 
 logger = logging.getLogger("vllm.hyco")
@@ -44,8 +44,11 @@ POLL_S = 0.05  # how often a streamer waiting for tokens looks at its session's 
 DRAIN_TIMEOUT_S = 120.0  # a switch back waits this long for the tokens committed before the park
 TPS_HALF_LIFE_S = 30.0
 FINISHING = 1 << 62  # a switch back that found the request finished in the engine drains to its end
-_ENGINE_REFUSALS = ("server_mode_unavailable", "server_mode_full", "server_busy", "session_busy", "mid_round",
-                    "stale_round", "future_round", "wrong_mode", "bad_mode")
+# the engine's refusals of a switch (engine_core/server_mode.py) -> the wire's code; the round and mode checks
+# the service makes first leave the last four for a service bug
+_ENGINE_REFUSALS = {code: code for code in ("server_mode_unavailable", "server_mode_full", "server_busy",
+                                            "session_busy", "mid_round")} | {
+    code: "wrong_mode" for code in ("stale_round", "future_round", "wrong_mode", "bad_mode")}
 
 
 class ServerModeMixin:
@@ -140,9 +143,7 @@ class ServerModeMixin:
             if e.code in ("session_finished", "finished") and s.mode == "server":  # its end is on its way
                 return None
             if e.code in _ENGINE_REFUSALS:
-                code = e.code if e.code in ("server_mode_unavailable", "server_mode_full", "server_busy",
-                                            "session_busy", "mid_round") else "wrong_mode"
-                raise self._refuse(str(e), code, round_) from None
+                raise self._refuse(str(e), _ENGINE_REFUSALS[e.code], round_) from None
             await self._engine_lost(s, e, round_)  # type: ignore[attr-defined]
             raise
         s.engine_round = info.expected_round
@@ -262,15 +263,8 @@ class ServerModeMixin:
         s.stream.append((s.completion_tokens, frame))
         frames = [frame]
         if finished:
-            s.finished = True
             self._note_tps(s)
-            down = s.bytes_down + len(frame)
-            final = FinalFrame(s.sid, len(s.engine.prompt_ids), s.completion_tokens, s.rounds,
-                               (s.completion_tokens - s.server_tokens) / max(s.rounds, 1), s.bytes_up, down,
-                               s.server_tokens)
-            s.final_frame = encode_frame(final)
-            frames.append(s.final_frame)
-            self.metrics.sessions.labels(outcome="finished").inc()
+            self._finish(s, frames)  # type: ignore[attr-defined]
             self.metrics.server_sessions.dec()
         s.touch()
         owner = s.owner

@@ -299,17 +299,22 @@ class HycoService(ServerModeMixin):
         if len(committed) > len(path):
             m.bonus.inc()
         if finished:
-            s.finished = True
-            s.ring.rows = None  # no seed replays after the end
-            down = s.bytes_down + sum(map(len, frames))  # the connection counts them when it sends them
-            final = FinalFrame(s.sid, len(s.engine.prompt_ids), s.completion_tokens, s.rounds,
-                               (s.completion_tokens - s.server_tokens) / max(s.rounds, 1), s.bytes_up, down,
-                               s.server_tokens)
-            s.final_frame = encode_frame(final)
-            frames.append(s.final_frame)
-            m.sessions.labels(outcome="finished").inc()
-            m.parked.set(self.table.active())
+            self._finish(s, frames)
         return frames
+
+    def _finish(self, s: HeldSession, frames: list[bytes]) -> None:
+        """The session's last frames are ``frames`` (a verdict and its chunks, or a stretch's `tokens` frame):
+        mark it finished and append ``final``."""
+        s.finished = True
+        s.ring.rows = None  # no seed replays after the end
+        down = s.bytes_down + sum(map(len, frames))  # the connection counts them when it sends them
+        final = FinalFrame(s.sid, len(s.engine.prompt_ids), s.completion_tokens, s.rounds,
+                           (s.completion_tokens - s.server_tokens) / max(s.rounds, 1), s.bytes_up, down,
+                           s.server_tokens)  # mat: committed tokens per phone round
+        s.final_frame = encode_frame(final)
+        frames.append(s.final_frame)
+        self.metrics.sessions.labels(outcome="finished").inc()
+        self.metrics.parked.set(self.table.active())
 
     def _handoff(self, s: HeldSession, round_: int, h: Handoff, bonus: int) -> HandoffPayload:
         """Round 0: the seed ``[max(0, t' - W), t')``; later rounds: the positions committed this round."""

@@ -66,6 +66,12 @@ MODE_REFUSALS = frozenset({"server_mode_unavailable", "server_mode_full", "serve
 GATEWAY_STATUSES = frozenset({502, 503, 504})
 
 
+def server_error(frame: ErrorFrame) -> HycoServerError:
+    """The typed error an ``error`` frame from the server raises on the phone."""
+    return HycoServerError(f"server error {frame.code}: {frame.message}", code=frame.code, fatal=frame.fatal,
+                           round=frame.round)
+
+
 class _Dropped(Exception):
     """Internal: the connection is unusable; reconnect (and resume) if retries are left."""
 
@@ -245,14 +251,17 @@ class HycoClient:
         self._pings[self._nonce] = time.perf_counter()
         await self._send(ws, encode_frame(PingFrame(self._nonce)))
 
+    def _tell(self, hook: str, *args) -> None:
+        """Feed the mode policy a measurement, when it takes that kind (``mobile_client.mode_rule``)."""
+        fn = getattr(self.policy, hook, None)
+        if fn is not None:
+            fn(*args)
+
     def _pong(self, frame: PongFrame) -> None:
         sent = self._pings.pop(frame.nonce, None)
-        observe = getattr(self.policy, "observe_rtt", None)
-        if sent is not None and observe is not None:
-            observe(time.perf_counter() - sent, time.perf_counter())
-        offer = getattr(self.policy, "observe_offer", None)
-        if offer is not None:
-            offer(frame.offers_server, frame.server_tps)
+        if sent is not None:
+            self._tell("observe_rtt", time.perf_counter() - sent, time.perf_counter())
+        self._tell("observe_offer", frame.offers_server, frame.server_tps)
 
     async def _probe(self, ws, session: PhoneSession) -> None:
         await self._ping(ws)
@@ -260,8 +269,7 @@ class HycoClient:
         if isinstance(frame, PongFrame):
             self._pong(frame)
         elif isinstance(frame, ErrorFrame):
-            raise HycoServerError(f"server error {frame.code}: {frame.message}", code=frame.code,
-                                  fatal=frame.fatal, round=frame.round)
+            raise server_error(frame)
 
     async def _switch(self, ws, session: PhoneSession, mode: str) -> None:
         """Ask for server mode at the round boundary; a refusal leaves the session in phone mode."""
@@ -274,12 +282,9 @@ class HycoClient:
                 continue
             if isinstance(frame, ErrorFrame):
                 if not frame.fatal and frame.code in MODE_REFUSALS:
-                    refused = getattr(self.policy, "refused", None)
-                    if refused is not None:
-                        refused(time.perf_counter())
+                    self._tell("refused", time.perf_counter())
                     return
-                raise HycoServerError(f"server error {frame.code}: {frame.message}", code=frame.code,
-                                      fatal=frame.fatal, round=frame.round)
+                raise server_error(frame)
             if not isinstance(frame, ModeAckFrame):
                 raise FrameError(f"expected the mode frame, got a {frame.TYPE} frame", code="unknown_type")
             session.apply_mode(frame)
@@ -289,7 +294,6 @@ class HycoClient:
         """A server-mode stretch: take the tokens frames (acknowledging each), probe the link, and ask for
         phone mode when the policy says so; returns when the session is back in phone mode or finished."""
         switching, last_ping, t_prev = False, time.perf_counter(), time.perf_counter()
-        observe = getattr(self.policy, "observe_tokens", None)
         while session.mode == "server" and not session.finished:
             now = time.perf_counter()
             if now - last_ping >= self.policy.probe_s and not switching:
@@ -307,20 +311,16 @@ class HycoClient:
             elif isinstance(frame, ErrorFrame):
                 if not frame.fatal and frame.code in MODE_REFUSALS:  # the switch back must wait (session_busy)
                     switching = False
-                    refused = getattr(self.policy, "refused", None)
-                    if refused is not None:
-                        refused(time.perf_counter())
+                    self._tell("refused", time.perf_counter())
                     continue
-                raise HycoServerError(f"server error {frame.code}: {frame.message}", code=frame.code,
-                                      fatal=frame.fatal, round=frame.round)
+                raise server_error(frame)
             elif isinstance(frame, ModeAckFrame):
                 session.apply_mode(frame)
             elif isinstance(frame, TokensFrame):
                 stats = session.apply_tokens(frame, wait_ms=(now - t_prev) * 1e3, bytes_down=n)
                 t_prev = time.perf_counter()
                 if stats is not None:
-                    if observe is not None:
-                        observe(stats.committed, t_prev)
+                    self._tell("observe_tokens", stats.committed, t_prev)
                     if on_round is not None:
                         on_round(stats)
                 if not session.finished:
@@ -395,8 +395,7 @@ class HycoClient:
         """The answer to ``start``: the ``session`` frame (checked and taken by the session), or an error."""
         frame, _ = await self._recv(ws, session)
         if isinstance(frame, ErrorFrame):
-            raise HycoServerError(f"server error {frame.code}: {frame.message}", code=frame.code,
-                                  fatal=frame.fatal, round=frame.round)
+            raise server_error(frame)
         if not isinstance(frame, SessionFrame):
             raise FrameError(f"expected the session frame after start, got a {frame.TYPE} frame",
                              code="unknown_type")
@@ -418,8 +417,7 @@ class HycoClient:
                         await asyncio.sleep(self.retry_delay_s)
                         await self._send(ws, encode_frame(session.next_tree()))
                         continue
-                    raise HycoServerError(f"server error {frame.code}: {frame.message}", code=frame.code,
-                                          fatal=frame.fatal, round=frame.round)
+                    raise server_error(frame)
                 if isinstance(frame, PongFrame):
                     self._pong(frame)
                     continue
@@ -445,11 +443,9 @@ class HycoClient:
                 raise _Dropped(f"hand-off lost ({e.code}: {e}); resuming with need_seed") from None
             if stats is None:  # a replay of a round already held
                 return
-            observe = getattr(self.policy, "observe_round", None)
-            if observe is not None:
-                # drafting as it took on the device: a simulated phone pads it to sim_draft_ms
-                draft_s = max(stats.draft_ms, self.sim_draft_ms) / 1e3
-                observe(stats.committed, draft_s, stats.wait_ms / 1e3, time.perf_counter())
+            # drafting as it took on the device: a simulated phone pads it to sim_draft_ms
+            self._tell("observe_round", stats.committed, max(stats.draft_ms, self.sim_draft_ms) / 1e3,
+                       stats.wait_ms / 1e3, time.perf_counter())
             if on_round is not None:
                 on_round(stats)
             return
@@ -461,8 +457,7 @@ class HycoClient:
             frame, n = await self._recv(ws, session)
             nbytes += n
             if isinstance(frame, ErrorFrame):
-                raise HycoServerError(f"server error {frame.code}: {frame.message}", code=frame.code,
-                                      fatal=frame.fatal, round=frame.round)
+                raise server_error(frame)
             if not isinstance(frame, HandoffChunkFrame):
                 raise HandoffSchemaError(f"a {frame.TYPE} frame arrived while {verdict.handoff_ref.chunks} "
                                          f"hand-off chunks were expected", code="chunk_missing")
@@ -475,8 +470,7 @@ class HycoClient:
         except _Dropped:
             return None  # every token is committed; only the statistics are lost
         if isinstance(frame, ErrorFrame):
-            raise HycoServerError(f"server error {frame.code}: {frame.message}", code=frame.code,
-                                  fatal=frame.fatal, round=frame.round)
+            raise server_error(frame)
         if not isinstance(frame, FinalFrame) or (session.sid is not None and frame.session_id != session.sid):
             raise FrameError(f"expected this session's final frame, got {frame.TYPE}", code="bad_verdict")
         return frame

@@ -289,16 +289,25 @@ class EngineBridge:
         return RoundResult(verdict, ids, text, reason)
 
     async def _round_output(self, s: EngineSession) -> tuple[list[int], str, str | None]:
+        try:
+            return await self._outputs(s, ROUND_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise EngineError("the engine produced no output for this round") from None
+
+    async def _outputs(self, s: EngineSession, first_wait_s: float) -> tuple[list[int], str, str | None]:
+        """The session's outputs since the last take: waits up to ``first_wait_s`` for the first token
+        (``asyncio.TimeoutError``), then takes what else is queued, up to the request's end. A stream that
+        ended with nothing taken raises SessionError ``session_finished``."""
         ids: list[int] = []
         text, reason = "", None
         while True:
-            wait = ROUND_TIMEOUT_S if not ids else 0.0
-            try:
-                out = await asyncio.wait_for(s.queue.get(), wait) if wait else s.queue.get_nowait()
-            except asyncio.QueueEmpty:
-                return ids, text, reason
-            except asyncio.TimeoutError:
-                raise EngineError("the engine produced no output for this round") from None
+            if ids:  # then only what is queued already
+                try:
+                    out = s.queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    return ids, text, reason
+            else:  # an output with no token (none taken yet) is waited past
+                out = await asyncio.wait_for(s.queue.get(), first_wait_s)
             if out is None or isinstance(out, Exception):
                 s.finished = True
                 if ids:
@@ -320,31 +329,17 @@ class EngineBridge:
         return info
 
     async def decoded(self, s: EngineSession, timeout_s: float) -> Decoded | None:
-        """The outputs that reached the session's queue: waits for the first up to ``timeout_s``, then takes
-        what else is there."""
-        ids: list[int] = []
-        text, reason = "", None
+        """The outputs that reached the session's queue (``_outputs``); None when none came in ``timeout_s``. A
+        stream that ended cleanly with nothing more is an aborted end (``abort``), one that ended with an
+        error raises."""
         try:
-            out = await asyncio.wait_for(s.queue.get(), timeout_s)
+            return Decoded(*await self._outputs(s, timeout_s))
         except asyncio.TimeoutError:
             return None
-        while True:
-            if out is None or isinstance(out, Exception):
-                s.finished = True
-                if ids or out is None:
-                    return Decoded(ids, text, reason or "abort")
-                raise SessionError(f"the engine ended the session ({out!r})", code="session_finished")
-            if out.outputs:
-                c = out.outputs[0]
-                ids += list(c.token_ids)
-                text += c.text
-            if out.finished:
-                s.finished = True
-                return Decoded(ids, text, str((out.outputs[0].finish_reason if out.outputs else None) or "stop"))
-            try:
-                out = s.queue.get_nowait()
-            except asyncio.QueueEmpty:
-                return Decoded(ids, text, None)
+        except SessionError:
+            if s.error is not None:
+                raise
+            return Decoded([], "", "abort")
 
     async def close(self, s: EngineSession) -> None:
         try:

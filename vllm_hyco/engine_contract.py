@@ -251,7 +251,7 @@ class TreeVerdict:
 
 @dataclass(frozen=True)
 class CostFit:
-    """The node budget's step-cost model as fitted now (``spec_decode.budget.StepCostModel.snapshot``)."""
+    """The node budget's step-cost model as fitted now (``spec_decode.step_cost.StepCostModel.snapshot``)."""
 
     fixed_ms: float
     per_row_ms: float
@@ -263,10 +263,12 @@ class CostFit:
     steps: int
     ready: bool
     rmse_ms: float | None
+    spread_ms: float = 0.0  # the fitted steps' own standard deviation: a sane fit's rmse is below it
+    outliers: int = 0  # steps far off the fit, left out of it
 
     @classmethod
     def from_snapshot(cls, snap: Mapping[str, Any]) -> CostFit:
-        return cls(**{f: snap[f] for f in cls.__dataclass_fields__})
+        return cls(**{f: snap[f] for f in cls.__dataclass_fields__ if f in snap})
 
 
 @dataclass(frozen=True)
@@ -380,19 +382,25 @@ class SessionInfo:
 
 @dataclass(frozen=True)
 class EngineStats:
-    """``hyco_stats``: the engine's sessions and KV blocks (the soak checks read them)."""
+    """``hyco_stats``: the engine's sessions and KV blocks (the soak checks read them), and what a committed
+    token costs the server in each session mode (``spec_decode.mode_cost``; ms, 0.0 while unknown)."""
 
     live: int
     parked: int
     kv_blocks_used: int
     kv_blocks_total: int
+    phone_ms_per_token: float = 0.0
+    server_ms_per_token: float = 0.0
 
     def to_wire(self) -> dict[str, Any]:
         return dict(vars(self))
 
     @classmethod
     def from_wire(cls, obj: Any) -> EngineStats:
-        return obj if isinstance(obj, EngineStats) else cls(**{k: int(obj[k]) for k in cls.__dataclass_fields__})
+        if isinstance(obj, EngineStats):
+            return obj
+        return cls(*(int(obj[k]) for k in ("live", "parked", "kv_blocks_used", "kv_blocks_total")),
+                   float(obj.get("phone_ms_per_token", 0.0)), float(obj.get("server_ms_per_token", 0.0)))
 
 
 # -- refusals -------------------------------------------------------------------------------------------

@@ -71,7 +71,8 @@ class HycoMetrics:
         cost = info.cost
         for term, ms in (("fixed", cost.fixed_ms), ("per_row", cost.per_row_ms), ("per_row_kctx", cost.per_krow_ctx_ms),
                          ("per_tree", cost.per_tree_ms), ("per_branching", cost.per_branching_ms),
-                         ("per_plain", cost.per_plain_ms), ("per_head", cost.per_head_ms), ("rmse", cost.rmse_ms)):
+                         ("per_plain", cost.per_plain_ms), ("per_head", cost.per_head_ms), ("rmse", cost.rmse_ms),
+                         ("spread", cost.spread_ms)):
             if ms is not None:
                 self.cost.labels(term=term).set(ms / 1e3)
         self.cost_steps.set(cost.steps)

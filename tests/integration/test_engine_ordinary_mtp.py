@@ -226,6 +226,8 @@ def test_a_session_switched_every_round_commits_plain_greedy(engines):
         root, rnd = info.root, info.expected_round
     assert out == want
     assert stretches >= 2 and seeds >= stretches  # round 0 and every round after a stretch carried the seed
+    ledger = hyco.llm_engine.engine_core.engine_core.scheduler.hyco.mode_cost  # what a token cost in each mode
+    assert ledger.seen["phone"] > 0 and ledger.seen["server"] > 0 and min(ledger.seconds.values()) > 0
 
 
 def test_mode_switch_refusals_are_typed_and_change_nothing(engines):

@@ -134,3 +134,21 @@ def test_server_mode_only_is_checked_at_startup():
     with pytest.raises(ConfigError, match="max_server_sessions"):
         HycoConfig(server_mode="only", model="m", num_speculative_tokens=2, max_sessions=8, max_server_sessions=4)
     assert HycoConfig(server_mode="only", model="m", num_speculative_tokens=2).server_mode == "only"
+
+
+def test_the_offer_carries_what_a_token_costs_in_each_mode():
+    """The sweeper's ``refresh_costs`` copies the engine's per-mode ledger into the ``session`` and ``pong``
+    frames; a server that does not offer server mode does not ask (its figures stay 0: unknown)."""
+    for places, costs in ((4, (4.5, 3.9)), (0, (0.0, 0.0))):
+        svc = service(places)
+
+        async def scenario():
+            s, frames = await svc.open(start(), owner=None)
+            assert (decode_server_frame(frames[0]).phone_ms, decode_server_frame(frames[0]).server_ms) == (0.0, 0.0)
+            await svc.refresh_costs()
+            pong = decode_server_frame(svc.pong(1))
+            assert (pong.phone_ms, pong.server_ms) == costs
+            ack = decode_server_frame(svc.session_frame(s))
+            assert (ack.offers_server, ack.phone_ms, ack.server_ms) == (places > 0, *costs)
+
+        asyncio.run(scenario())

@@ -12,7 +12,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from vllm_hyco.engine_contract import Handoff, HandoffSeed, KVRows, RoundVerdict, TreeVerdict
+from vllm_hyco.engine_contract import EngineStats, Handoff, HandoffSeed, KVRows, RoundVerdict, TreeVerdict
 from vllm_hyco.handoff.client_frames import HycoOptions, ResumeRequest, StartFrame, TreeFrame
 from vllm_hyco.handoff.frames import decode_server_frame
 from vllm_hyco.handoff.golden import golden_scales, golden_spec
@@ -39,6 +39,9 @@ class FakeBridge:
 
     async def close(self, es):
         self.closed += 1
+
+    async def stats(self):
+        return EngineStats(1, 0, 8, 64, phone_ms_per_token=4.5, server_ms_per_token=3.9)
 
     def _rows(self, n):
         zeros = {layer.kind: np.zeros((n, layer.kv_heads, layer.head_dim), np.int8) for layer in self.spec.layers}

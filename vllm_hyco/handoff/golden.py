@@ -150,12 +150,13 @@ def golden_files() -> dict[str, tuple[str, bytes]]:
             True,
         ),
         "final": FinalFrame(SESSION_ID, 9, 8, 5, 1.6, 1234, 56789, server_tokens=3),
-        "session_server": SessionFrame(SESSION_ID, 6, 0, spec, mode="server", tokens=18, offers_server=True),
+        "session_server": SessionFrame(SESSION_ID, 6, 0, spec, mode="server", tokens=18, offers_server=True,
+                                       server_tps=88.5, phone_ms=4.5, server_ms=3.75),
         "mode_ack_server": ModeAckFrame("server", 6, 14, None, 0, 64, exact=True),
         "tokens": TokensFrame(6, 14, (1201, 1202, 1203), chat_chunk(" abc")),
         "tokens_final": TokensFrame(6, 30, (2,), chat_chunk("", "stop")),
         "mode_ack_phone": ModeAckFrame("phone", 7, 31, 1203, 32, 0),
-        "pong": PongFrame(0x1234_5678_9ABC, True, 41.5),
+        "pong": PongFrame(0x1234_5678_9ABC, True, 41.5, 4.5, 3.75),
     }
     out = {
         "scales_fixture.npz": ("scales", b""),

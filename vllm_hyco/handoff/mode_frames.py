@@ -31,7 +31,7 @@ import numpy as np
 from vllm_hyco.errors import FrameError
 from vllm_hyco.handoff._fields import Fields
 from vllm_hyco.handoff.limits import WireLimits
-from vllm_hyco.handoff.server_frames import chunk_finish_reason
+from vllm_hyco.handoff.server_frames import chunk_finish_reason, offer_figure
 
 SESSION_MODES = ("phone", "server")
 MAX_WINDOW = 1 << 16  # tokens a phone may let the server send beyond its last ack
@@ -180,21 +180,25 @@ class TokensFrame:
 @dataclass(frozen=True)
 class PongFrame:
     """The answer to ``ping``: the nonce, and what server mode gives now: ``offers_server`` (the server
-    would take a switch now: it drafts, allows it, and has a place) and ``server_tps`` (tokens per second
-    its server-mode sessions got lately; 0: none measured)."""
+    would take a switch now: it drafts, allows it, and has a place), ``server_tps`` (tokens per second
+    its server-mode sessions got lately; 0: none measured), and what a committed token costs the server in
+    each mode lately, ``phone_ms`` and ``server_ms`` (ms of server compute; 0: not measured yet)."""
 
     TYPE = "pong"
     nonce: int
     offers_server: bool
     server_tps: float
+    phone_ms: float = 0.0
+    server_ms: float = 0.0
 
     def to_wire(self) -> dict:
-        return {"nonce": self.nonce, "offers_server": self.offers_server, "server_tps": float(self.server_tps)}
+        return {"nonce": self.nonce, "offers_server": self.offers_server, "server_tps": float(self.server_tps),
+                "phone_ms": float(self.phone_ms), "server_ms": float(self.server_ms)}
 
     @classmethod
     def from_wire(cls, f: Fields, limits: WireLimits) -> PongFrame:
-        nonce, offers, tps = f.int("nonce", 0, MAX_NONCE), f.get("offers_server", bool), f.get("server_tps", float)
+        nonce, offers = f.int("nonce", 0, MAX_NONCE), f.get("offers_server", bool)
+        tps, phone_ms, server_ms = (offer_figure(f, "pong", k) for k in ("server_tps", "phone_ms", "server_ms"))
         f.done()
-        if not 0.0 <= tps < 1e9:
-            raise _E(f"pong.server_tps = {tps} is outside [0, 1e9)", code="bad_field_value")
-        return cls(nonce, offers, tps)
+        return cls(nonce, offers, tps, phone_ms, server_ms)
+

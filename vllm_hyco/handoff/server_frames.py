@@ -126,6 +126,14 @@ class HandoffRef:
         return ref
 
 
+def offer_figure(f: Fields, where: str, key: str) -> float:
+    """One figure of the server's offer (``pong``, ``session``): a float in [0, 1e9); 0.0 when absent."""
+    value = float(f.get(key, (float, int), optional=True, default=0.0))
+    if not 0.0 <= value < 1e9:
+        raise _E(f"{where}.{key} = {value} is outside [0, 1e9)", code="bad_field_value")
+    return value
+
+
 @dataclass(frozen=True)
 class SessionFrame:
     """The start acknowledgement: the session id and the session's hand-off schema, stated once."""
@@ -138,6 +146,9 @@ class SessionFrame:
     mode: str = "phone"  # the session's mode now (protocol v3): "phone" or "server"
     tokens: int = 0  # completion tokens committed so far (v3)
     offers_server: bool = False  # the server would take a switch to server mode now (v3)
+    server_tps: float = 0.0  # v3, as pong's: tokens per second of server-mode sessions lately (0: unknown)
+    phone_ms: float = 0.0  # v3, as pong's: server ms per token committed in phone mode lately (0: unknown)
+    server_ms: float = 0.0  # v3, as pong's: the same in server mode
 
     @property
     def schema_hash(self) -> bytes:
@@ -153,6 +164,9 @@ class SessionFrame:
             "mode": self.mode,
             "tokens": self.tokens,
             "offers_server": self.offers_server,
+            "server_tps": float(self.server_tps),
+            "phone_ms": float(self.phone_ms),
+            "server_ms": float(self.server_ms),
         }
 
     @classmethod
@@ -164,6 +178,7 @@ class SessionFrame:
         stated = f.bin("schema_hash")
         mode = f.choice("mode", ("phone", "server"))
         tokens, offers = f.int("tokens", 0, 1 << 62), f.get("offers_server", bool)
+        tps, phone_ms, server_ms = (offer_figure(f, "session", k) for k in ("server_tps", "phone_ms", "server_ms"))
         f.done()
         if stated != schema.schema_hash:
             raise _E(
@@ -171,7 +186,7 @@ class SessionFrame:
                 f"({schema.schema_hash.hex()}: the first {SCHEMA_HASH_BYTES} bytes of sha256 of its encoding)",
                 code="bad_field_value",
             )
-        return cls(sid, last_round, node_budget, schema, mode, tokens, offers)
+        return cls(sid, last_round, node_budget, schema, mode, tokens, offers, tps, phone_ms, server_ms)
 
 
 @dataclass(frozen=True)

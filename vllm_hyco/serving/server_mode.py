@@ -170,9 +170,22 @@ class ServerModeMixin:
             s.credit.set()
         s.touch()
 
-    def pong(self, nonce: int) -> bytes:
+    def offers_server(self) -> bool:
+        """The server would take a switch to server mode now (it drafts, allows it, and has a place)."""
         busy = sum(1 for x in self.table.sessions() if x.mode == "server" and not x.finished)  # type: ignore
-        return encode_frame(PongFrame(nonce, busy < self.server_places, self.server_tps))
+        return busy < self.server_places
+
+    def pong(self, nonce: int) -> bytes:
+        return encode_frame(PongFrame(nonce, self.offers_server(), self.server_tps, self.phone_ms, self.server_ms))
+
+    async def refresh_costs(self) -> None:
+        """What a committed token costs the server in each mode lately (the engine's ledger,
+        ``spec_decode.mode_cost``), for the ``session`` and ``pong`` frames; the sweeper calls this once a
+        second while sessions are held and server mode is offered."""
+        if self.server_places <= 0 or not self.table.sessions():  # type: ignore[attr-defined]
+            return
+        stats = await self.bridge.stats()  # type: ignore[attr-defined]
+        self.phone_ms, self.server_ms = stats.phone_ms_per_token, stats.server_ms_per_token
 
     def note_owner(self, s: HeldSession) -> None:
         """The phone came back (resume) or left: a paused stretch looks at its credit again."""

@@ -67,6 +67,7 @@ class HycoService(ServerModeMixin):
         self.server_places = server_places  # sessions that may be in server mode at once (0: not offered)
         self.phone_mode = phone_mode  # False (server_mode "only"): every session runs in server mode
         self.server_tps = 0.0  # tokens per second of recent server-mode stretches (the `pong` advertises it)
+        self.phone_ms = self.server_ms = 0.0  # server ms per token in each mode lately (0: unknown; refresh_costs)
         self.route_key = check_route_key(route_key)  # the session ids' prefix (docs/protocol.md section 3)
         self.node_budget, self.server_eps = node_budget, server_eps
         self.table = SessionTable(max_sessions, idle_timeout_s)
@@ -83,6 +84,7 @@ class HycoService(ServerModeMixin):
             await asyncio.sleep(1.0)
             try:
                 await self.sweep()
+                await self.refresh_costs()
             except Exception:
                 logger.exception("HyCo session sweep failed")
 
@@ -136,9 +138,8 @@ class HycoService(ServerModeMixin):
         """The start acknowledgement; the next tree must confirm its schema hash."""
         s.confirmed = False
         budget = 0 if s.finished or s.mode == "server" else s.node_budget
-        busy = sum(1 for x in self.table.sessions() if x.mode == "server" and not x.finished)
         ack = SessionFrame(s.sid, s.last_round, budget, self.model.spec, s.mode, s.completion_tokens,
-                           busy < self.server_places)
+                           self.offers_server(), self.server_tps, self.phone_ms, self.server_ms)
         return encode_frame(ack)
 
     async def open(self, frame: StartFrame, owner: Any) -> tuple[HeldSession, list[bytes]]:

@@ -130,6 +130,7 @@ class HycoClient:
         self.window = window  # server mode's credit window (tokens), unless the policy states one
         self._nonce = 0
         self._pings: dict[int, float] = {}
+        self._last_ping = -float("inf")
 
     async def run(self, session: PhoneSession, on_round: Callable[[RoundStats], None] | None = None
                   ) -> SessionResult:
@@ -212,8 +213,8 @@ class HycoClient:
                 await self._take_verdict(ws, session, time.perf_counter(), on_round)
             if ack.mode == "server":  # a resumed stretch, or a server that drafts every session (server_mode "only")
                 session.mode = "server"
-            elif not resuming and session.round == 0 and self.policy.probe_s < float("inf"):
-                await self._probe(ws, session)  # the link's round trip, before the first tree
+            # the link's round trip before the first tree, unless the server's offer already decided the mode
+            probe = not resuming and session.round == 0 and self.policy.probe_s < float("inf")
             while not session.finished:
                 if session.mode == "server":
                     await self._stretch(ws, session, on_round)
@@ -222,11 +223,18 @@ class HycoClient:
                                                                      self._remaining(session)) == "server":
                     await self._switch(ws, session, "server")
                     continue
+                if probe:
+                    probe = False
+                    await self._probe(ws, session)
+                    continue
                 t_draft, fresh = time.perf_counter(), not session.tree_in_flight
                 frame = await self._call(session.next_tree)
                 if fresh:
                     await self._simulate(self.sim_draft_ms - (time.perf_counter() - t_draft) * 1e3)
                 t0 = time.perf_counter()
+                offer_s = self.policy.offer_s  # the server's offer now, and the link's round trip
+                if offer_s < float("inf") and t0 - self._last_ping >= offer_s:
+                    await self._ping(ws)
                 await self._simulate(self.sim_rtt_ms / 2)
                 await self._send(ws, encode_frame(frame))
                 prep = asyncio.create_task(self._call(session.prepare_proactive)) \
@@ -248,7 +256,7 @@ class HycoClient:
 
     async def _ping(self, ws) -> None:
         self._nonce += 1
-        self._pings[self._nonce] = time.perf_counter()
+        self._pings[self._nonce] = self._last_ping = time.perf_counter()
         await self._send(ws, encode_frame(PingFrame(self._nonce)))
 
     def _tell(self, hook: str, *args) -> None:
@@ -261,7 +269,7 @@ class HycoClient:
         sent = self._pings.pop(frame.nonce, None)
         if sent is not None:
             self._tell("observe_rtt", time.perf_counter() - sent, time.perf_counter())
-        self._tell("observe_offer", frame.offers_server, frame.server_tps)
+        self._tell("observe_offer", frame.offers_server, frame.server_tps, frame.phone_ms, frame.server_ms)
 
     async def _probe(self, ws, session: PhoneSession) -> None:
         await self._ping(ws)
@@ -400,6 +408,7 @@ class HycoClient:
             raise FrameError(f"expected the session frame after start, got a {frame.TYPE} frame",
                              code="unknown_type")
         session.apply_session(frame)
+        self._tell("observe_offer", frame.offers_server, frame.server_tps, frame.phone_ms, frame.server_ms)
         return frame
 
     async def _take_verdict(self, ws, session: PhoneSession, t0: float, on_round, prep=None) -> None:

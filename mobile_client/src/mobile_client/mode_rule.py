@@ -7,9 +7,19 @@ and the app says its power state allows (``power_ok``, for example not on a hot 
 moves to server mode when they do not, if the server offers it. The client feeds it what it measures:
 
 * phone rounds (``RoundStats``: tokens committed, drafting time, the wait for the verdict);
-* the link's round trip (``ping`` / ``pong`` frames, one before the first tree and one every ``probe_s`` in
-  server mode, when the connection carries nothing else that could delay the answer);
-* the server's offer (``pong``: whether it takes a switch now, and the tokens per second its stretches got).
+* the link's round trip (``ping`` / ``pong`` frames, one before the first tree, one every ``probe_s`` in
+  server mode and one every ``offer_s`` in phone mode, sent just before a tree, when the connection carries
+  nothing else that could delay the answer);
+* the server's offer (``session`` and ``pong``: whether it takes a switch now, the tokens per second its
+  stretches got, and what a token costs it in each mode).
+
+**Cost**: the server advertises what a committed token costs it in each mode lately (``session`` and ``pong``:
+``phone_ms``, ``server_ms``; measured on its own steps). Phone mode exists to save the server its drafting; where
+the server's measurements say it does not (server mode costs it less than phone mode by ``cost_margin``, and
+server mode meets the floor: its advertised tokens per second, unknown counting as meeting it), the rule moves
+to server mode whatever the phone's rate, at once before the first tree (no probe needed), and it comes back
+only when phone mode is no dearer for the server than server mode (the band between is the hysteresis). With
+either figure unknown (0) the rule is the floor rule above.
 
 **Hysteresis**: a switch needs its reason to hold for ``hold_s`` seconds (and, leaving phone mode, at least
 ``min_rounds`` measured rounds), and the way back to phone mode needs the phone's estimated tokens per second
@@ -41,7 +51,7 @@ class PhoneOnly:
     """Never switch (phone mode, the paper's operating point)."""
 
     name = "phone"
-    probe_s = math.inf
+    probe_s = offer_s = math.inf
 
     def decide(self, mode: str, now: float, remaining: int | None = None) -> str | None:
         return None
@@ -87,14 +97,17 @@ class ModeRuleConfig:
     margin: float = 0.25  # back to phone mode only when its estimate beats the floor by this fraction
     min_rounds: int = 3  # phone rounds measured before the rule leaves phone mode for speed
     probe_s: float = 0.5  # server mode: a ping this often
+    offer_s: float = 5.0  # phone mode: a ping this often (with a tree), for the server's offer and the link
     retry_s: float = 10.0  # after a refused switch
     window: int = 64  # the credit window asked for (tokens)
+    cost_margin: float = 0.1  # server mode for cost when it costs the server this fraction less than phone mode
 
     def __post_init__(self) -> None:
         if not (self.floor_tps > 0 and self.hold_s >= 0 and self.margin >= 0 and self.min_rounds >= 1
-                and self.probe_s > 0 and self.retry_s >= 0 and 1 <= self.window <= 1 << 16):
+                and self.probe_s > 0 and self.retry_s >= 0 and 1 <= self.window <= 1 << 16
+                and 0 <= self.cost_margin < 1 and self.offer_s > 0):
             raise ConfigError(f"ModeRuleConfig: floor_tps > 0, hold_s >= 0, margin >= 0, min_rounds >= 1, "
-                              f"probe_s > 0, retry_s >= 0, window 1..65536; got {self}")
+                              f"probe_s > 0, retry_s >= 0, window 1..65536, cost_margin in [0, 1), offer_s > 0; got {self}")
 
 
 class ModeRule:
@@ -104,13 +117,14 @@ class ModeRule:
 
     def __init__(self, config: ModeRuleConfig = ModeRuleConfig(), power_ok=lambda: True):
         self.cfg, self.power_ok = config, power_ok
-        self.probe_s = config.probe_s
+        self.probe_s, self.offer_s = config.probe_s, config.offer_s
         self.rtt_s: float | None = None
         self.mat, self.draft_s, self.base_s = PRIOR_MAT, PRIOR_DRAFT_S, PRIOR_BASE_S
         self.phone_tps: float | None = None  # measured, EMA over phone rounds
         self.rounds = 0
         self.rounds_since = 0  # phone rounds since the last switch
         self.offers_server, self.server_tps = True, 0.0
+        self.phone_ms = self.server_ms = 0.0  # the server's cost per token in each mode (0: unknown)
         self._since: float | None = None  # when the current reason to switch began
         self._refused_at = -math.inf
         self.switches = 0
@@ -120,8 +134,11 @@ class ModeRule:
     def observe_rtt(self, rtt_s: float, now: float) -> None:
         self.rtt_s = rtt_s if self.rtt_s is None else (1 - EMA) * self.rtt_s + EMA * rtt_s
 
-    def observe_offer(self, offers_server: bool, server_tps: float) -> None:
+    def observe_offer(self, offers_server: bool, server_tps: float, phone_ms: float = 0.0,
+                      server_ms: float = 0.0) -> None:
         self.offers_server, self.server_tps = offers_server, server_tps
+        if phone_ms > 0 and server_ms > 0:  # a server that stops advertising keeps the last figures
+            self.phone_ms, self.server_ms = phone_ms, server_ms
 
     def observe_round(self, tokens: int, draft_s: float, wait_s: float, now: float) -> None:
         if self.switches and self.rounds_since == 0 and self._back:  # the SLM-only catch-up round after a stretch
@@ -158,26 +175,40 @@ class ModeRule:
             tps = remaining / (remaining / tps + round_s)
         return tps
 
+    def server_cheaper(self) -> bool | None:
+        """Server mode costs the server less than phone mode by ``cost_margin``, and meets the floor; None while
+        the server has not said what the modes cost."""
+        if self.phone_ms <= 0 or self.server_ms <= 0:
+            return None
+        fast = self.server_tps <= 0 or self.server_tps >= self.cfg.floor_tps
+        return fast and self.server_ms <= (1 - self.cfg.cost_margin) * self.phone_ms
+
     def decide(self, mode: str, now: float, remaining: int | None = None) -> str | None:
         cfg = self.cfg
         if now - self._refused_at < cfg.retry_s:
             return None
         if mode == "phone":
+            cheaper = self.server_cheaper() is True
             if not self.power_ok():
                 reason = True
+            elif self.rounds == 0 and self.switches == 0 and cheaper:  # no reason to draft on the phone at all
+                return self._switch("server") if self.offers_server else None
             elif self.rounds == 0 and self.switches == 0:  # before the first tree: the link probe and the priors decide
                 reason = self.rtt_s is not None and self.phone_estimate() < cfg.floor_tps
                 if reason and self.offers_server:
                     return self._switch("server")
                 return None
             else:
-                reason = (self.rounds_since >= cfg.min_rounds and self.phone_tps is not None
-                          and self.phone_tps < cfg.floor_tps)
+                reason = cheaper or (self.rounds_since >= cfg.min_rounds and self.phone_tps is not None
+                                     and self.phone_tps < cfg.floor_tps)
             if not (reason and self.offers_server):
                 self._since = None
                 return None
             return self._held(now, "server")
-        reason = self.power_ok() and self.phone_estimate(remaining) >= cfg.floor_tps * (1 + cfg.margin)
+        fast = self.server_tps <= 0 or self.server_tps >= cfg.floor_tps
+        dearer = fast and 0 < self.server_ms < self.phone_ms  # phone mode would cost the server more
+        reason = (self.power_ok() and not dearer
+                  and self.phone_estimate(remaining) >= cfg.floor_tps * (1 + cfg.margin))
         if not reason:
             self._since = None
             return None

@@ -8,12 +8,16 @@ The rule is ``vllm_hyco.spec_decode.budget`` (pure); this module wires it to the
 * :func:`step_begin` / :func:`step_end`: the time from ``schedule`` to the end of ``update_from_output``
   (schedule + execute + update, plus the HyCo utility calls since the last step, :func:`note_utility`)
   is the step's measured cost, which the cost model is fitted on.
+* :func:`step_modes` / :func:`step_end`: the same cost split over the step's decoding rows by session mode,
+  with the tokens each committed (``vllm_hyco.spec_decode.mode_cost``: what a token costs in phone mode and
+  in server mode, ``EngineStats``).
 * :func:`grant`: learns from a round (acceptance by depth and label) and grants the next round's nodes
   (``RoundVerdict.node_budget``) with the model's fit (``RoundVerdict.budget_info``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from vllm_hyco.engine_contract import BudgetInfo, CostFit, TreeVerdict
@@ -82,18 +86,50 @@ def step_begin(st: SchedulerState, scheduler_output: Any, t0: Clock) -> None:
     started[id(scheduler_output)] = t0
 
 
-def step_end(sched: Any, scheduler_output: Any) -> None:
-    """Feed the step's cost (schedule + execute + update + utility calls) to the cost model."""
+def step_modes(sched: Any, scheduled: Mapping[str, int]) -> dict[str, tuple[str, int]]:
+    """The step's decoding requests (called after vLLM's ``schedule``, which has advanced their computed
+    tokens): request id -> (session mode, rows). A phone-mode session verifying its tree is ``phone``; a
+    server-mode session, or an ordinary request when the server drafts them, ``server``."""
+    st: SchedulerState = sched.hyco
+    out: dict[str, tuple[str, int]] = {}
+    for req_id, n in scheduled.items():
+        request = sched.requests.get(req_id)
+        if request is None or request.num_computed_tokens - n != request.num_tokens - 1:
+            continue  # prefilling (or re-prefilling after a preemption)
+        s = st.sessions.by_req(req_id)
+        if s is None:
+            if st.drafts_ordinary:
+                out[req_id] = ("server", n)
+        elif s.state is SessionState.SERVER:
+            out[req_id] = ("server", n)
+        elif s.state is SessionState.VERIFYING:
+            out[req_id] = ("phone", n)
+    return out
+
+
+def step_end(sched: Any, scheduler_output: Any, outputs: Any = None) -> None:
+    """Feed the step's cost (schedule + execute + update + utility calls) to the cost model, and its split
+    by mode, with the tokens ``outputs`` committed, to the mode ledger."""
     st: SchedulerState = sched.hyco
     clock = st.clock
     t0 = clock.started.pop(id(scheduler_output), None)
     if t0 is None:
         return
-    seconds = clock.since(t0)[2] + clock.utility_s
+    now = clock.now()
+    step_wall, step_cpu = now[0] - t0[0], now[1] - t0[1]
+    step_s, utility_s = (step_cpu if clock.on_cpu else step_wall), clock.utility_s
+    seconds = step_s + utility_s
     clock.utility_s = 0.0
+    # the mode ledger also counts the process's other threads' work since the last step (CPU engine)
+    extra = clock.outside(now, step_wall, step_cpu + utility_s, idle_now=not sched.requests)
     rows = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0)
     if rows <= 0:
         return
+    modes = getattr(scheduler_output, "hyco_modes", None)
+    if modes:
+        tokens = {eco.request_id: len(eco.new_token_ids) for batch in (outputs or {}).values()
+                  for eco in getattr(batch, "outputs", None) or () if eco.request_id in modes}
+        st.mode_cost.observe(step_s + extra, modes, tokens, utility_s=utility_s, total_rows=rows)
     kctx, trees, branching = 0.0, 0, 0
     for req_id, n in scheduler_output.num_scheduled_tokens.items():
         request = sched.requests.get(req_id)

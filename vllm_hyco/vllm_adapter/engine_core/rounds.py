@@ -106,5 +106,7 @@ def stats(sched: Any) -> EngineStats:
     live = sched.hyco.sessions.live()
     pool = sched.kv_cache_manager.block_pool
     total = session_kv_blocks(pool)
+    cost = sched.hyco.mode_cost
     return EngineStats(live=len(live), parked=sum(1 for s in live if s.state is SessionState.PARKED),
-                       kv_blocks_used=total - int(pool.get_num_free_blocks()), kv_blocks_total=total)
+                       kv_blocks_used=total - int(pool.get_num_free_blocks()), kv_blocks_total=total,
+                       phone_ms_per_token=cost.ms_per_token("phone"), server_ms_per_token=cost.ms_per_token("server"))

@@ -177,6 +177,7 @@ class HycoScheduler(Scheduler):
                                          seed=t.round == 0 or s.seed_due)
         out.hyco_trees = trees
         out.hyco_server_reqs = server_mode.server_reqs(self, out.num_scheduled_tokens)
+        out.hyco_modes = node_budget.step_modes(self, out.num_scheduled_tokens)
         return out
 
     def _hyco_reinject(self) -> None:
@@ -214,7 +215,7 @@ class HycoScheduler(Scheduler):
                 self._hyco_park(s, request)
             if finished:
                 reg.mark_finished(s, s.finish_code or "finished")
-        node_budget.step_end(self, scheduler_output)
+        node_budget.step_end(self, scheduler_output, outputs)
         return outputs
 
     def _hyco_park(self, s: Any, request: Any) -> None:

@@ -3,7 +3,7 @@
 ``HycoScheduler.hyco`` is a :class:`SchedulerState`, built once in ``HycoScheduler.__init__`` from the
 engine's HycoConfig: the sessions (``sessions.SessionRegistry``), the node budget
 (``vllm_hyco.spec_decode.budget.BudgetPolicy``), step gathering (``vllm_hyco.spec_decode.gather.StepGather``),
-the step clock the budget's cost model is fitted on, and the sessions a policy ended whose end vLLM's
+the step clock the budget's cost model is fitted on, the per-mode cost ledger, and the sessions a policy ended whose end vLLM's
 frontend has not been told yet. Nothing of HyCo lives in other attributes of the scheduler.
 
     >>> st = SchedulerState.create(None, num_kv_blocks=100, max_num_running_reqs=4, on_cpu=True)
@@ -21,9 +21,12 @@ from typing import Any
 from vllm_hyco.config import HycoConfig
 from vllm_hyco.spec_decode.budget import BudgetPolicy
 from vllm_hyco.spec_decode.gather import StepGather
+from vllm_hyco.spec_decode.mode_cost import ModeCost
 from vllm_hyco.vllm_adapter.engine_core.sessions import SessionRegistry
 
 Clock = tuple[float, float]  # (wall, process CPU) seconds
+IDLE_GAP_S = 0.5  # a gap with no request held this long measures the idle loop's CPU rate
+IDLE_EMA = 0.2
 
 
 def session_kv_blocks(block_pool: Any) -> int:
@@ -57,10 +60,42 @@ class StepClock:
     utility_s: float = 0.0  # HyCo utility calls since the last step, on the model's clock
     # req id -> its tree this step is not a chain (the trees that pay the tree-attention override)
     branching: dict[str, bool] = field(default_factory=dict)
+    # the process's work outside steps and utility calls (``outside``): the clock at the last step's end,
+    # whether the engine held no request then, and the idle loop's CPU rate (CPU s per wall s; None: unmeasured)
+    last_end: Clock | None = None
+    idle_after_last: bool = False
+    idle_rate: float | None = None
 
     @staticmethod
     def now() -> Clock:
         return time.perf_counter(), time.process_time()
+
+    def outside(self, now: Clock, step_wall: float, accounted_cpu: float, idle_now: bool) -> float:
+        """CPU seconds this process spent since the last step's end beyond ``accounted_cpu`` (the step and the
+        utility calls): its I/O threads' work for the requests (trees in, verdicts and outputs out), less the
+        idle loop's rate over the time between steps. The idle rate is measured on gaps that began with no
+        request held at all (0 until one was seen). A CPU engine only (0.0 on an accelerator, whose cost is
+        its steps' wall time). ``idle_now``: the engine holds no request now.
+
+            >>> c = StepClock(on_cpu=True)
+            >>> c.outside((0.0, 0.0), 0.0, 0.0, idle_now=True)
+            0.0
+            >>> c.outside((2.0, 0.05), 0.01, 0.01, idle_now=False), round(c.idle_rate, 4)  # 1.99 s idle
+            (0.0, 0.0201)
+            >>> round(c.outside((2.1, 0.06), 0.02, 0.004, idle_now=False), 4)  # 6 ms, 1.6 of them idle
+            0.0044
+        """
+        last, was_idle = self.last_end, self.idle_after_last
+        self.last_end, self.idle_after_last = now, idle_now
+        if last is None or not self.on_cpu:
+            return 0.0
+        other = max(0.0, now[1] - last[1] - accounted_cpu)
+        idle_wall = max(0.0, now[0] - last[0] - step_wall)
+        if was_idle and idle_wall >= IDLE_GAP_S:
+            rate = other / idle_wall
+            self.idle_rate = rate if self.idle_rate is None else (1 - IDLE_EMA) * self.idle_rate + IDLE_EMA * rate
+            return 0.0
+        return max(0.0, other - (self.idle_rate or 0.0) * idle_wall)
 
     def since(self, t0: Clock) -> tuple[float, float, float]:
         """(wall, cpu, the model's clock) seconds since ``t0``."""
@@ -82,6 +117,7 @@ class SchedulerState:
     wake: Callable[[], None] | None = None  # posts vLLM's no-op WAKEUP to the engine loop (step gathering)
     wake_wired: bool = False  # the engine core tried to wire ``wake`` (once)
     wake_at: float = 0.0  # perf_counter deadline of the pending hold's timer
+    mode_cost: ModeCost = field(default_factory=ModeCost)  # a token's server cost in each session mode
 
     @classmethod
     def create(cls, cfg: HycoConfig | None, *, num_kv_blocks: int, max_num_running_reqs: int,

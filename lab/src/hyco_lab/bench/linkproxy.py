@@ -88,14 +88,14 @@ class LinkModel:
     @classmethod
     def parse(cls, text: str) -> LinkModel:
         """A preset name (``lan``, ``lte``, ``5g``) or ``rtt=MS,up=MBPS,down=MBPS`` (any subset; the rest
-        from ``lte``)."""
+        from ``lte``; ``;`` may stand for ``,``, as in the link sweep's comma-separated list)."""
         key = text.strip().lower()
         if key in PRESETS:
             return PRESETS[key]
         fields = {"rtt": "rtt_ms", "up": "up_mbps", "down": "down_mbps"}
         values = PRESETS["lte"].to_dict()
         try:
-            for part in filter(None, key.split(",")):
+            for part in filter(None, key.replace(";", ",").split(",")):
                 name, value = part.split("=")
                 values[fields[name.strip()]] = float(value)
         except (KeyError, ValueError) as e:

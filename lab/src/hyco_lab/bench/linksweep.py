@@ -26,7 +26,8 @@ torch thread.
 
 The rule is fed the simulated phone's modelled device time per round (``BenchRule``): the client pads drafting
 to ``sim_draft_ms`` but reports this CPU's drafting time in ``RoundStats.draft_ms``, which is what the rule
-would otherwise see, while the delivery times above count the modelled time.
+would otherwise see, while the delivery times above count the modelled time. It also reads the server's
+per-mode costs (``session`` / ``pong``: ``phone_ms``, ``server_ms``), known from the warm-up on.
 
 Per link: each arm's tok/s mean with a 95 % percentile bootstrap interval (2,000 resamples, seed 0), the rule
 over each forced arm (``mixed.paired_ratio``: prompts resampled in pairs), each arm's g (a ratio of sums,

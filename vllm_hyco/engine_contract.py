@@ -399,7 +399,7 @@ class EngineStats:
     def from_wire(cls, obj: Any) -> EngineStats:
         if isinstance(obj, EngineStats):
             return obj
-        return cls(*(int(obj[k]) for k in ("live", "parked", "kv_blocks_used", "kv_blocks_total")),
+        return cls(int(obj["live"]), int(obj["parked"]), int(obj["kv_blocks_used"]), int(obj["kv_blocks_total"]),
                    float(obj.get("phone_ms_per_token", 0.0)), float(obj.get("server_ms_per_token", 0.0)))
 
 

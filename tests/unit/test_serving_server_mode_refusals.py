@@ -142,7 +142,7 @@ def test_the_offer_carries_what_a_token_costs_in_each_mode():
     for places, costs in ((4, (4.5, 3.9)), (0, (0.0, 0.0))):
         svc = service(places)
 
-        async def scenario():
+        async def scenario(svc=svc, places=places, costs=costs):
             s, frames = await svc.open(start(), owner=None)
             assert (decode_server_frame(frames[0]).phone_ms, decode_server_frame(frames[0]).server_ms) == (0.0, 0.0)
             await svc.refresh_costs()

@@ -140,8 +140,8 @@ INSTANCE_ATTRS = {
 
 #: the vLLM objects that carry the engine contract between processes, and the attributes HyCo sets on each
 #: (``vllm_hyco.engine_contract``: StepTree and the server-mode sessions' request ids to the worker,
-#: TreeVerdict back; the step's rows by session mode stay in the engine core but travel too): they must take new attributes (no ``__slots__``) and carry them through vLLM's
-#: transport (pickled with the object)
+#: TreeVerdict back; the step's rows by session mode stay in the engine core but travel too): they must take
+#: new attributes (no ``__slots__``) and carry them through vLLM's transport (pickled with the object)
 CARRIERS = {"vllm.v1.core.sched.output:SchedulerOutput": ("hyco_trees", "hyco_server_reqs", "hyco_modes"),
             "vllm.v1.outputs:ModelRunnerOutput": ("hyco_verdicts",)}
 

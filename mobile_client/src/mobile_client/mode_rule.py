@@ -107,7 +107,8 @@ class ModeRuleConfig:
                 and self.probe_s > 0 and self.retry_s >= 0 and 1 <= self.window <= 1 << 16
                 and 0 <= self.cost_margin < 1 and self.offer_s > 0):
             raise ConfigError(f"ModeRuleConfig: floor_tps > 0, hold_s >= 0, margin >= 0, min_rounds >= 1, "
-                              f"probe_s > 0, retry_s >= 0, window 1..65536, cost_margin in [0, 1), offer_s > 0; got {self}")
+                              f"probe_s > 0, retry_s >= 0, window 1..65536, cost_margin in [0, 1), offer_s > 0; "
+                              f"got {self}")
 
 
 class ModeRule:

@@ -3,8 +3,8 @@
 ``HycoScheduler.hyco`` is a :class:`SchedulerState`, built once in ``HycoScheduler.__init__`` from the
 engine's HycoConfig: the sessions (``sessions.SessionRegistry``), the node budget
 (``vllm_hyco.spec_decode.budget.BudgetPolicy``), step gathering (``vllm_hyco.spec_decode.gather.StepGather``),
-the step clock the budget's cost model is fitted on, the per-mode cost ledger, and the sessions a policy ended whose end vLLM's
-frontend has not been told yet. Nothing of HyCo lives in other attributes of the scheduler.
+the step clock the budget's cost model is fitted on, the per-mode cost ledger, and the sessions a policy
+ended whose end vLLM's frontend has not been told yet. Nothing of HyCo lives in other attributes of the scheduler.
 
     >>> st = SchedulerState.create(None, num_kv_blocks=100, max_num_running_reqs=4, on_cpu=True)
     >>> st.budget_policy.cap, st.sessions.idle_timeout_s, st.gathers

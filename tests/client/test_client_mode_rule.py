@@ -2,8 +2,8 @@
 the phone keeps the floor, leaves after the hysteresis window when it does not (at once for the power flag),
 comes back only when its estimate with the catch-up beats the floor by the margin, never asks again right after
 a refusal, and starts in server mode when the first probe already puts the phone under the floor; where the
-server says server mode costs it less (and meets the floor) it takes server mode at once, and comes back only
-when phone mode is no dearer."""
+server says phone mode saves it less than half the cost margin (and server mode meets the floor) it takes
+server mode at once, and comes back only when phone mode saves the whole margin."""
 
 from mobile_client.mode_rule import Alternate, ModeRule, ModeRuleConfig, PhoneOnly, ServerOnly
 
@@ -66,14 +66,15 @@ def test_the_servers_costs_decide_where_it_says_phone_mode_does_not_save_it_anyt
     cheap.observe_offer(True, 200.0, phone_ms=4.5, server_ms=3.9)  # the session frame's offer
     assert cheap.decide("phone", 0.0) == "server"  # before the first tree, no probe: phone drafting saves nothing
     assert cheap.decide("server", 5.0, remaining=200) is None  # a fast link does not bring it back
-    cheap.observe_offer(True, 200.0, phone_ms=4.2, server_ms=4.0)  # inside the band: stays
+    cheap.observe_offer(True, 200.0, phone_ms=3.7, server_ms=4.0)  # phone mode saves 7.5 %: inside the band, stays
     for _ in range(10):
         cheap.observe_rtt(0.01, 5.0)
     assert cheap.decide("server", 6.0, remaining=200) is None and cheap.decide("server", 8.0, remaining=200) is None
     cheap.observe_offer(True, 200.0, phone_ms=3.0, server_ms=4.0)  # phone mode is the cheaper again
     assert cheap.decide("server", 9.0, remaining=200) is None and cheap.decide("server", 10.1, remaining=200) == "phone"
 
-    for offer, why in (((True, 200.0, 4.2, 4.0), "within cost_margin"), ((True, 3.0, 4.5, 3.9), "under the floor"),
+    for offer, why in (((True, 200.0, 3.7, 4.0), "phone saves 7.5 %: inside the band"),
+                       ((True, 3.0, 4.5, 3.9), "server mode under the floor"),
                        ((True, 200.0, 3.0, 4.0), "phone mode is cheaper"), ((True, 200.0, 0.0, 3.9), "unknown"),
                        ((False, 200.0, 4.5, 3.9), "not offered")):
         rule = ModeRule(CFG)
@@ -82,6 +83,9 @@ def test_the_servers_costs_decide_where_it_says_phone_mode_does_not_save_it_anyt
         assert rule.decide("phone", 0.0) is None, why
         rounds(rule, 5, tokens=3, draft_s=0.05, wait_s=0.1)  # 20 tok/s: the floor keeps it in phone mode
         assert rule.decide("phone", 3.0) is None and rule.decide("phone", 4.5) is None, why
+    close = ModeRule(CFG)  # phone mode saves 4.5 %, under half the margin: the faster mode wins
+    close.observe_offer(True, 200.0, 4.2, 4.4)
+    assert close.decide("phone", 0.0) == "server"
     late = ModeRule(CFG)  # the figures arrive with a pong in the middle of a phone-mode answer
     late.observe_rtt(0.05, 0.0)
     rounds(late, 5, tokens=3, draft_s=0.05, wait_s=0.1)

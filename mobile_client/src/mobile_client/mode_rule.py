@@ -14,12 +14,13 @@ moves to server mode when they do not, if the server offers it. The client feeds
   stretches got, and what a token costs it in each mode).
 
 **Cost**: the server advertises what a committed token costs it in each mode lately (``session`` and ``pong``:
-``phone_ms``, ``server_ms``; measured on its own steps). Phone mode exists to save the server its drafting; where
-the server's measurements say it does not (server mode costs it less than phone mode by ``cost_margin``, and
-server mode meets the floor: its advertised tokens per second, unknown counting as meeting it), the rule moves
-to server mode whatever the phone's rate, at once before the first tree (no probe needed), and it comes back
-only when phone mode is no dearer for the server than server mode (the band between is the hysteresis). With
-either figure unknown (0) the rule is the floor rule above.
+``phone_ms``, ``server_ms``; measured on its own steps). Phone mode exists to save the server its drafting, and
+server mode is the faster one for the user (no round trip per round); so where the server's measurements say
+phone mode saves it less than half of ``cost_margin`` (10 %: phone mode costs over 95 % of server mode's) and
+server mode meets the floor (its advertised tokens per second, unknown counting as meeting it), the rule moves
+to server mode whatever the phone's rate, at once before the first tree (no probe needed); it comes back only
+when phone mode saves the server at least ``cost_margin`` (the band between is the hysteresis). With either
+figure unknown (0) the rule is the floor rule above.
 
 **Hysteresis**: a switch needs its reason to hold for ``hold_s`` seconds (and, leaving phone mode, at least
 ``min_rounds`` measured rounds), and the way back to phone mode needs the phone's estimated tokens per second
@@ -100,7 +101,7 @@ class ModeRuleConfig:
     offer_s: float = 5.0  # phone mode: a ping this often (with a tree), for the server's offer and the link
     retry_s: float = 10.0  # after a refused switch
     window: int = 64  # the credit window asked for (tokens)
-    cost_margin: float = 0.1  # server mode for cost when it costs the server this fraction less than phone mode
+    cost_margin: float = 0.1  # phone mode must save the server this fraction (half of it, to stay in phone mode)
 
     def __post_init__(self) -> None:
         if not (self.floor_tps > 0 and self.hold_s >= 0 and self.margin >= 0 and self.min_rounds >= 1
@@ -176,20 +177,20 @@ class ModeRule:
             tps = remaining / (remaining / tps + round_s)
         return tps
 
-    def server_cheaper(self) -> bool | None:
-        """Server mode costs the server less than phone mode by ``cost_margin``, and meets the floor; None while
-        the server has not said what the modes cost."""
+    def phone_saves(self, share: float) -> bool | None:
+        """Phone mode costs the server at most ``1 - share`` of server mode's, or server mode misses the floor;
+        None while the server has not said what the modes cost."""
         if self.phone_ms <= 0 or self.server_ms <= 0:
             return None
-        fast = self.server_tps <= 0 or self.server_tps >= self.cfg.floor_tps
-        return fast and self.server_ms <= (1 - self.cfg.cost_margin) * self.phone_ms
+        slow = 0 < self.server_tps < self.cfg.floor_tps
+        return slow or self.phone_ms <= (1 - share) * self.server_ms
 
     def decide(self, mode: str, now: float, remaining: int | None = None) -> str | None:
         cfg = self.cfg
         if now - self._refused_at < cfg.retry_s:
             return None
         if mode == "phone":
-            cheaper = self.server_cheaper() is True
+            cheaper = self.phone_saves(cfg.cost_margin / 2) is False  # phone drafting saves the server next to nothing
             if not self.power_ok():
                 reason = True
             elif self.rounds == 0 and self.switches == 0 and cheaper:  # no reason to draft on the phone at all
@@ -206,9 +207,7 @@ class ModeRule:
                 self._since = None
                 return None
             return self._held(now, "server")
-        fast = self.server_tps <= 0 or self.server_tps >= cfg.floor_tps
-        dearer = fast and 0 < self.server_ms < self.phone_ms  # phone mode would cost the server more
-        reason = (self.power_ok() and not dearer
+        reason = (self.power_ok() and self.phone_saves(cfg.cost_margin) is not False
                   and self.phone_estimate(remaining) >= cfg.floor_tps * (1 + cfg.margin))
         if not reason:
             self._since = None

@@ -120,8 +120,12 @@ def step_end(sched: Any, scheduler_output: Any, outputs: Any = None) -> None:
     step_s, utility_s = (step_cpu if clock.on_cpu else step_wall), clock.utility_s
     seconds = step_s + utility_s
     clock.utility_s = 0.0
-    # the mode ledger also counts the process's other threads' work since the last step (CPU engine)
-    extra = clock.outside(now, step_wall, step_cpu + utility_s, idle_now=not sched.requests)
+    # the mode ledger also counts the process's other threads' work since the last step (CPU engine), less the
+    # benchmark's timing writer (step_timing: the measurement's own cost)
+    flushed = step_timing.TIMER.flush_cpu_s
+    extra = clock.outside(now, step_wall, step_cpu + utility_s + flushed - clock.flushed_cpu,
+                          idle_now=not sched.requests)
+    clock.flushed_cpu = flushed
     rows = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0)
     if rows <= 0:
         return

@@ -65,6 +65,7 @@ class StepClock:
     last_end: Clock | None = None
     idle_after_last: bool = False
     idle_rate: float | None = None
+    flushed_cpu: float = 0.0  # the benchmark timing writer's CPU seen at the last step's end (not the server's)
 
     @staticmethod
     def now() -> Clock:

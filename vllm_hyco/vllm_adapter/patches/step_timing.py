@@ -31,7 +31,12 @@ How the totals leave the engine (no route needed, so it works for any server, Hy
 * ``VLLM_HYCO_BENCH_TIMING_DIR=DIR``: each process rewrites ``DIR/timing-<pid>.json`` (a few hundred
   bytes) from a daemon thread at most every :data:`FLUSH_S` seconds when a timed call changed the totals
   (a file write per call was itself 10-15 % of a HyCo engine's busy samples at 16 phones, inside the
-  ``core_*`` window); :func:`read_dir` sums them. The harness diffs two reads around a run, each read
+  ``core_*`` window); :func:`read_dir` sums them. The writer thread's own CPU is counted in
+  ``flush_cpu_s`` (``time.thread_time``): it is the measurement's cost, not the server's, and whoever reads
+  the process's CPU (the link sweep's g, the mixed benchmark's engine CPU, the engine's per-mode ledger) takes
+  it out. The writes follow wall time (up to 1 / ``FLUSH_S`` a second), so a phone-mode session, slower per
+  token, pays more of them per token than a server-mode one; measured, they are small: 2.5 s against 81 s of
+  core CPU over two links of the link sweep (3 %). The harness diffs two reads around a run, each read
   after the server was idle for longer than :data:`FLUSH_S`.
 * ``collective_rpc("hyco_bench_timing")`` (``LLM.collective_rpc`` in-process, or vLLM's dev-mode
   ``POST /collective_rpc``): the worker's :meth:`EngineTimer.snapshot`.
@@ -81,6 +86,7 @@ class EngineTimer:
         self.counts = {c: 0 for c in COUNTS}
         self.out_dir = Path(out_dir) if out_dir else None
         self.g_clock = "cpu_s"  # which total g uses: "busy_s" (wall) once a GPU ran a call
+        self.flush_cpu_s = 0.0  # the writer thread's own CPU (the measurement's cost)
 
     def add(self, field: str, seconds: float, rows: int = 0) -> None:
         self.totals[field] += seconds
@@ -103,12 +109,15 @@ class EngineTimer:
             self._dirty.wait()
             time.sleep(FLUSH_S)
             self._dirty.clear()
+            c0 = time.thread_time()
             self.flush()
+            self.flush_cpu_s += time.thread_time() - c0
 
     def snapshot(self) -> dict[str, Any]:
         snap: dict[str, Any] = {k: round(v, 9) for k, v in self.totals.items()}
         snap["busy_s"] = round(sum(v for k, v in self.totals.items() if k in FIELDS and k != "cpu_s"), 9)
         snap.update(self.counts)
+        snap["flush_cpu_s"] = round(self.flush_cpu_s, 9)
         snap["g_clock"] = self.g_clock
         snap["expand_kernel"] = expand_kernel_status()
         snap["pid"] = os.getpid()
@@ -251,7 +260,8 @@ def install() -> bool:
 
 def read_dir(path: str | Path) -> dict[str, Any]:
     """The sum of every process's last snapshot in ``path`` (zeros when none wrote yet)."""
-    total: dict[str, Any] = {**{f: 0.0 for f in FIELDS + CORE_FIELDS}, "busy_s": 0.0, **{c: 0 for c in COUNTS}}
+    total: dict[str, Any] = {**{f: 0.0 for f in FIELDS + CORE_FIELDS}, "busy_s": 0.0, "flush_cpu_s": 0.0,
+                             **{c: 0 for c in COUNTS}}
     clock, kernels = "cpu_s", set()
     for f in sorted(Path(path).glob("timing-*.json")):
         try:

@@ -158,6 +158,8 @@ class Sweep:
         t = srv.timing()
         proc = sum(S.process_cpu_s(p) or 0.0 for p in self.pids["engine"]) if self.pids["engine"] else None
         api = sum(S.process_cpu_s(p) or 0.0 for p in self.pids["api"])
+        if proc is not None:  # the timing writer's CPU is the measurement's, not the server's
+            proc -= float(t.get("flush_cpu_s", 0.0))
         return {"t": time.perf_counter(), "proc_s": proc, "api_s": api, "core_s": float(t.get("core_cpu_s", 0.0)),
                 "model_s": float(t.get(t.get("g_clock", "cpu_s"), 0.0)), "steps": int(t.get("steps", 0))}
 

@@ -235,9 +235,11 @@ class Mixed:
                 yield lambda c, k: call(self.prompts[prompt(c, k)[0]], prompt(c, k)[1])
 
     def probe(self, srv: BenchServer) -> dict[str, Any]:
-        procs = S.server_processes(srv)
-        return {"t": time.perf_counter(), "bench_cpu_s": time.process_time(), "timing": srv.timing_now(),
-                "engine_cpu_s": sum(S.process_cpu_s(p) or 0.0 for p in procs["engine"]),
+        procs, timing = S.server_processes(srv), srv.timing_now()
+        # the engine's timing writer's CPU is the measurement's, not the server's (step_timing.flush_cpu_s)
+        return {"t": time.perf_counter(), "bench_cpu_s": time.process_time(), "timing": timing,
+                "engine_cpu_s": sum(S.process_cpu_s(p) or 0.0 for p in procs["engine"])
+                - float(timing.get("flush_cpu_s", 0.0)),
                 "api_cpu_s": sum(S.process_cpu_s(p) or 0.0 for p in procs["api"]),
                 "spec": spec_counters(srv.metrics())}
 

@@ -35,3 +35,16 @@ def test_a_stall_is_left_out_and_the_residual_stays_below_the_spread():
 def test_without_the_gate_the_stall_wrecks_the_fit():
     snap = _fit(gate=False).snapshot()
     assert snap["outliers"] == 0 and snap["rmse_ms"] > snap["spread_ms"]
+
+
+def test_a_fit_that_is_wrong_learns_again():
+    """The gate leaves out slow stalls only: after a regime change to much cheaper steps (and after a run of
+    much dearer ones) the fit follows the steps instead of rejecting them as outliers."""
+    m = StepCostModel()
+    rng = random.Random(1)
+    for cost_per_row, n in ((0.003, 300), (0.0003, 600), (0.002, 600)):
+        for _ in range(n):
+            rows = rng.choice((1, 5, 9, 17, 33))
+            m.observe(rows, 0.1, 0.004 + cost_per_row * rows + rng.gauss(0, 0.0002), trees=1)
+        assert abs(m.snapshot()["per_row_ms"] - 1e3 * cost_per_row) < 0.3 * 1e3 * cost_per_row + 0.05  # not stuck
+    assert m.snapshot()["rmse_ms"] < m.snapshot()["spread_ms"]

@@ -33,14 +33,18 @@ class StepCostModel:
     charged to them, not to the rows a tree adds (with a constant K it moves with ``plain``, and the ridge
     prior shares the two; with vLLM's per-batch-size K it does not).
 
-    **Outliers.** A step far off the fit (its residual over ``OUTLIER_K`` times the larger of the fit's RMSE and
-    the steps' own spread, once ``min_steps`` are in) is counted (``outliers``) and left out of the fit: a
-    one-off multi-second step (a first-use compilation, a stall) once moved the whole fit (an RMSE of 2.5 s
-    and 335 ms per branching tree in a committed run). ``spread_ms`` is the decayed standard deviation of the
-    fitted steps' seconds: a sane fit has ``rmse_ms`` below it.
+    **Outliers.** A step far *slower* than the fit (its residual over ``OUTLIER_K`` times the larger of the fit's
+    RMSE and the steps' own spread, once ``min_steps`` are in) is counted (``outliers``) and left out of the fit:
+    a one-off multi-second step (a first-use compilation, a stall) once moved the whole fit (an RMSE of 2.5 s
+    and 335 ms per branching tree in a committed run). Only slow steps are gated, and never more than
+    ``MAX_IN_ROW`` in a row: a step far *faster* than the fit, or a run of slow ones, is the fit being wrong
+    (the workload changed), and a gate on those locked a wrong fit in (a link sweep ran with 54 ms per
+    branching tree, cutting phone trees to 1.7 verified nodes). ``spread_ms`` is the decayed standard
+    deviation of the fitted steps' seconds: a sane fit has ``rmse_ms`` below it.
     """
 
     OUTLIER_K = 8.0
+    MAX_IN_ROW = 3
 
     SCALE = np.array([1.0, 64.0, 64.0, 16.0, 16.0, 16.0, 64.0])
 
@@ -56,6 +60,7 @@ class StepCostModel:
         self.weight = 0.0
         self.sum_s = self.sum_s2 = 0.0  # decayed sums of the fitted steps' seconds (their spread)
         self.outliers = 0
+        self._in_row = 0  # slow steps left out in a row
 
     def _x(self, rows: float, kctx: float, trees: float, branching: float = 0.0, plain: float = 0.0,
            head: float = 0.0) -> np.ndarray:
@@ -70,9 +75,12 @@ class StepCostModel:
             return False
         x = self._x(rows, kctx, max(int(trees), 0), max(int(branching), 0), max(int(plain), 0), max(int(head), 0))
         err = seconds - float(x @ self.theta)
-        if self.steps >= self.min_steps and abs(err) > self.OUTLIER_K * max(self.rmse or 0.0, self.spread_s):
+        if (self.steps >= self.min_steps and self._in_row < self.MAX_IN_ROW
+                and err > self.OUTLIER_K * max(self.rmse or 0.0, self.spread_s)):
             self.outliers += 1
+            self._in_row += 1
             return False
+        self._in_row = 0
         Px = self.P @ x
         gain = Px / (self.forget + float(x @ Px))
         self.theta = self.theta + gain * err

@@ -71,8 +71,12 @@ def test_the_rule_moves_a_session_mid_answer_and_back(server, tok, plain):
     (phone mode again, once the hysteresis window has passed): plain greedy's tokens throughout."""
     prompt = PROMPTS[1]
     state = {"ok": True, "server_tokens": 0}
-    rule = ModeRule(ModeRuleConfig(floor_tps=0.01, hold_s=0.0, min_rounds=1, window=4),
-                    power_ok=lambda: state["ok"])
+    class PowerRule(ModeRule):  # the power flag alone: the shared server's cost figures are not this test's
+        def observe_offer(self, offers_server, server_tps, *costs):
+            super().observe_offer(offers_server, server_tps)
+
+    rule = PowerRule(ModeRuleConfig(floor_tps=0.01, hold_s=0.0, min_rounds=1, window=4),
+                     power_ok=lambda: state["ok"])
     rounds = []
 
     def on_round(r):

@@ -16,6 +16,7 @@ box (vLLM import and engine start dominate; in CI since issue 34).
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import numpy as np
@@ -34,19 +35,10 @@ def test_mtp_chain_equals_vllm_gemma4_proposer(fixtures_dir, make_llm):
 
     calls = []
     original = Gemma4Proposer.propose
+    signature = inspect.signature(original)
 
-    def recording(
-        self,
-        num_speculative_tokens,
-        target_token_ids,
-        target_positions,
-        target_hidden_states,
-        next_token_ids,
-        token_indices_to_sample,
-        common_attn_metadata,
-        *args,
-        **kwargs,
-    ):
+    def recording(self, *args, **kwargs):
+        a = signature.bind(self, *args, **kwargs).arguments
         model, step_logits = self.model, []
         compute_logits = model.compute_logits
 
@@ -57,26 +49,12 @@ def test_mtp_chain_equals_vllm_gemma4_proposer(fixtures_dir, make_llm):
 
         model.compute_logits = recorded_logits
         try:
-            out = original(
-                self,
-                num_speculative_tokens,
-                target_token_ids,
-                target_positions,
-                target_hidden_states,
-                next_token_ids,
-                token_indices_to_sample,
-                common_attn_metadata,
-                *args,
-                **kwargs,
-            )
+            out = original(self, *args, **kwargs)
         finally:
             del model.compute_logits
-        last = (
-            int(common_attn_metadata.query_start_loc[1]) - 1
-            if token_indices_to_sample is None
-            else int(token_indices_to_sample[0])
-        )
-        calls.append((int(next_token_ids[0]), int(target_positions[last]), out[0].tolist(), step_logits))
+        sample = a["token_indices_to_sample"]
+        last = int(a["common_attn_metadata"].query_start_loc[1]) - 1 if sample is None else int(sample[0])
+        calls.append((int(a["next_token_ids"][0]), int(a["target_positions"][last]), out[0].tolist(), step_logits))
         return out
 
     Gemma4Proposer.propose = recording

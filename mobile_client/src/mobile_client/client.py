@@ -269,6 +269,10 @@ class HycoClient:
         sent = self._pings.pop(frame.nonce, None)
         if sent is not None:
             self._tell("observe_rtt", time.perf_counter() - sent, time.perf_counter())
+        self._offer(frame)
+
+    def _offer(self, frame: PongFrame | SessionFrame) -> None:
+        """The server's offer (``pong`` and ``session`` carry the same figures) to the mode policy."""
         self._tell("observe_offer", frame.offers_server, frame.server_tps, frame.phone_ms, frame.server_ms)
 
     async def _probe(self, ws, session: PhoneSession) -> None:
@@ -408,7 +412,7 @@ class HycoClient:
             raise FrameError(f"expected the session frame after start, got a {frame.TYPE} frame",
                              code="unknown_type")
         session.apply_session(frame)
-        self._tell("observe_offer", frame.offers_server, frame.server_tps, frame.phone_ms, frame.server_ms)
+        self._offer(frame)
         return frame
 
     async def _take_verdict(self, ws, session: PhoneSession, t0: float, on_round, prep=None) -> None:

@@ -116,16 +116,14 @@ def step_end(sched: Any, scheduler_output: Any, outputs: Any = None) -> None:
     if t0 is None:
         return
     now = clock.now()
-    step_wall, step_cpu = now[0] - t0[0], now[1] - t0[1]
-    step_s, utility_s = (step_cpu if clock.on_cpu else step_wall), clock.utility_s
+    step_wall, step_cpu, step_s = clock.since(t0, now)
+    utility_s = clock.utility_s
     seconds = step_s + utility_s
     clock.utility_s = 0.0
     # the mode ledger also counts the process's other threads' work since the last step (CPU engine), less the
     # benchmark's timing writer (step_timing: the measurement's own cost)
-    flushed = step_timing.TIMER.flush_cpu_s
-    extra = clock.outside(now, step_wall, step_cpu + utility_s + flushed - clock.flushed_cpu,
-                          idle_now=not sched.requests)
-    clock.flushed_cpu = flushed
+    extra = clock.outside(now, step_wall, step_cpu + utility_s, idle_now=not sched.requests,
+                          writer_cpu=step_timing.TIMER.flush_cpu_s)
     rows = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0)
     if rows <= 0:
         return

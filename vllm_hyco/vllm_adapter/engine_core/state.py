@@ -71,9 +71,11 @@ class StepClock:
     def now() -> Clock:
         return time.perf_counter(), time.process_time()
 
-    def outside(self, now: Clock, step_wall: float, accounted_cpu: float, idle_now: bool) -> float:
+    def outside(self, now: Clock, step_wall: float, accounted_cpu: float, idle_now: bool,
+                writer_cpu: float = 0.0) -> float:
         """CPU seconds this process spent since the last step's end beyond ``accounted_cpu`` (the step and the
         utility calls): its I/O threads' work for the requests (trees in, verdicts and outputs out), less the
+        benchmark timing writer's (``writer_cpu``: its running total, ``step_timing.flush_cpu_s``) and the
         idle loop's rate over the time between steps. The idle rate is measured on gaps that began with no
         request held at all (0 until one was seen). A CPU engine only (0.0 on an accelerator, whose cost is
         its steps' wall time). ``idle_now``: the engine holds no request now.
@@ -86,11 +88,11 @@ class StepClock:
             >>> round(c.outside((2.1, 0.06), 0.02, 0.004, idle_now=False), 4)  # 6 ms, 1.6 of them idle
             0.0044
         """
-        last, was_idle = self.last_end, self.idle_after_last
-        self.last_end, self.idle_after_last = now, idle_now
+        last, was_idle, written = self.last_end, self.idle_after_last, writer_cpu - self.flushed_cpu
+        self.last_end, self.idle_after_last, self.flushed_cpu = now, idle_now, writer_cpu
         if last is None or not self.on_cpu:
             return 0.0
-        other = max(0.0, now[1] - last[1] - accounted_cpu)
+        other = max(0.0, now[1] - last[1] - accounted_cpu - written)
         idle_wall = max(0.0, now[0] - last[0] - step_wall)
         if was_idle and idle_wall >= IDLE_GAP_S:
             rate = other / idle_wall
@@ -98,9 +100,10 @@ class StepClock:
             return 0.0
         return max(0.0, other - (self.idle_rate or 0.0) * idle_wall)
 
-    def since(self, t0: Clock) -> tuple[float, float, float]:
-        """(wall, cpu, the model's clock) seconds since ``t0``."""
-        wall, cpu = time.perf_counter() - t0[0], time.process_time() - t0[1]
+    def since(self, t0: Clock, now: Clock | None = None) -> tuple[float, float, float]:
+        """(wall, cpu, the model's clock) seconds from ``t0`` to ``now`` (default: now)."""
+        now = self.now() if now is None else now
+        wall, cpu = now[0] - t0[0], now[1] - t0[1]
         return wall, cpu, cpu if self.on_cpu else wall
 
 

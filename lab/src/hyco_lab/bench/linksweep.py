@@ -156,10 +156,8 @@ class Sweep:
 
     def probe(self, srv: S.BenchServer) -> dict[str, Any]:
         t = srv.timing()
-        proc = sum(S.process_cpu_s(p) or 0.0 for p in self.pids["engine"]) if self.pids["engine"] else None
+        proc = S.engine_cpu_s(self.pids["engine"], t) if self.pids["engine"] else None
         api = sum(S.process_cpu_s(p) or 0.0 for p in self.pids["api"])
-        if proc is not None:  # the timing writer's CPU is the measurement's, not the server's
-            proc -= float(t.get("flush_cpu_s", 0.0))
         return {"t": time.perf_counter(), "proc_s": proc, "api_s": api, "core_s": float(t.get("core_cpu_s", 0.0)),
                 "model_s": float(t.get(t.get("g_clock", "cpu_s"), 0.0)), "steps": int(t.get("steps", 0))}
 
@@ -251,9 +249,9 @@ class Sweep:
         if not self.pids["engine"] or self.args.idle_s <= 0:
             return
         time.sleep(1.0)
-        a, t = sum(S.process_cpu_s(p) or 0.0 for p in self.pids["engine"]), time.perf_counter()
+        a, t = S.engine_cpu_s(self.pids["engine"]), time.perf_counter()
         time.sleep(self.args.idle_s)
-        b = sum(S.process_cpu_s(p) or 0.0 for p in self.pids["engine"])
+        b = S.engine_cpu_s(self.pids["engine"])
         self.idle.append(1e3 * (b - a) / (time.perf_counter() - t))
         _log(f"  idle engine-core CPU: {self.idle[-1]:.1f} ms/s (mean so far {self.idle_ms_s():.1f})")
 

@@ -236,10 +236,8 @@ class Mixed:
 
     def probe(self, srv: BenchServer) -> dict[str, Any]:
         procs, timing = S.server_processes(srv), srv.timing_now()
-        # the engine's timing writer's CPU is the measurement's, not the server's (step_timing.flush_cpu_s)
         return {"t": time.perf_counter(), "bench_cpu_s": time.process_time(), "timing": timing,
-                "engine_cpu_s": sum(S.process_cpu_s(p) or 0.0 for p in procs["engine"])
-                - float(timing.get("flush_cpu_s", 0.0)),
+                "engine_cpu_s": S.engine_cpu_s(procs["engine"], timing),
                 "api_cpu_s": sum(S.process_cpu_s(p) or 0.0 for p in procs["api"]),
                 "spec": spec_counters(srv.metrics())}
 

@@ -25,3 +25,11 @@ def test_parity_pairs_the_phone_with_vllms_counters():
     assert (row["phone_requests"], row["cloud_runs"]) == (2, 2)  # the warm-up run (-1) is left out
     assert row["phone_rate"] == [round(2 / 3, 4), 0.5, 1.0] and row["cloud_rate"] == [0.5, 0.8, 0.5]
     assert row["diff"] == [round(2 / 3 - 0.5, 4), -0.3, 0.5]
+
+
+def test_the_adaptive_cut_is_read_from_the_grant():
+    # 6 nodes sent, the verdict granted (kept) 2: chain depth 3 was never verified; a last round (grant 0) counts whole
+    cut = _round([1, 2]) | {"budget": 2}
+    last = _round([1, 2, 3]) | {"budget": 0}
+    reached, accepted = chain_counts([cut, last], 4)
+    assert reached.tolist() == [2, 2, 1, 0] and accepted.tolist() == [2, 2, 1, 0]

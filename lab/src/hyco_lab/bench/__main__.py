@@ -71,6 +71,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sweep-min-requests", type=int, default=8,
                    help="requests each sweep level decodes at least (its phones or requests take them in turn): "
                         "a level of one phone decoding one request per run measured a few dozen rounds")
+    p.add_argument("--sweep-requests", default="",
+                   help="requests per level, LEVEL:N,... (e.g. 1:48,4:16,16:32,64:64); a level not named decodes "
+                        "max(level, --sweep-min-requests)")
+    p.add_argument("--sweep-split", action="store_true",
+                   help="decode each level's requests as passes of LEVEL requests (one prompt per pass at one "
+                        "phone): the passes are the units the baseline's paired bootstrap resamples")
     p.add_argument("--sweep-warmup", type=int, default=4,
                    help="unmeasured one-phone requests on each sweep server before its levels (first-use "
                         "costs; an adaptive server's cost model fits on them, as a serving one has)")
@@ -186,6 +192,7 @@ class Bench:
         self.expand_kernels: dict[str, str] = {}  # server -> its rejection sampler's expand_kernel
         self.logged: list[dict] = []  # run 0 of the --replay configuration: its sessions' trees
         self.tv_arms: dict[str, dict[str, list[tuple]]] = {}  # config -> prompt id -> first tokens per answer
+        self.sweep_units: list[dict] = []  # a split sweep's passes (the baseline's bootstrap units)
 
     def ids(self) -> list[list[int]]:
         if self._ids is None:
@@ -200,8 +207,8 @@ class Bench:
                            log_dir=self.out / "logs", threads=self.args.engine_threads or None,
                            extra_args=["--max-num-batched-tokens", str(self.args.max_num_batched_tokens)])
 
-    def one_pass(self, srv: BenchServer, cfg: C.BenchConfig, run: int, prompts: list[dict], ids, concurrency: int
-                 ) -> M.RunRecord:
+    def one_pass(self, srv: BenchServer, cfg: C.BenchConfig, run: int, prompts: list[dict], ids, concurrency: int,
+                 settle_s: float = 0.5) -> M.RunRecord:
         before_t, before_m = srv.timing(), srv.metrics()
         before_c, before_b = spec_counters(before_m), budget_counters(before_m)
         t0 = time.perf_counter()
@@ -213,9 +220,10 @@ class Bench:
                                                  concurrency=concurrency, link=self.link, seed0=1000 * run,
                                                  phase_lock=self.args.phase_lock))
         wall = time.perf_counter() - t0
-        time.sleep(0.5)  # let the API server's stat loggers see the last outputs
+        time.sleep(settle_s)  # let the API server's stat loggers see the last outputs
         after_m = srv.metrics()
-        counters = counters_delta(before_c, spec_counters(after_m)) | {"k": C.MTP_K}
+        counters = counters_delta(before_c, spec_counters(after_m))
+        counters["k"] = round(counters["draft_tokens"] / counters["drafts"], 3) if counters["drafts"] else cfg.k
         engine = M_delta(before_t, srv.timing())
         if cfg.kind == "phone":  # the node budget over this pass: nodes verified per round, the fit at its end
             b = budget_counters(after_m)
@@ -330,6 +338,7 @@ class Bench:
             spec = cfg.server_spec(str(self.fx / "assistant"), max_sessions=max(levels),
                                    step_gather="on" if self.args.phase_lock and cfg.server == "hyco" else None)
             runs = self.args.sweep_runs if self.args.sweep_runs is not None else self.args.runs
+            wanted = {int(a): int(b) for a, b in (x.split(":") for x in self.args.sweep_requests.split(",") if x)}
             with self.server(spec, max_num_seqs=max(levels)) as srv:
                 # warm-up requests, one at a time, for every configuration alike (first-use costs; the
                 # budget's cost model fits on them, as that of a server that has been serving has)
@@ -338,12 +347,20 @@ class Bench:
                     self.one_pass(srv, cfg, -1 - w, self.prompts[i:i + 1],
                                   self.ids()[i:i + 1] if cfg.kind == "phone" else None, 1)
                 for n in levels:
-                    m = max(n, self.args.sweep_min_requests)
-                    prompts = [self.prompts[i % len(self.prompts)] for i in range(m)]
-                    ids = [self.ids()[i % len(self.prompts)] for i in range(m)] if cfg.kind == "phone" else None
+                    m = wanted.get(n, max(n, self.args.sweep_min_requests))
+                    order = [i % len(self.prompts) for i in range(m)]
+                    step = n if self.args.sweep_split else m
                     for run in range(runs):
-                        rec = self.one_pass(srv, cfg, 100 * (run + 1) + n, prompts, ids, n)
-                        out.append(M.run_metrics(rec) | {"sweep_run": run})
+                        parts = []
+                        for b, lo in enumerate(range(0, m, step)):
+                            part = order[lo:lo + step]
+                            parts.append(self.one_pass(
+                                srv, cfg, 100 * (run + 1) + n, [self.prompts[i] for i in part],
+                                [self.ids()[i] for i in part] if cfg.kind == "phone" else None, n,
+                                settle_s=0.15 if self.args.sweep_split else 0.5))
+                            self.records[-1] |= {"sweep_run": run, "sweep_block": b}
+                            self.sweep_units.append(M.run_metrics(parts[-1]) | {"sweep_run": run, "sweep_block": b})
+                        out.append(M.run_metrics(M.merge_runs(parts)) | {"sweep_run": run})
                         _log(f"  sweep {cfg.name} x{n} run {run}: {_brief(out[-1])}")
         return out
 
@@ -412,12 +429,15 @@ def main(argv: list[str] | None = None) -> int:
                            "node_budget": args.node_budget or None,
                            "max_tokens": args.max_tokens, "temperature": args.temperature, "top_k": args.top_k,
                            "top_p": args.top_p, "engine_threads": args.engine_threads,
-                           "phase_lock": args.phase_lock, "max_num_batched_tokens": args.max_num_batched_tokens,
+                           "phase_lock": args.phase_lock, "sweep_requests": args.sweep_requests,
+                           "max_num_batched_tokens": args.max_num_batched_tokens,
                            "slm_only": any(c.name == "slm-only" for c in selected),
                            "argv": sys.argv[1:] if argv is None else argv, "phone_notes": phone_notes(bench.fx),
                            "handoff_values": handoff_values(bench.fx), "expand_kernel": bench.expand_kernels,
                            "references": {p["id"]: p.get("reference") for p in bench.prompts}}
     results = build_results(per_run, env, sweep, ordinary)
+    if args.sweep_split:
+        results["sweep_units"] = bench.sweep_units
     from hyco_lab.bench import physics
 
     results["gpu_batch1"] = physics.batch1(bench.records, sweep, M.OVERLAP or None)

@@ -9,17 +9,19 @@ that were accepted among those whose drafts at depths 1 .. d-1 were all accepted
 
 * **Phone** (a HyCo configuration's rounds, ``RoundRecord.tree``): the chain is the run of ``chain``-labelled
   nodes from the root (each the chain-labelled child of the one before). At depth d it counts when its node was
-  verified (inside the server's cut, ``RoundRecord.nodes``) and the chain's nodes 1 .. d-1 are on the accepted
-  path; it is accepted when it is on the path too. Sample-and-match accepts a node exactly when the server's
-  sample at its parent is its token, with probability p_target(token) for a greedy draft, as vLLM's rejection
-  sampler accepts a greedy draft; a sibling (runner-up, SLM child) cannot take a chain node's place, since
-  siblings hold distinct tokens.
+  verified (inside the server's cut: ``min(RoundRecord.nodes, RoundRecord.budget)``, the adaptive budget's
+  grant; every node sent under a static one and in a request's last round, whose grant is 0) and the chain's
+  nodes 1 .. d-1 are on the accepted path; it is accepted when it is on the path too. Sample-and-match accepts
+  a node exactly when the server's sample at its parent is its token, with probability p_target(token) for a
+  greedy draft, as vLLM's rejection sampler accepts a greedy draft; a sibling (runner-up, SLM child) cannot
+  take a chain node's place, since siblings hold distinct tokens.
 * **vLLM's MTP** (a Cloud+MTP configuration): vLLM's counters over the run (``spec_counters``: drafts and
   accepted tokens per position); depth 1 is ``accepted[0] / drafts``, depth d ``accepted[d-1] / accepted[d-2]``.
 
 **Intervals**: 95 % percentile bootstrap (2,000 resamples, seed 0). The phone's counts are resampled by request
-(each prompt of each run); vLLM's counters exist per run only (the harness reads them around each run, the
-phones of a run being concurrent), so its side is resampled by run: with 3 runs that interval is coarse. The
+(each prompt of each run); vLLM's counters exist per pass only (the harness reads them around each pass, the
+requests of a pass being concurrent), so its side is resampled by pass: by prompt at one phone in a split
+sweep (``--sweep-split``: each prompt its own pass), by run in Table 2 (3 runs: a coarse interval). The
 difference resamples both sides independently.
 """
 
@@ -52,7 +54,12 @@ def chain_counts(rounds: Sequence[dict], depth: int) -> tuple[np.ndarray, np.nda
         if not tree:
             continue
         parents, sources, path = tree["parents"], tree["sources"], set(tree.get("path") or ())
-        verified = int(rd.get("nodes", len(parents) - 1)) + 1  # rows inside the server's cut, root included
+        # rows inside the server's cut, root included: the adaptive budget verifies min(sent, the verdict's
+        # grant) nodes (BudgetPolicy.next_budget), a static one every node sent. A request's last round grants 0
+        # and so says nothing of its cut: counted as verified whole (vLLM's counters count its last step too);
+        # under the adaptive budget that can only lower the phone's rate
+        sent = int(rd.get("nodes", len(parents) - 1))
+        verified = (sent if not rd.get("budget") else min(sent, int(rd["budget"]))) + 1
         node = 0
         for d in range(depth):
             child = next((i for i in range(1, min(verified, len(parents)))
@@ -74,7 +81,7 @@ def _phone_units(records: list[dict], config: str, depth: int) -> np.ndarray:
 
 
 def _cloud_units(records: list[dict], config: str, depth: int) -> np.ndarray:
-    """Per run: (reached, accepted) per depth from vLLM's counters."""
+    """Per pass: (reached, accepted) per depth from vLLM's counters."""
     out = []
     for r in records:
         c = r.get("spec_counters") or {}

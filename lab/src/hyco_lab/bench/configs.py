@@ -6,6 +6,9 @@ The configurations, each as ``name``: server; phone tree; acceptance.
   exact
 * ``cloud-mtp-prob``: same, ``"draft_sample_method": "probabilistic"`` (drafts sampled from the head); same;
   exact
+* ``cloud-mtp-k2`` / ``-k3`` / ``-dyn`` and ``cloud-mtp-prob-k2`` / ``-k3`` / ``-dyn``: the same at K = 2, 3
+  and at vLLM's per-batch-size K (``num_speculative_tokens_per_batch_size``, :data:`MTP_SCHEDULE`); the
+  baseline takes the best Cloud+MTP setting at each load
 * ``specedge``: ``--speculative-config hyco``; 32 nodes from 4 SLM passes; exact
 * ``specedge-pd``: same; + proactive drafting during the wait; exact
 * ``specedge-eps``: hyco, ε = 0.005; 32 nodes from 4 SLM passes; ε = 0.005
@@ -51,6 +54,9 @@ SLM_ONLY_MS_PER_TOKEN = 36.8
 EPSILON = 0.005
 STATIC_BUDGETS = (4, 8, 16, 32)  # the static node budgets the sweep compares with the adaptive policy
 MTP_K = 4
+#: vLLM's per-batch-size K for the ``-dyn`` configurations (inclusive batch-size ranges, K): long chains
+#: while the batch is small, short ones once the forward's rows cost (ours: vLLM ships no default schedule)
+MTP_SCHEDULE = ((1, 3, 4), (4, 15, 3), (16, 1024, 2))
 
 
 @dataclass(frozen=True)
@@ -68,6 +74,8 @@ class BenchConfig:
     device_ms: float = 0.0  # modelled device ms per round after the first
     node_budget: int | None = None  # hyco servers: a static budget (budget_policy static); None: adaptive
     first_round_ms: float = SLM_PASS_MS  # round 0 is the SLM's alone (D2)
+    k: int = MTP_K  # cloud configurations: num_speculative_tokens (the most, with a schedule)
+    k_schedule: tuple[tuple[int, int, int], ...] | None = None  # cloud: vLLM's per-batch-size K
 
     @property
     def mode(self) -> str:
@@ -77,9 +85,11 @@ class BenchConfig:
         """The ``--speculative-config`` JSON for this configuration's server (``step_gather``: the HyCo
         option, when not the server's default)."""
         if self.server == "mtp":
-            spec = {"method": "mtp", "model": assistant, "num_speculative_tokens": MTP_K}
+            spec = {"method": "mtp", "model": assistant, "num_speculative_tokens": self.k}
             if self.draft_sample_method:
                 spec["draft_sample_method"] = self.draft_sample_method
+            if self.k_schedule:
+                spec["num_speculative_tokens_per_batch_size"] = [list(r) for r in self.k_schedule]
             return json.dumps(spec)
         spec: dict = {"method": "hyco", "max_sessions": max_sessions}
         if self.epsilon is not None:
@@ -92,13 +102,18 @@ class BenchConfig:
 
     def server_key(self) -> tuple:
         """Configurations with equal keys can share one server (same engine arguments)."""
-        return (self.server, self.epsilon, self.draft_sample_method, self.node_budget)
+        return (self.server, self.epsilon, self.draft_sample_method, self.node_budget, self.k, self.k_schedule)
 
 
 CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
     BenchConfig("cloud-mtp", "cloud", "Cloud+MTP", server="mtp"),
     BenchConfig("cloud-mtp-prob", "cloud", "Cloud+MTP, sampled drafts", server="mtp",
                 draft_sample_method="probabilistic"),
+    *(BenchConfig(f"cloud-mtp{p}-{tag}", "cloud", f"Cloud+MTP{label}, {what}", server="mtp",
+                  draft_sample_method=method, k=k, k_schedule=schedule)
+      for p, label, method in (("", "", None), ("-prob", ", sampled drafts", "probabilistic"))
+      for tag, what, k, schedule in (("k2", "K = 2", 2, None), ("k3", "K = 3", 3, None),
+                                     ("dyn", "K per batch size", MTP_K, MTP_SCHEDULE))),
     BenchConfig("specedge", "phone", "SpecEdge-style", server="hyco", drafter="specedge",
                 device_ms=4 * SLM_PASS_MS),
     BenchConfig("specedge-pd", "phone", "SpecEdge-style + PD", server="hyco", drafter="specedge-pd",

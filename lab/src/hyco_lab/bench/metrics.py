@@ -40,7 +40,7 @@ import itertools
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 #: node sources (vllm_hyco.handoff.tree_contract.NodeLabel values)
@@ -103,7 +103,39 @@ class RunRecord:
             rounds = [RoundRecord(**{**x, "drafted_sources": {int(k): v for k, v in x["drafted_sources"].items()}})
                       for x in r["rounds"]]
             reqs.append(RequestRecord(**{**r, "rounds": rounds}))
-        return cls(**{**d, "requests": reqs})
+        known = {f.name for f in fields(cls)}  # a split sweep's records also carry sweep_run, sweep_block, ...
+        return cls(**{k: v for k, v in d.items() if k in known} | {"requests": reqs})
+
+
+def merge_runs(parts: Sequence[RunRecord]) -> RunRecord:
+    """Consecutive passes of one configuration and level (a split sweep's run) as one pass: requests joined,
+    engine and vLLM counters summed, nodes verified per round weighted by rounds, the last fit kept."""
+    first = parts[0]
+    engine: dict[str, Any] = {}
+    for p in parts:
+        for k, v in p.engine.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                engine[k] = engine.get(k, 0) + v
+            elif k not in engine or k == "g_clock":
+                engine[k] = v
+    budgets = [(p.engine.get("budget") or {}, sum(len(r.rounds) for r in p.requests)) for p in parts]
+    if any(b for b, _ in budgets):
+        n = sum(w for b, w in budgets if b.get("verified_nodes_round") is not None)
+        engine["budget"] = {"verified_nodes_round": round(sum(b["verified_nodes_round"] * w for b, w in budgets
+                                                              if b.get("verified_nodes_round") is not None) / n, 3)
+                            if n else None, "fit_ms": budgets[-1][0].get("fit_ms")}
+    counters: dict[str, Any] = {}
+    if first.spec_counters:
+        counters = {k: sum(p.spec_counters.get(k, 0) for p in parts) for k in ("drafts", "draft_tokens", "accepted")}
+        width = max(len(p.spec_counters.get("accepted_per_pos", [])) for p in parts)
+        counters["accepted_per_pos"] = [sum(p.spec_counters.get("accepted_per_pos", [0] * width)[i]
+                                            if i < len(p.spec_counters.get("accepted_per_pos", [])) else 0
+                                            for p in parts) for i in range(width)]
+        counters["k"] = (round(counters["draft_tokens"] / counters["drafts"], 3) if counters["drafts"]
+                         else first.spec_counters.get("k"))
+    return replace(first, requests=[r for p in parts for r in p.requests], engine=engine, spec_counters=counters,
+                   wall_s=round(sum(p.wall_s for p in parts), 4),
+                   proxy_bytes={k: sum(p.proxy_bytes.get(k, 0) for p in parts) for k in first.proxy_bytes})
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -191,6 +223,12 @@ def run_metrics(run: RunRecord) -> dict[str, Any]:
         "g_wall_ms": _div(busy_ms, tokens, 4) if run.engine else None,
         "g_core_ms": _div(float(run.engine.get("core_cpu_s" if clock == "cpu_s" else "core_s", 0.0)) * 1e3,
                           tokens, 4) if run.engine.get("core_s") else None,
+        # g's parts, wall ms per output token by the worker call they ran in (the forward: verify rows, tree
+        # attention, compaction; sample: the decision, vLLM's MTP head; core: scheduling, HyCo utility calls)
+        "g_parts_ms": {k: _div(float(run.engine.get(f, 0.0)) * 1e3, tokens, 4) for k, f in
+                       (("forward", "execute_s"), ("sample", "sample_s"), ("draft", "draft_s"))}
+        | {"core_other": _div(max(float(run.engine.get("core_s", 0.0)) - float(run.engine.get("busy_s", 0.0)), 0.0)
+                              * 1e3, tokens, 4)} if run.engine and tokens else None,
         "engine_rows_per_step": _div(run.engine.get("rows", 0), run.engine.get("steps", 0), 2),
         "tok_s": _div(tokens, sum(r.wall_ms for r in ok) / 1e3, 3),
         "server_tok_s": _div(tokens, run.wall_s, 3),

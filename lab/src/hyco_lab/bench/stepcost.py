@@ -1,15 +1,15 @@
 """Where a step's server time goes: HyCo trees against vLLM's MTP, per component, at 1 and N requests.
 
 ``python -m hyco_lab.bench.stepcost --requests 1,16 --nodes 4,32 --steps 24 [--tree-attn padded,loop]
-[--shape tree,chain] [--chain-attn stock,tree] [--fixtures DIR] [--out F]``
+[--shape tree,chain] [--chain-attn stock,tree] [--mtp-k 2,4] [--fixtures DIR] [--out F]``
 
 One engine per setup, in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; each setup in its own child
 process so the two engines never share one), on the bench fixtures. HyCo: ``n`` sessions submit a tree of
 ``nodes`` nodes each round, all in the same step (``HycoEngine.submit_many``); the trees are value-ordered
 chains of the greedy continuation planted at depth 0..3 plus random siblings, so every round commits a few
-tokens. MTP: ``n`` plain requests with vLLM's MTP (K = 4) decode. Each component is timed with process CPU
-time by wrapping it with a recorded ``Patch`` (``PROFILE_PATCHES``; the wrappers' own cost is inside the totals; a
-few microseconds a call), per step:
+tokens. MTP: ``n`` plain requests with vLLM's MTP (K = 4, or each of ``--mtp-k``) decode. Each component is
+timed with process CPU time by wrapping it with a recorded ``Patch`` (``PROFILE_PATCHES``; the wrappers' own
+cost is inside the totals; a few microseconds a call), per step:
 
 * ``step``: ``EngineCore.step`` (schedule + model call + sampling + update) + ``post_step``
 * ``forward``: the runner's ``_model_forward`` (all layers; HyCo's tree attention is inside it)
@@ -201,20 +201,20 @@ def run_hyco(verifier: str, n: int, nodes: int, steps: int, tree_attn: str, out:
     out.update(_result(clock, base, tokens, name, n))
 
 
-def run_mtp(verifier: str, assistant: str, n: int, steps: int, out: dict) -> None:
+def run_mtp(verifier: str, assistant: str, n: int, steps: int, out: dict, k: int = 4) -> None:
     from vllm import LLM, SamplingParams
 
     clock = _install(hyco=False)
     llm = LLM(model=verifier, dtype="float32", max_model_len=1024, max_num_seqs=max(n, 1), enforce_eager=True,
               distributed_executor_backend="uni", skip_tokenizer_init=True, seed=0, enable_prefix_caching=False,
-              speculative_config={"method": "mtp", "model": assistant, "num_speculative_tokens": 4})
+              speculative_config={"method": "mtp", "model": assistant, "num_speculative_tokens": k})
     prompts = _prompts(n)
     params = SamplingParams(temperature=0.0, max_tokens=steps * 3, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in prompts[:1]], SamplingParams(max_tokens=4), use_tqdm=False)
     base = clock.snapshot()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    out.update(_result(clock, base, tokens, "cloud-mtp", n, prefill_tokens=0))
+    out.update(_result(clock, base, tokens, "cloud-mtp" + ("" if k == 4 else f"-k{k}"), n, prefill_tokens=0))
 
 
 def _result(clock: Clock, base: dict, tokens: int, name: str, n: int, prefill_tokens: int = 0) -> dict:
@@ -247,6 +247,7 @@ def main(argv=None) -> int:
     p.add_argument("--shape", default="tree", help="HyCo trees: tree (chain + siblings), chain, or both")
     p.add_argument("--chain-attn", default="stock",
                    help="chains' attention paths to compare (VLLM_HYCO_CHAIN_ATTN), e.g. stock,tree")
+    p.add_argument("--mtp-k", default="4", help="vLLM's MTP chain lengths to compare, e.g. 2,4")
     p.add_argument("--fixtures", default=None)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -263,7 +264,7 @@ def main(argv=None) -> int:
     verifier, assistant = str(fx / "verifier"), str(fx / "assistant")
     jobs = []
     for n in [int(x) for x in args.requests.split(",")]:
-        jobs.append((run_mtp, (verifier, assistant, n, args.steps), {}))
+        jobs += [(run_mtp, (verifier, assistant, n, args.steps), {"k": int(k)}) for k in args.mtp_k.split(",")]
         for nodes in [int(x) for x in args.nodes.split(",")]:
             for shape in args.shape.split(","):
                 for mode in args.tree_attn.split(","):

@@ -101,21 +101,23 @@ class HycoCPUAttentionImpl(CPUAttentionBackendImpl):
         # the layout is the same for every layer with this window; the slots follow each layer's table
         # (each KV-cache group has its own)
         pt = tree_plan.step_cached(("cpu_padded", window), lambda: tree_plan.PaddedTrees.build(trees, window))
-        prefix_slots, tree_slots = pt.slots(bt, block_size)
+        # the slots follow the layer's block table: one per KV-cache group, shared by the group's layers
+        prefix_slots, tree_slots = tree_plan.step_cached(("cpu_slots", window, bt.data_ptr(), block_size),
+                                                         lambda: pt.slots(bt, block_size))
         T, R = pt.rows.shape
         L = prefix_slots.shape[1]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_size
         q = query.reshape(-1, hq, d)[pt.rows]  # [T, R, hq, D]
         # padding gathers slots that may hold anything (a freed block): zero it, a NaN key poisons the row
         pad = ~pt.prefix_ok[:, :, None, None]
-        k_pre, v_pre = view.gather(kv_cache, prefix_slots.reshape(-1))
-        k_pre = k_pre.view(T, L, hkv, d).masked_fill(pad, 0.0)
-        v_pre = v_pre.view(T, L, hkv, d).masked_fill(pad, 0.0)
+        k_pre, v_pre = view.gather(kv_cache, prefix_slots.reshape(-1))  # fresh copies: zeroed in place
+        k_pre = k_pre.view(T, L, hkv, d).masked_fill_(pad, 0.0)
+        v_pre = v_pre.view(T, L, hkv, d).masked_fill_(pad, 0.0)
         if key is None:  # KV-shared: the target wrote the tree rows at their sequential slots
             k_tree, v_tree = view.gather(kv_cache, tree_slots.reshape(-1))
             pad_rows = ~pt.valid[:, :, None, None]
-            k_tree = k_tree.view(T, R, hkv, d).masked_fill(pad_rows, 0.0)
-            v_tree = v_tree.view(T, R, hkv, d).masked_fill(pad_rows, 0.0)
+            k_tree = k_tree.view(T, R, hkv, d).masked_fill_(pad_rows, 0.0)
+            v_tree = v_tree.view(T, R, hkv, d).masked_fill_(pad_rows, 0.0)
         else:
             k_tree, v_tree = key.reshape(-1, hkv, d)[pt.rows], value.reshape(-1, hkv, d)[pt.rows]
         res = tree_attention_padded(q, k_pre, v_pre, k_tree, v_tree, pt.bias,

@@ -86,11 +86,12 @@ class CpuAttnKVView:
         return list(self.kv_views(kv_cache))
 
     def gather(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V of ``slots``: each [n, num_kv_heads, head_size] (copies)."""
+        """K, V of ``slots``: each [n, num_kv_heads, head_size] (copies: advanced indexing never returns a
+        view, so the caller may write into them)."""
         k_planes, v_planes, block_size = self._split(kv_cache)
         slots = slots.to(torch.int64)
         blk, off = slots // block_size, slots % block_size
-        return k_planes[blk, :, :, off].clone(), v_planes[blk, :, off, :].clone()
+        return k_planes[blk, :, :, off], v_planes[blk, :, off, :]
 
     def scatter(self, kv_cache: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 *, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
@@ -134,11 +135,11 @@ class BlockMajorKVView:
         return [kv_cache.transpose(1, 2)]
 
     def gather(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V of ``slots``: each [n, num_kv_heads, head_size] (copies)."""
+        """K, V of ``slots``: each [n, num_kv_heads, head_size] (copies: advanced indexing)."""
         k, v, block_size = self._split(kv_cache)
         slots = slots.to(device=kv_cache.device, dtype=torch.int64)
         blk, off = slots // block_size, slots % block_size
-        return k[blk, off].clone(), v[blk, off].clone()
+        return k[blk, off], v[blk, off]
 
     def scatter(self, kv_cache: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 *, k_scale: float = 1.0, v_scale: float = 1.0) -> None:

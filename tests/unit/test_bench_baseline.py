@@ -57,3 +57,12 @@ def test_merged_passes_count_as_one():
     assert merged.spec_counters == {"drafts": 14, "draft_tokens": 28, "accepted": 11, "accepted_per_pos": [11, 0],
                                     "k": 2.0}
     assert RunRecord.from_dict(merged.to_dict() | {"sweep_run": 0, "sweep_block": 1}).config == "cloud-mtp-k2"
+
+
+def test_requests_per_level_are_parsed_up_front():
+    from hyco_lab.bench.configs import sweep_requests
+    from vllm_hyco.errors import ConfigError
+
+    assert sweep_requests("1:48,4:16") == {1: 48, 4: 16}
+    with pytest.raises(ConfigError, match="LEVEL:REQUESTS"):
+        sweep_requests("1:48,64")

@@ -338,7 +338,6 @@ class Bench:
             spec = cfg.server_spec(str(self.fx / "assistant"), max_sessions=max(levels),
                                    step_gather="on" if self.args.phase_lock and cfg.server == "hyco" else None)
             runs = self.args.sweep_runs if self.args.sweep_runs is not None else self.args.runs
-            wanted = {int(a): int(b) for a, b in (x.split(":") for x in self.args.sweep_requests.split(",") if x)}
             with self.server(spec, max_num_seqs=max(levels)) as srv:
                 # warm-up requests, one at a time, for every configuration alike (first-use costs; the
                 # budget's cost model fits on them, as that of a server that has been serving has)
@@ -347,7 +346,7 @@ class Bench:
                     self.one_pass(srv, cfg, -1 - w, self.prompts[i:i + 1],
                                   self.ids()[i:i + 1] if cfg.kind == "phone" else None, 1)
                 for n in levels:
-                    m = wanted.get(n, max(n, self.args.sweep_min_requests))
+                    m = self.args.sweep_requests.get(n, max(n, self.args.sweep_min_requests))
                     order = [i % len(self.prompts) for i in range(m)]
                     step = n if self.args.sweep_split else m
                     for run in range(runs):
@@ -401,6 +400,8 @@ def main(argv: list[str] | None = None) -> int:
                               fixtures_dir=fixtures_dir, bench_prompts=bench_prompts, machine=machine)
     args = parse_args(argv)
     try:
+        requests_text = args.sweep_requests
+        args.sweep_requests = C.sweep_requests(args.sweep_requests)
         selected = C.select(args.configs)
         if args.eps_sweep:
             selected += [c for c in C.sweep_configs() if c not in selected]
@@ -429,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
                            "node_budget": args.node_budget or None,
                            "max_tokens": args.max_tokens, "temperature": args.temperature, "top_k": args.top_k,
                            "top_p": args.top_p, "engine_threads": args.engine_threads,
-                           "phase_lock": args.phase_lock, "sweep_requests": args.sweep_requests,
+                           "phase_lock": args.phase_lock, "sweep_requests": requests_text,
                            "max_num_batched_tokens": args.max_num_batched_tokens,
                            "slm_only": any(c.name == "slm-only" for c in selected),
                            "argv": sys.argv[1:] if argv is None else argv, "phone_notes": phone_notes(bench.fx),

@@ -213,3 +213,19 @@ def select(names: str | list[str] | None) -> list[BenchConfig]:
             raise ConfigError(f"unknown configuration {n!r}; choose from {', '.join(CONFIGS)}")
         out.append(CONFIGS[n])
     return out
+
+
+def sweep_requests(text: str) -> dict[int, int]:
+    """``--sweep-requests`` as {level: requests}.
+
+    >>> sweep_requests("1:48, 64:64"), sweep_requests("")
+    ({1: 48, 64: 64}, {})
+    """
+    out = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        level, _, n = item.partition(":")
+        if not (level.isdigit() and n.isdigit() and int(level) > 0 and int(n) > 0):
+            raise ConfigError(f"--sweep-requests: {item!r} is not LEVEL:REQUESTS (two positive integers), "
+                              "e.g. 1:48,64:64")
+        out[int(level)] = int(n)
+    return out

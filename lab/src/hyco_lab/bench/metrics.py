@@ -127,10 +127,9 @@ def merge_runs(parts: Sequence[RunRecord]) -> RunRecord:
     counters: dict[str, Any] = {}
     if first.spec_counters:
         counters = {k: sum(p.spec_counters.get(k, 0) for p in parts) for k in ("drafts", "draft_tokens", "accepted")}
-        width = max(len(p.spec_counters.get("accepted_per_pos", [])) for p in parts)
-        counters["accepted_per_pos"] = [sum(p.spec_counters.get("accepted_per_pos", [0] * width)[i]
-                                            if i < len(p.spec_counters.get("accepted_per_pos", [])) else 0
-                                            for p in parts) for i in range(width)]
+        per_pos = [p.spec_counters.get("accepted_per_pos", []) for p in parts]
+        counters["accepted_per_pos"] = [sum(a[i] for a in per_pos if i < len(a))
+                                        for i in range(max(map(len, per_pos)))]
         counters["k"] = (round(counters["draft_tokens"] / counters["drafts"], 3) if counters["drafts"]
                          else first.spec_counters.get("k"))
     return replace(first, requests=[r for p in parts for r in p.requests], engine=engine, spec_counters=counters,

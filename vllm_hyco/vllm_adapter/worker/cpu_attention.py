@@ -98,10 +98,9 @@ class HycoCPUAttentionImpl(CPUAttentionBackendImpl):
         window = self.sliding_window if self.sliding_window > 0 else None
         bt = attn_metadata.block_table
         block_size = kv_cache.shape[2]
-        # the layout is the same for every layer with this window; the slots follow each layer's table
-        # (each KV-cache group has its own)
+        # the layout is the same for every layer with this window; the slots follow the layer's block table,
+        # one per KV-cache group, so they are built once per group and step
         pt = tree_plan.step_cached(("cpu_padded", window), lambda: tree_plan.PaddedTrees.build(trees, window))
-        # the slots follow the layer's block table: one per KV-cache group, shared by the group's layers
         prefix_slots, tree_slots = tree_plan.step_cached(("cpu_slots", window, bt.data_ptr(), block_size),
                                                          lambda: pt.slots(bt, block_size))
         T, R = pt.rows.shape

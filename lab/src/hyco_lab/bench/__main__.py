@@ -223,7 +223,7 @@ class Bench:
         time.sleep(settle_s)  # let the API server's stat loggers see the last outputs
         after_m = srv.metrics()
         counters = counters_delta(before_c, spec_counters(after_m))
-        counters["k"] = round(counters["draft_tokens"] / counters["drafts"], 3) if counters["drafts"] else cfg.k
+        counters["k"] = M.mean_k(counters, cfg.k)
         engine = M_delta(before_t, srv.timing())
         if cfg.kind == "phone":  # the node budget over this pass: nodes verified per round, the fit at its end
             b = budget_counters(after_m)

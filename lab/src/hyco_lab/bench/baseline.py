@@ -100,13 +100,13 @@ def level_table(results: dict, level: int) -> dict[str, Any]:
             n = sum(u["tokens"] for u in have)
             return round(sum(u[key] * u["tokens"] for u in have) / n, 4) if n else None
 
-        rounds = sum(u.get("rounds") or 0 for u in mine)
         mats = [(u["mat"], u.get("rounds") or 0) for u in mine if u.get("mat")]
+        weight = sum(w for _, w in mats)
         parts = {p: round(sum((u.get("g_parts_ms") or {}).get(p, 0.0) * u["tokens"] for u in mine) / tokens, 4)
                  for p in PARTS} if tokens else {}
         rows[c] = {"units": len(mine), "tokens": tokens, "g_ms": mean("g_ms"), "g_core_ms": mean("g_core_ms"),
                    "gpu_g_ms": mean("gpu_g_independent_ms"), "parts_ms": parts,
-                   "mat": round(sum(m * w for m, w in mats) / sum(w for _, w in mats), 3) if rounds and mats else None,
+                   "mat": round(sum(m * w for m, w in mats) / weight, 3) if weight else None,
                    "verified_nodes_round": mean("verified_nodes_round"), "errors": sum(u["errors"] for u in mine)}
     clouds = [c for c in configs if c.startswith("cloud-mtp") and rows[c]["g_ms"] is not None]
     statics = [c for c in configs if c.startswith("hyco-exact") and c.rsplit("-s", 1)[-1].isdigit()]

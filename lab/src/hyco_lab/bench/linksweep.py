@@ -157,7 +157,7 @@ class Sweep:
     def probe(self, srv: S.BenchServer) -> dict[str, Any]:
         t = srv.timing()
         proc = S.engine_cpu_s(self.pids["engine"], t) if self.pids["engine"] else None
-        api = sum(S.process_cpu_s(p) or 0.0 for p in self.pids["api"])
+        api = S.processes_cpu_s(self.pids["api"])
         return {"t": time.perf_counter(), "proc_s": proc, "api_s": api, "core_s": float(t.get("core_cpu_s", 0.0)),
                 "model_s": float(t.get(t.get("g_clock", "cpu_s"), 0.0)), "steps": int(t.get("steps", 0))}
 

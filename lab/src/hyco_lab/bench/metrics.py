@@ -107,6 +107,12 @@ class RunRecord:
         return cls(**{k: v for k, v in d.items() if k in known} | {"requests": reqs})
 
 
+def mean_k(counters: dict[str, Any], default: float | None) -> float | None:
+    """vLLM's drafted tokens per draft over a pass (K, or its mean under a per-batch-size schedule); ``default``
+    when the pass drafted nothing."""
+    return round(counters["draft_tokens"] / counters["drafts"], 3) if counters["drafts"] else default
+
+
 def merge_runs(parts: Sequence[RunRecord]) -> RunRecord:
     """Consecutive passes of one configuration and level (a split sweep's run) as one pass: requests joined,
     engine and vLLM counters summed, nodes verified per round weighted by rounds, the last fit kept."""
@@ -130,8 +136,7 @@ def merge_runs(parts: Sequence[RunRecord]) -> RunRecord:
         per_pos = [p.spec_counters.get("accepted_per_pos", []) for p in parts]
         counters["accepted_per_pos"] = [sum(a[i] for a in per_pos if i < len(a))
                                         for i in range(max(map(len, per_pos)))]
-        counters["k"] = (round(counters["draft_tokens"] / counters["drafts"], 3) if counters["drafts"]
-                         else first.spec_counters.get("k"))
+        counters["k"] = mean_k(counters, first.spec_counters.get("k"))
     return replace(first, requests=[r for p in parts for r in p.requests], engine=engine, spec_counters=counters,
                    wall_s=round(sum(p.wall_s for p in parts), 4),
                    proxy_bytes={k: sum(p.proxy_bytes.get(k, 0) for p in parts) for k in first.proxy_bytes})

@@ -238,7 +238,7 @@ class Mixed:
         procs, timing = S.server_processes(srv), srv.timing_now()
         return {"t": time.perf_counter(), "bench_cpu_s": time.process_time(), "timing": timing,
                 "engine_cpu_s": S.engine_cpu_s(procs["engine"], timing),
-                "api_cpu_s": sum(S.process_cpu_s(p) or 0.0 for p in procs["api"]),
+                "api_cpu_s": S.processes_cpu_s(procs["api"]),
                 "spec": spec_counters(srv.metrics())}
 
     async def window(self, arm: Arm, srv: BenchServer, run: int, mixed: bool) -> dict:

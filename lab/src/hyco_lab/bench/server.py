@@ -243,10 +243,15 @@ def process_cpu_s(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def processes_cpu_s(pids: list[int]) -> float:
+    """The processes' CPU seconds so far (a process gone counts 0)."""
+    return sum(process_cpu_s(p) or 0.0 for p in pids)
+
+
 def engine_cpu_s(pids: list[int], timing: Mapping[str, Any] | None = None) -> float:
     """The engine processes' CPU seconds so far, less their timing writer's (``flush_cpu_s`` of a ``timing``
     snapshot: ``step_timing``'s file writes are the measurement's cost, not the server's)."""
-    return sum(process_cpu_s(p) or 0.0 for p in pids) - float((timing or {}).get("flush_cpu_s", 0.0))
+    return processes_cpu_s(pids) - float((timing or {}).get("flush_cpu_s", 0.0))
 
 
 def pin_threads(pid: int, cpus: set[int]) -> int:

@@ -66,3 +66,31 @@ def test_requests_per_level_are_parsed_up_front():
     assert sweep_requests("1:48,4:16") == {1: 48, 4: 16}
     with pytest.raises(ConfigError, match="LEVEL:REQUESTS"):
         sweep_requests("1:48,64")
+
+
+def test_a_cost_fit_is_sane_only_within_the_spread_of_its_steps():
+    from hyco_lab.bench.baseline import markdown
+    from hyco_lab.bench.metrics import fit_sane
+
+    assert fit_sane({"rmse": 2.0, "spread": 3.5}) is True
+    assert fit_sane({"rmse": 2466.0, "spread": 11.0}) is False  # Table 2's degenerate sampled-draft fit
+    assert fit_sane({"rmse": 1.0}) is None and fit_sane(None) is None  # a server without the spread
+    units = [_unit("cloud-mtp", 1, b, 4.0) for b in range(3)]
+    units += [_unit("hyco-exact", 1, b, 3.0, cost_fit_sane=b != 2) for b in range(3)]
+    a = analyse({"env": {}, "sweep_units": units})
+    assert a["levels"][0]["rows"]["hyco-exact"]["fit_sane"] == [2, 3]
+    assert "| 2 of 3 |" in markdown(a)
+
+
+def test_table_2_ratios_are_to_the_best_cloud_setting_run():
+    from hyco_lab.bench.report import build_results, markdown
+
+    per_run = [{"config": c, "run": r, "g_ms": g + r, "errors": 0}
+               for r in range(2) for c, g in (("cloud-mtp", 5.0), ("cloud-mtp-k2", 4.0), ("hyco-exact", 3.0))]
+    per_run[2].update(cost_fit_ms={"rmse": 1.0, "spread": 2.0, "per_row": 0.1, "per_branching": 5.0},
+                      cost_fit_sane=True)
+    res = build_results(per_run, {})
+    assert res["reference"] == "cloud-mtp-k2"
+    assert [m["g_ratio"] for m in res["per_run"] if m["config"] == "hyco-exact"] == [0.75, 0.8]
+    md = markdown(res)
+    assert "g over Cloud+MTP" in md and "| hyco-exact | 1.0-1.0 | 2.0-2.0 | 0.1-0.1 | 5.0-5.0 | 1 of 1 |" in md

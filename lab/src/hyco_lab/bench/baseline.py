@@ -107,7 +107,10 @@ def level_table(results: dict, level: int) -> dict[str, Any]:
         rows[c] = {"units": len(mine), "tokens": tokens, "g_ms": mean("g_ms"), "g_core_ms": mean("g_core_ms"),
                    "gpu_g_ms": mean("gpu_g_independent_ms"), "parts_ms": parts,
                    "mat": round(sum(m * w for m, w in mats) / weight, 3) if weight else None,
-                   "verified_nodes_round": mean("verified_nodes_round"), "errors": sum(u["errors"] for u in mine)}
+                   "verified_nodes_round": mean("verified_nodes_round"), "errors": sum(u["errors"] for u in mine),
+                   # passes whose cost fit ended within the spread of its steps, of those reporting both
+                   "fit_sane": [sum(u.get("cost_fit_sane") is True for u in mine),
+                                sum(u.get("cost_fit_sane") is not None for u in mine)]}
     clouds = [c for c in configs if c.startswith("cloud-mtp") and rows[c]["g_ms"] is not None]
     statics = [c for c in configs if c.startswith("hyco-exact") and c.rsplit("-s", 1)[-1].isdigit()]
     best = min(clouds, key=lambda c: rows[c]["g_ms"]) if clouds else None
@@ -144,6 +147,11 @@ def _ci(r: dict | None) -> str:
     return f"{r['ratio']:.2f} [{r['ci'][0]:.2f}, {r['ci'][1]:.2f}]"
 
 
+def _sane(counts: list[int] | None) -> str:
+    """'3 of 4' passes with a sane cost fit; '–' where none reported one (Cloud+MTP, or a run before the spread)."""
+    return f"{counts[0]} of {counts[1]}" if counts and counts[1] else "–"
+
+
 def markdown(a: dict[str, Any]) -> str:
     fam = a.get("family") or {}
     out = ["# Issue 34 baseline: HyCo against the best Cloud+MTP setting at each load", "",
@@ -153,7 +161,8 @@ def markdown(a: dict[str, Any]) -> str:
            "g core: all of the engine core's work (steps, scheduling, HyCo's utility calls), CPU ms per token, "
            "its ratio to the same best Cloud+MTP setting. "
            "Ratios: paired bootstrap 95 % intervals over the level's passes (one prompt per pass at one phone). "
-           "Target: the issue's bound on the interval's upper end. Method: `lab/src/hyco_lab/bench/baseline.py`.",
+           "Target: the issue's bound on the interval's upper end. Cost fit sane: passes whose node-budget cost fit "
+           "ended with its RMSE within the spread of the steps it fits. Method: `lab/src/hyco_lab/bench/baseline.py`.",
            ""]
     for lv in a["levels"]:
         out += [f"## {lv['level']} phone{'s' if lv['level'] > 1 else ''}", "",
@@ -161,8 +170,8 @@ def markdown(a: dict[str, Any]) -> str:
                 f"best static budget: `{lv['best_static']}`.", "",
                 "| configuration | passes | tokens | g ms | ratio to best Cloud+MTP [95 %] | target | "
                 "to best static [95 %] | g core ms | core ratio [95 %] | GPU g ms | GPU ratio [95 %] | MAT | "
-                "verified/round | errors |",
-                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                "verified/round | cost fit sane | errors |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for c, r in lv["rows"].items():
             t = r.get("target")
             tt = "–" if not t else f"≤ {t['ratio_max']:.2f}: {'met' if t['met'] else 'not met'}"
@@ -170,7 +179,7 @@ def markdown(a: dict[str, Any]) -> str:
                        f"{_ci(r.get('vs_static'))} | {r['g_core_ms']} | {_ci(r.get('core_vs_cloud'))} | "
                        f"{r['gpu_g_ms']} | {_ci(r.get('gpu_vs_cloud'))} | {r['mat']} | "
                        f"{r['verified_nodes_round'] if r['verified_nodes_round'] is not None else '–'} | "
-                       f"{r['errors']} |")
+                       f"{_sane(r.get('fit_sane'))} | {r['errors']} |")
         out += ["", "Where g goes, wall ms per output token by the worker call (forward: verify rows, tree "
                 "attention, compaction; sample: sampling, the decision, vLLM's MTP head; draft: vLLM's draft "
                 "hand-over; core other: scheduling and HyCo's utility calls outside the worker):", "",

@@ -248,6 +248,7 @@ def run_metrics(run: RunRecord) -> dict[str, Any]:
         budget = run.engine.get("budget") or {}
         out["verified_nodes_round"] = budget.get("verified_nodes_round")
         out["cost_fit_ms"] = budget.get("fit_ms")
+        out["cost_fit_sane"] = fit_sane(budget.get("fit_ms"))
     elif run.spec_counters:
         out.update(_cloud_metrics(run.spec_counters))
         rows = 1 + run.spec_counters.get("k", 4)
@@ -287,8 +288,36 @@ SPREAD_KEYS = ("g_ms", "g_ratio", "mat", "tok_s", "draft_ms_per_token", "bytes_u
                "gpu_g_overlap_ms")
 
 
-def with_ratios(per_run: list[dict[str, Any]], reference: str = "cloud-mtp") -> list[dict[str, Any]]:
-    """Adds ``g_ratio`` (g / the reference's g in the same run index) to every run's metrics."""
+def fit_sane(fit: dict[str, Any] | None) -> bool | None:
+    """The node budget's cost fit at a pass's end is sane: its residual (RMSE) within the measured spread (the
+    standard deviation) of the steps it fits. None: no fit, or a server that reports no spread (before it had one).
+
+    >>> fit_sane({"rmse": 2.0, "spread": 3.5}), fit_sane({"rmse": 590.0, "spread": 12.0}), fit_sane({"rmse": 1.0})
+    (True, False, None)
+    """
+    if not fit or fit.get("rmse") is None or not fit.get("spread"):
+        return None
+    return fit["rmse"] <= fit["spread"]
+
+
+def best_cloud(per_run: list[dict[str, Any]]) -> str | None:
+    """The Cloud+MTP setting with the lowest mean g among those run (the baseline's strongest setting), or None.
+
+    >>> best_cloud([{"config": "cloud-mtp", "g_ms": 4.0}, {"config": "cloud-mtp-k2", "g_ms": 3.5},
+    ...             {"config": "hyco-exact", "g_ms": 1.0}])
+    'cloud-mtp-k2'
+    """
+    g: dict[str, list[float]] = {}
+    for m in per_run:
+        if m["config"].startswith("cloud-mtp") and m.get("g_ms") is not None:
+            g.setdefault(m["config"], []).append(m["g_ms"])
+    return min(g, key=lambda c: sum(g[c]) / len(g[c])) if g else None
+
+
+def with_ratios(per_run: list[dict[str, Any]], reference: str | None = "cloud-mtp") -> list[dict[str, Any]]:
+    """Adds ``g_ratio`` (g / the reference's g in the same run index) to every run's metrics. ``reference``
+    None: the best Cloud+MTP setting run (:func:`best_cloud`)."""
+    reference = reference or best_cloud(per_run)
     ref = {m["run"]: m.get("g_ms") for m in per_run if m["config"] == reference}
     for m in per_run:
         g, r = m.get("g_ms"), ref.get(m["run"])

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from hyco_lab.bench.configs import CONFIGS, DROPPED, SLM_ONLY_MS_PER_TOKEN, SLM_ONLY_TOK_S
-from hyco_lab.bench.metrics import disjoint, spread, summarize, with_ratios
+from hyco_lab.bench.metrics import best_cloud, disjoint, spread, summarize, with_ratios
 
 LABELS = {
     "g": ("CPU-measured (engine process CPU seconds in the model calls, prefill included, / output tokens; "
@@ -31,11 +31,13 @@ LABELS = {
 
 def build_results(per_run: list[dict[str, Any]], env: dict[str, Any], sweep: list[dict] | None = None,
                   ordinary: list[dict] | None = None) -> dict[str, Any]:
-    per_run = with_ratios(per_run)
+    reference = best_cloud(per_run) or "cloud-mtp"  # the strongest Cloud+MTP setting run
+    per_run = with_ratios(per_run, reference)
     summary = summarize(per_run)
     if "slm-only" in {m["config"] for m in per_run} or env.get("slm_only"):
         summary.setdefault("slm-only", {"runs": [], "spread": {}})
-    return {"env": env, "labels": LABELS, "per_run": per_run, "summary": summary, "sweep": sweep or [],
+    return {"env": env, "labels": LABELS, "reference": reference, "per_run": per_run, "summary": summary,
+            "sweep": sweep or [],
             "ordinary": ordinary or [], "dropped": DROPPED, "bars": _bars(summary)}
 
 
@@ -97,8 +99,11 @@ def markdown(results: dict[str, Any]) -> str:
             f"{_fmt(s['mat'])} | {_fmt(s['tok_s'], 1)} | {_fmt(s['draft_ms_per_token'], 1)} | "
             f"{_fmt(s['bytes_up_round'], 0)} | {_fmt(s['bytes_down_round'], 0)} | "
             f"{_fmt(s['ttft_p50_ms'], 0)} / {_fmt(s['ttft_p90_ms'], 0)} | {errors} |")
-    lines += ["", "Labels: " + "; ".join(f"**{k}**: {v}" for k, v in results["labels"].items()), ""]
-    lines += _bytes_md(results)
+    ref = results.get("reference", "cloud-mtp")
+    lines += ["", f"g ratio: g over {CONFIGS[ref].label if ref in CONFIGS else ref}'s g in the same run (the "
+              "Cloud+MTP setting with the lowest mean g among those run).", ""]
+    lines += ["Labels: " + "; ".join(f"**{k}**: {v}" for k, v in results["labels"].items()), ""]
+    lines += _bytes_md(results) + _fit_md(summary)
     from hyco_lab.bench import qreport
 
     lines += qreport.markdown(results)
@@ -106,6 +111,30 @@ def markdown(results: dict[str, Any]) -> str:
     lines += ["", "Not run: " + "; ".join(f"**{k}**: {v}" for k, v in results["dropped"].items()), "",
               f"Bars: `{json.dumps(results['bars'])}`", ""]
     return "\n".join(lines)
+
+
+def _fit_md(summary: dict[str, Any]) -> list[str]:
+    """The node budget's cost fit at the end of each HyCo pass: sane when its RMSE is within the spread of the
+    steps it fits (``metrics.fit_sane``)."""
+    rows = []
+    for name, entry in summary.items():
+        fits = [m.get("cost_fit_ms") for m in entry["runs"] if m.get("cost_fit_ms")]
+        if not fits:
+            continue
+        sane = [m.get("cost_fit_sane") for m in entry["runs"] if m.get("cost_fit_ms")]
+        verdict = ("not reported" if all(x is None for x in sane)
+                   else f"{sum(x is True for x in sane)} of {len(sane)}")
+
+        def rng(key: str, fits: list = fits) -> str:
+            v = [f[key] for f in fits if f.get(key) is not None]
+            return f"{min(v):.1f}-{max(v):.1f}" if v else "–"
+        rows.append(f"| {name} | {rng('rmse')} | {rng('spread')} | {rng('per_row')} | {rng('per_branching')} | "
+                    f"{verdict} |")
+    if not rows:
+        return []
+    return ["## The node budget's cost fit (end of each pass, ms per step)", "",
+            "| configuration | RMSE | spread of the fitted steps | per row | per branching tree | sane (RMSE <= spread) |",
+            "|---|---|---|---|---|---|", *rows, ""]
 
 
 def _bytes_md(results: dict[str, Any]) -> list[str]:

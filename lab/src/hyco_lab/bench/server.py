@@ -125,7 +125,7 @@ def budget_counters(metrics: dict[str, list[tuple[dict[str, str], float]]]) -> d
     return {"granted_sum": one("vllm_hyco_node_budget_sum"), "granted_n": one("vllm_hyco_node_budget_count"),
             "verified_sum": one("vllm_hyco_verified_nodes_sum"), "verified_n": one("vllm_hyco_verified_nodes_count"),
             "fit": {t: one("vllm_hyco_step_cost_seconds", term=t) * 1e3
-                    for t in ("fixed", "per_row", "per_tree", "per_branching", "per_plain", "rmse")}
+                    for t in ("fixed", "per_row", "per_tree", "per_branching", "per_plain", "rmse", "spread")}
             | {"steps": one("vllm_hyco_step_cost_steps")}}
 
 

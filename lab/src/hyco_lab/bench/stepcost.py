@@ -31,6 +31,7 @@ Reported per step and per committed token (the CPU build: compare ratios within 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import functools
 import json
 import multiprocessing as mp
@@ -158,7 +159,7 @@ def _tree(root: int, greedy: list[int], nodes: int, rng: random.Random, vocab: i
 
 
 def run_hyco(verifier: str, n: int, nodes: int, steps: int, tree_attn: str, out: dict,
-             shape: str = "tree", chain_attn: str = "stock") -> None:
+             shape: str = "tree", chain_attn: str = "stock", cprofile: str | None = None) -> None:
     os.environ["VLLM_HYCO_CPU_TREE_ATTN"] = tree_attn
     os.environ["VLLM_HYCO_CHAIN_ATTN"] = chain_attn
     from vllm import LLM, SamplingParams
@@ -183,9 +184,12 @@ def run_hyco(verifier: str, n: int, nodes: int, steps: int, tree_attn: str, out:
     st = {h.sid: {"root": h.root, "out": [], "round": 0, "ref": r} for h, r in zip(handles, refs)}
     warm = 3
     tokens, base = 0, None
+    prof = cProfile.Profile() if cprofile else None
     for r in range(steps + warm):
         if r == warm:
             base = clock.snapshot()
+            if prof is not None:
+                prof.enable()
         batch = []
         for sid, s in st.items():
             toks, pars = _tree(s["root"], list(s["ref"][len(s["out"]):]), nodes, rng, vocab, shape)
@@ -196,12 +200,16 @@ def run_hyco(verifier: str, n: int, nodes: int, steps: int, tree_attn: str, out:
             s["root"], s["round"] = v.bonus, s["round"] + 1
             if r >= warm:
                 tokens += len(v.committed)
+    if prof is not None:
+        prof.disable()
+        prof.dump_stats(cprofile)
     name = f"hyco-{shape}{nodes}" + ("" if tree_attn == "padded" else f"-{tree_attn}") \
         + ("" if shape == "tree" or chain_attn == "stock" else f"-{chain_attn}")
     out.update(_result(clock, base, tokens, name, n))
 
 
-def run_mtp(verifier: str, assistant: str, n: int, steps: int, out: dict, k: int = 4) -> None:
+def run_mtp(verifier: str, assistant: str, n: int, steps: int, out: dict, k: int = 4,
+            cprofile: str | None = None) -> None:
     from vllm import LLM, SamplingParams
 
     clock = _install(hyco=False)
@@ -212,7 +220,13 @@ def run_mtp(verifier: str, assistant: str, n: int, steps: int, out: dict, k: int
     params = SamplingParams(temperature=0.0, max_tokens=steps * 3, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in prompts[:1]], SamplingParams(max_tokens=4), use_tqdm=False)
     base = clock.snapshot()
+    prof = cProfile.Profile() if cprofile else None
+    if prof is not None:
+        prof.enable()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    if prof is not None:
+        prof.disable()
+        prof.dump_stats(cprofile)
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     out.update(_result(clock, base, tokens, "cloud-mtp" + ("" if k == 4 else f"-k{k}"), n, prefill_tokens=0))
 
@@ -250,6 +264,9 @@ def main(argv=None) -> int:
     p.add_argument("--mtp-k", default="4", help="vLLM's MTP chain lengths to compare, e.g. 2,4")
     p.add_argument("--fixtures", default=None)
     p.add_argument("--out", default=None)
+    p.add_argument("--cprofile", default=None, metavar="DIR",
+                   help="also write each setup's timed steps as cProfile stats, DIR/SETUP-REQUESTS.prof "
+                        "(python -m pstats; the profiler's own cost inflates every component)")
     args = p.parse_args(argv)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     # as the bench's servers (server.BenchServer.env): one passive OpenMP thread, no binding
@@ -264,13 +281,20 @@ def main(argv=None) -> int:
     verifier, assistant = str(fx / "verifier"), str(fx / "assistant")
     jobs = []
     for n in [int(x) for x in args.requests.split(",")]:
-        jobs += [(run_mtp, (verifier, assistant, n, args.steps), {"k": int(k)}) for k in args.mtp_k.split(",")]
+        def prof(name: str, n: int = n) -> dict:
+            return {"cprofile": os.path.join(args.cprofile, f"{name}-{n}.prof")} if args.cprofile else {}
+
+        jobs += [(run_mtp, (verifier, assistant, n, args.steps), {"k": int(k)} | prof(f"cloud-mtp-k{k}"))
+                 for k in args.mtp_k.split(",")]
         for nodes in [int(x) for x in args.nodes.split(",")]:
             for shape in args.shape.split(","):
                 for mode in args.tree_attn.split(","):
                     for chain in (args.chain_attn.split(",") if shape == "chain" else ["stock"]):
                         jobs.append((run_hyco, (verifier, n, nodes, args.steps, mode),
-                                     {"shape": shape, "chain_attn": chain}))
+                                     {"shape": shape, "chain_attn": chain}
+                                     | prof(f"hyco-{shape}{nodes}-{mode}-{chain}")))
+    if args.cprofile:
+        os.makedirs(args.cprofile, exist_ok=True)
     ctx = mp.get_context("spawn")
     rows = []
     for target, a, kw in jobs:

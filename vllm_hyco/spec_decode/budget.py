@@ -47,6 +47,7 @@ its expected committed tokens. This module holds the three parts of the decision
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -71,18 +72,30 @@ POLICIES = ("adaptive", "static")
 
 
 class _Counts:
-    """Decayed (trials, accepted) by (depth, label)."""
+    """Decayed (trials, accepted) by (depth, label); ``version`` counts the updates (for the cached tables)."""
 
     def __init__(self, max_depth: int, half_life: float):
         self.trials = np.zeros((max_depth + 1, NUM_LABELS))
         self.accepted = np.zeros((max_depth + 1, NUM_LABELS))
         self.keep = 0.5 ** (1.0 / half_life)
+        self.version = 0
 
-    def add(self, d: np.ndarray, lab: np.ndarray, ok: np.ndarray) -> None:
+    def add(self, cells: Sequence[tuple[int, int, bool]]) -> None:
+        """One round's trials, ``(depth, label, accepted)`` each (a handful: plain indexing beats np.add.at)."""
         self.trials *= self.keep
         self.accepted *= self.keep
-        np.add.at(self.trials, (d, lab), 1.0)
-        np.add.at(self.accepted, (d, lab), ok.astype(np.float64))
+        t, a = self.trials, self.accepted
+        for d, lab, ok in cells:
+            t[d, lab] += 1.0
+            if ok:
+                a[d, lab] += 1.0
+        self.version += 1
+
+
+def _check_tree(par: list[int]) -> None:
+    """``parents[0] == -1`` and ``0 <= parents[i] < i`` (``tree_contract``'s rule, as a TreeValidationError)."""
+    if not par or par[0] != -1 or any(not 0 <= p < i for i, p in enumerate(par) if i):
+        depths(par)  # raises the contract's own error
 
 
 def _labels(labels: Sequence[int] | None, n: int) -> np.ndarray:
@@ -107,6 +120,10 @@ class AcceptanceModel:
         self.session_half_life = session_half_life
         self.engine = _Counts(max_depth, engine_half_life)
         self.sessions: dict[str, _Counts] = {}
+        # the shrunk tables, rebuilt only after an update: every tree of a step is planned before any of its
+        # rounds is observed, so a step's plans share the engine's and reuse each session's
+        self._engine_cell: tuple[int, np.ndarray] | None = None
+        self._session_cell: dict[str, tuple[int, int, np.ndarray]] = {}
 
     def _session(self, sid: str) -> _Counts:
         c = self.sessions.get(sid)
@@ -116,57 +133,74 @@ class AcceptanceModel:
 
     def forget(self, sid: str) -> None:
         self.sessions.pop(sid, None)
+        self._session_cell.pop(sid, None)
 
     def conditional(self, sid: str | None = None) -> np.ndarray:
-        """[max_depth + 1, NUM_LABELS] P(node accepted | parent accepted), shrunk level by level."""
+        """[max_depth + 1, NUM_LABELS] P(node accepted | parent accepted), shrunk level by level (read only: a
+        cached table)."""
         s, e = self.strength, self.engine
-        prior = np.full(NUM_LABELS, self.prior * (1.0 - self.prior))
-        prior[[NodeLabel.ROOT, NodeLabel.CHAIN]] = self.prior
-        pooled = (e.accepted.sum(0) + s * prior) / (e.trials.sum(0) + s)  # [labels]
-        cell = (e.accepted + s * pooled) / (e.trials + s)
+        if self._engine_cell is None or self._engine_cell[0] != e.version:
+            prior = np.full(NUM_LABELS, self.prior * (1.0 - self.prior))
+            prior[[NodeLabel.ROOT, NodeLabel.CHAIN]] = self.prior
+            pooled = (e.accepted.sum(0) + s * prior) / (e.trials.sum(0) + s)  # [labels]
+            self._engine_cell = (e.version, (e.accepted + s * pooled) / (e.trials + s))
+        cell = self._engine_cell[1]
         c = self.sessions.get(sid) if sid is not None else None
-        if c is not None:
-            cell = (c.accepted + s * cell) / (c.trials + s)
-        return cell
+        if c is None:
+            return cell
+        hit = self._session_cell.get(sid)  # type: ignore[arg-type]
+        if hit is None or hit[0] != e.version or hit[1] != c.version:
+            hit = self._session_cell[sid] = (e.version, c.version, (c.accepted + s * cell) / (c.trials + s))  # type: ignore[index]
+        return hit[2]
 
     def node_values(self, parents: Sequence[int], labels: Sequence[int] | None = None,
                     sid: str | None = None) -> np.ndarray:
         """[n] float64 expected acceptance of every row (1 for the root): products along the paths."""
-        par = np.asarray(parents, dtype=np.int64)
-        d = np.minimum(depths(par), self.max_depth)
-        lab = _labels(labels, len(par))
-        cond = self.conditional(sid)[d, lab]
-        cond[0] = 1.0
+        par = [int(p) for p in parents]
+        n = len(par)
+        _check_tree(par)
+        table = self.conditional(sid)
+        lab = _labels(labels, n).tolist()
+        depth = [0] * n
+        cond = [1.0] * n
+        for j in range(1, n):
+            depth[j] = min(depth[par[j]] + 1, self.max_depth)
+            cond[j] = float(table[depth[j], lab[j]])
         # siblings are exclusive (at most one child is accepted) and the likelier is tried first: each child,
         # likeliest first (ties to the earlier row), keeps at most what the ones before it left of 1
-        order = np.lexsort((np.arange(len(par)), -cond))
-        left = np.ones(len(par))
-        for j in order.tolist():
-            if j:
+        if any(par[j] != j - 1 for j in range(1, n)):  # a chain has no siblings
+            left = [1.0] * n
+            for j in sorted(range(1, n), key=lambda j: (-cond[j], j)):
                 cond[j] = min(cond[j], left[par[j]])
                 left[par[j]] -= cond[j]
-        vals = np.ones(len(par))
-        for j in range(1, len(par)):
+        vals = [1.0] * n
+        for j in range(1, n):
             vals[j] = vals[par[j]] * cond[j]
-        return vals
+        return np.asarray(vals)
 
     def observe(self, sid: str | None, parents: Sequence[int], labels: Sequence[int] | None,
                 path_rows: Sequence[int]) -> None:
         """One verified round: every node whose parent was accepted is a trial at (depth, label)."""
-        par = np.asarray(parents, dtype=np.int64)
-        if len(par) < 2:
+        par = [int(p) for p in parents]
+        n = len(par)
+        if n < 2:
             return
-        accepted = np.zeros(len(par), dtype=bool)
+        _check_tree(par)
+        lab = _labels(labels, n).tolist()
+        accepted = [False] * n
         accepted[0] = True
-        accepted[[int(r) for r in path_rows if 0 < int(r) < len(par)]] = True
-        nodes = np.arange(1, len(par))
-        tried = nodes[accepted[par[1:]]]
-        d = np.minimum(depths(par), self.max_depth)[tried]
-        lab = _labels(labels, len(par))[tried]
-        ok = accepted[tried]
-        self.engine.add(d, lab, ok)
+        for r in path_rows:
+            if 0 < int(r) < n:
+                accepted[int(r)] = True
+        depth = [0] * n
+        cells = []
+        for j in range(1, n):
+            depth[j] = depth[par[j]] + 1
+            if accepted[par[j]]:
+                cells.append((min(depth[j], self.max_depth), lab[j], accepted[j]))
+        self.engine.add(cells)
         if sid is not None:
-            self._session(sid).add(d, lab, ok)
+            self._session(sid).add(cells)
 
 
 def bound_values(server: np.ndarray, phone: Sequence[float] | None) -> np.ndarray:
@@ -245,19 +279,21 @@ def choose_nodes(values: Sequence[float] | np.ndarray, *, fixed: float, per_row:
     alike).
 
     ``values``: [n + 1] expected acceptance per row in tree order (row 0 the root, ignored)."""
-    v = np.asarray(values, dtype=np.float64)
+    v = values.tolist() if isinstance(values, np.ndarray) else list(values)
     n = len(v) - 1
     if n <= 0:
         return 0
-    k = np.arange(1, n + 1)
-    tokens = 1.0 + np.cumsum(np.clip(v[1:], 0.0, None))
-    cost = max(fixed, 0.0) + max(per_row, 0.0) * (k + 1)
-    if chain is not None:
-        cost = cost + max(branch, 0.0) * (k > chain)
-    if not cost.any():
+    fixed, per_row, branch = max(fixed, 0.0), max(per_row, 0.0), max(branch, 0.0)
+    if fixed == 0.0 and per_row == 0.0 and (chain is None or branch == 0.0 or chain >= n):
         return n  # nothing costs anything: verify it all
-    ratio = cost / tokens
-    return int(np.argmin(ratio)) + 1
+    # a plain loop: trees have at most MAX_NODE_BUDGET nodes, and numpy's per-call cost is most of it there
+    best, best_k, tokens = math.inf, 1, 1.0
+    for k in range(1, n + 1):
+        tokens += max(float(v[k]), 0.0)
+        cost = fixed + per_row * (k + 1) + (branch if chain is not None and k > chain else 0.0)
+        if cost / tokens < best:
+            best, best_k = cost / tokens, k
+    return best_k
 
 
 @dataclass

@@ -61,6 +61,7 @@ class StepCostModel:
         self.sum_s = self.sum_s2 = 0.0  # decayed sums of the fitted steps' seconds (their spread)
         self.outliers = 0
         self._in_row = 0  # slow steps left out in a row
+        self._snapshot: tuple[tuple[int, int], dict] | None = None  # (steps, outliers) -> snapshot
 
     def _x(self, rows: float, kctx: float, trees: float, branching: float = 0.0, plain: float = 0.0,
            head: float = 0.0) -> np.ndarray:
@@ -157,6 +158,13 @@ class StepCostModel:
         return c1 + c2 * ctx / 1000.0
 
     def snapshot(self) -> dict:
+        """The fit as plain numbers (ms), rebuilt only after an observed step (every round of a step asks)."""
+        key = (self.steps, self.outliers)
+        if self._snapshot is None or self._snapshot[0] != key:
+            self._snapshot = (key, self._build_snapshot())
+        return dict(self._snapshot[1])
+
+    def _build_snapshot(self) -> dict:
         c0, c1, c2 = self.coef
         rmse = self.rmse
         return {"fixed_ms": round(c0 * 1e3, 6), "per_row_ms": round(c1 * 1e3, 6),

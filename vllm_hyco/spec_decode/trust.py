@@ -115,7 +115,7 @@ class ValueTrust:
         for arr in (st.hits, st.rows, st.depth_hits, st.depth_rows):
             arr *= d
         b = _bins(ph)
-        np.add.at(st.hits, b, ok)
-        np.add.at(st.rows, b, 1.0)
-        np.add.at(st.depth_hits, dep, ok)
-        np.add.at(st.depth_rows, dep, 1.0)
+        st.hits += np.bincount(b, weights=ok, minlength=BINS)
+        st.rows += np.bincount(b, minlength=BINS)
+        st.depth_hits += np.bincount(dep, weights=ok, minlength=MAX_DEPTH)
+        st.depth_rows += np.bincount(dep, minlength=MAX_DEPTH)

@@ -12,9 +12,9 @@ CPU override reads the list (:func:`active_trees`); the GPU backend reads :func:
 first call of the step and kept for the step's other layers, so there is no host-to-device copy per layer
 and the CPU path never builds one.
 
-Masks, depths and ``anc`` come from the tree contract (``vllm_hyco.handoff.tree_contract``, numpy): int64
-bit masks (the form the kernels and their torch twin take) and the same relation as a bool matrix; this
-module turns them into tensors.
+Masks and depths come from the tree contract (``vllm_hyco.handoff.tree_contract``, numpy): int64 bit masks
+(the form the kernels and their torch twin take); this module turns them into tensors, once per tree shape
+(:func:`shape_tensors`: the adaptive cut sends the same few shapes, chains mostly).
 
 Example (a root with two children, the second having one child)::
 
@@ -22,12 +22,11 @@ Example (a root with two children, the second having one child)::
     ...                     tokens=[5, 6, 7, 8], parents=[-1, 0, 0, 2], eps=None)
     >>> tr.depths.tolist(), tr.masks.tolist()
     ([0, 1, 1, 2], [1, 3, 5, 13])
-    >>> tr.anc.int().tolist()
-    [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]]
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -50,7 +49,6 @@ class TreeRows:
     parents: list[int]  # [num_rows]
     eps: float | None
     depths: torch.Tensor  # [num_rows] int64
-    anc: torch.Tensor  # [num_rows, num_rows] bool
     masks: torch.Tensor  # [num_rows] int64 ancestor bitmask (bit j: row j is an ancestor or the row)
     host_s: float = 0.0  # host time spent on this tree outside the model (plan, decision, compaction, hand-off)
     draft_q: dict | None = None  # sampled rows' q, {row: (ids, weights)} (rows past num_rows are ignored)
@@ -64,14 +62,19 @@ class TreeRows:
         return cls(req_id=req_id, batch_idx=batch_idx, q_start=q_start, num_rows=num_rows,
                    context_len=context_len, round=round, tokens=tokens, parents=parents, eps=eps, draft_q=draft_q,
                    seed=round == 0 if seed is None else seed,
-                   depths=torch.from_numpy(tree_contract.depths(parents)),
-                   anc=torch.from_numpy(tree_contract.ancestor_matrix(parents)),
-                   masks=torch.from_numpy(tree_contract.ancestor_mask(parents)))
+                   depths=(shape := shape_tensors(tuple(parents)))[0], masks=shape[1])
 
     @property
     def positions(self) -> torch.Tensor:
         """[num_rows] int64: t + depth."""
         return self.context_len + self.depths
+
+
+@functools.lru_cache(maxsize=4096)
+def shape_tensors(parents: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n] int64 depths and [n] int64 ancestor masks of a tree shape, shared by every tree of that shape
+    (read only; the contract's errors are raised, not cached)."""
+    return torch.from_numpy(tree_contract.depths(parents)), torch.from_numpy(tree_contract.ancestor_mask(parents))
 
 
 @dataclass

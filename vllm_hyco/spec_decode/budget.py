@@ -146,11 +146,11 @@ class AcceptanceModel:
             self._engine_cell = (e.version, (e.accepted + s * pooled) / (e.trials + s))
         cell = self._engine_cell[1]
         c = self.sessions.get(sid) if sid is not None else None
-        if c is None:
+        if c is None or sid is None:
             return cell
-        hit = self._session_cell.get(sid)  # type: ignore[arg-type]
+        hit = self._session_cell.get(sid)
         if hit is None or hit[0] != e.version or hit[1] != c.version:
-            hit = self._session_cell[sid] = (e.version, c.version, (c.accepted + s * cell) / (c.trials + s))  # type: ignore[index]
+            hit = self._session_cell[sid] = (e.version, c.version, (c.accepted + s * cell) / (c.trials + s))
         return hit[2]
 
     def node_values(self, parents: Sequence[int], labels: Sequence[int] | None = None,

@@ -133,7 +133,8 @@ def _fit_md(summary: dict[str, Any]) -> list[str]:
     if not rows:
         return []
     return ["## The node budget's cost fit (end of each pass, ms per step)", "",
-            "| configuration | RMSE | spread of the fitted steps | per row | per branching tree | sane (RMSE <= spread) |",
+            "| configuration | RMSE | spread of the fitted steps | per row | per branching tree "
+            "| sane (RMSE <= spread) |",
             "|---|---|---|---|---|---|", *rows, ""]
 
 

@@ -13,6 +13,7 @@ The configurations, each as ``name``: server; phone tree; acceptance.
 * ``specedge-pd``: same; + proactive drafting during the wait; exact
 * ``specedge-eps``: hyco, ε = 0.005; 32 nodes from 4 SLM passes; ε = 0.005
 * ``hyco``: hyco, ε = 0.005; MTP chain K = 4 + runner-ups + 1 SLM pass; ε = 0.005
+* ``hyco-s32``: hyco, ``budget_policy`` static, ``node_budget`` 32 (the paper's HyCo); same as hyco; ε = 0.005
 * ``hyco-2p``: hyco, ε = 0.005; same, 2 SLM passes; ε = 0.005
 * ``hyco-exact``: hyco; same as hyco; exact
 * ``hyco-exact-prob``: hyco; same, the MTP chain sampled (``draft_sampling`` probabilistic); exact
@@ -122,6 +123,8 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
                 device_ms=4 * SLM_PASS_MS),
     BenchConfig("hyco", "phone", "HyCo", server="hyco", epsilon=EPSILON, drafter="hybrid",
                 device_ms=HYCO_ROUND_MS),
+    BenchConfig("hyco-s32", "phone", "HyCo, static 32 (the paper's)", server="hyco", epsilon=EPSILON,
+                drafter="hybrid", device_ms=HYCO_ROUND_MS, node_budget=32),
     BenchConfig("hyco-2p", "phone", "HyCo-2P", server="hyco", epsilon=EPSILON, drafter="hybrid-2p",
                 device_ms=round(HYCO_ROUND_MS + SLM_PASS_MS, 3)),
     BenchConfig("hyco-exact", "phone", "HyCo exact", server="hyco", drafter="hybrid", device_ms=HYCO_ROUND_MS),

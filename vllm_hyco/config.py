@@ -111,6 +111,11 @@ class HycoConfig:
             session is drafted by the server's MTP head from its first token; needs ``model``).
         max_server_sessions: sessions in server mode at once (each holds a batch slot all the time); None =
             ``max_sessions``.
+        full_graph_chains: GPU only, GPU-unverified. True: a step whose trees are all chains (and a step
+            without trees) replays a full CUDA graph, as vLLM's own MTP steps do; a step with a branching
+            tree runs piecewise graphs (its tree-attention hook runs eagerly). False (default): every step
+            runs piecewise graphs. Costs a second set of graphs (full ones for mixed batches) at start-up
+            (``vllm_adapter/worker/graphs.py``, docs/engine.md).
     """
 
     epsilon: float | None = None
@@ -130,6 +135,7 @@ class HycoConfig:
     ordinary_mtp: bool = True
     server_mode: str = "allow"
     max_server_sessions: int | None = None
+    full_graph_chains: bool = False
 
     def __post_init__(self) -> None:
         _check_epsilon(self.epsilon)
@@ -151,6 +157,9 @@ class HycoConfig:
                       "allow: a session may switch to server mode when the server drafts (model set); forbid; "
                       "only: every session in server mode")
         _check_int("max_server_sessions", self.max_server_sessions, 1, 1 << 16, optional=True)
+        if not isinstance(self.full_graph_chains, bool):
+            raise ConfigError(f"hyco option full_graph_chains={self.full_graph_chains!r} is invalid: valid values are "
+                              f"true (GPU: chain-only steps replay full CUDA graphs) or false (the default)")
         if self.server_mode == "only" and not self.drafts_ordinary:
             raise ConfigError("hyco option server_mode \"only\" runs every phone session with the server's MTP head: "
                               "set \"model\" (the family's MTP drafter) and leave ordinary_mtp on, or use \"allow\"")

@@ -226,3 +226,14 @@ def test_gpu_replay_serves_the_sessions_on_one_warm_engine():
     assert out["sessions"] == 2  # every measured session, at any level; warm-up requests left out
     cloud = next(r for r in out["rows"] if r["config"] == "cloud-mtp-prob")
     assert cloud["mat"] == pytest.approx(3.75)  # MAT over the levels, weighted by rounds
+    # every Cloud+MTP setting at its own K; the adaptive replay against the cheapest, both ways (full_graph_chains)
+    sweep += [{"config": "cloud-mtp-k2", "concurrency": 1, "mat": 2.5, "rounds": 10}]
+    out = P.batch1([rec(1, 101)], sweep)
+    k2 = next(r for r in out["rows"] if r["config"] == "cloud-mtp-k2")
+    assert k2["rows"] == 3.0
+    assert k2["g_ms"] == pytest.approx(P.mtp_round_ms(s, 2, P.independent_experts) / 2.5, abs=1e-4)
+    best = min((r for r in out["rows"] if r["config"].startswith("cloud")), key=lambda r: r["g_ms"])
+    assert out["best_cloud"] == {"independent": best["config"]}
+    mine = {r["config"]: r["g_ms"] for r in out["rows"]}
+    assert mine["hyco-exact adaptive full_graph_chains"] <= mine["hyco-exact adaptive"]
+    assert out["adaptive_ratio"]["independent"] == pytest.approx(mine["hyco-exact adaptive"] / best["g_ms"], abs=2e-3)

@@ -47,6 +47,16 @@ SIGNATURES: dict[str, str | None] = {
     "vllm.v1.worker.gpu_model_runner:GPUModelRunner.initialize_kv_cache":
         "self, kv_cache_config, is_profiling=, kv_cache_allocation_context=",
     "vllm.v1.worker.cpu_model_runner:CPUModelRunner.__init__": "self, vllm_config, device",
+    # full CUDA graphs for chain steps (worker/graphs.py, GPU-unverified)
+    "vllm.v1.cudagraph_dispatcher:CudagraphDispatcher.__init__": "self, vllm_config",
+    "vllm.v1.cudagraph_dispatcher:CudagraphDispatcher.initialize_cudagraph_keys":
+        "self, cudagraph_mode, uniform_decode_query_len=",
+    "vllm.v1.cudagraph_dispatcher:CudagraphDispatcher.dispatch":
+        "self, num_tokens, uniform_decode=, has_lora=, num_active_loras=, valid_modes=, invalid_modes=",
+    "vllm.v1.cudagraph_dispatcher:CudagraphDispatcher._create_padded_batch_descriptor":
+        "self, num_tokens, uniform_decode, has_lora, num_active_loras=",
+    "vllm.v1.cudagraph_dispatcher:CudagraphDispatcher._get_lora_cases": "self",
+    "vllm.v1.cudagraph_dispatcher:CudagraphDispatcher.add_cudagraph_key": "self, runtime_mode, batch_descriptor",
     "vllm.v1.worker.cpu_model_runner:CPUModelRunner.initialize_kv_cache":
         "self, kv_cache_config, is_profiling=, kv_cache_allocation_context=",
     # engine core, wrapped by the step timing (patches/step_timing.py)
@@ -126,7 +136,12 @@ CALLS = ("vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.propose",
          "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.prepare_next_token_ids_padded",
          "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.prepare_inputs_padded",
          "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.take_last_draft_probs",
-         "vllm.v1.spec_decode.dynamic.utils.build_dynamic_sd_schedule_lookup")
+         "vllm.v1.spec_decode.dynamic.utils.build_dynamic_sd_schedule_lookup",
+         # the full-graph dispatcher (worker/graphs.py) is built like vLLM's and adds keys as vLLM's FULL mode does
+         "vllm.v1.cudagraph_dispatcher:CudagraphDispatcher.__init__",
+         "vllm.v1.cudagraph_dispatcher:CudagraphDispatcher._create_padded_batch_descriptor",
+         "vllm.v1.cudagraph_dispatcher:CudagraphDispatcher._get_lora_cases",
+         "vllm.v1.cudagraph_dispatcher:CudagraphDispatcher.add_cudagraph_key")
 
 #: instance attributes (set in the class's ``__init__``, so not on the class) HyCo reads or sets: class ->
 #: names; tests/unit/test_vllm_surface.py checks that the class's module assigns ``self.<name>``. The private
@@ -134,7 +149,8 @@ CALLS = ("vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.propose",
 INSTANCE_ATTRS = {
     "vllm.v1.core.sched.scheduler:Scheduler": ("dynamic_sd_lookup", "num_lookahead_tokens", "max_num_running_reqs"),
     "vllm.v1.worker.gpu_model_runner:GPUModelRunner": ("_draft_probs", "_draft_prob_req_ids", "drafter",
-                                                        "discard_request_mask", "input_ids", "uses_mrope"),
+                                                        "discard_request_mask", "input_ids", "uses_mrope",
+                                                        "cudagraph_dispatcher"),
     "vllm.v1.spec_decode.gemma4:Gemma4Proposer": ("_per_group_block_tables",),
 }
 

@@ -196,6 +196,27 @@ def _select_tree_attention(args: Any) -> None:
         args.attention_backend = "CUSTOM"
 
 
+def check_full_graph_chains(cfg: HycoConfig, args: Any, *, is_cpu: bool) -> None:
+    """``full_graph_chains`` needs CUDA graphs that can be full: refused on the CPU build (no CUDA graphs), with
+    ``--enforce-eager``, and with a ``cudagraph_mode`` other than vLLM's default FULL_AND_PIECEWISE (the option
+    adds full graphs beside the piecewise ones a branching tree needs; ``vllm_adapter/worker/graphs.py``)."""
+    if not cfg.full_graph_chains:
+        return
+    if is_cpu:
+        raise ConfigError("hyco option full_graph_chains needs CUDA graphs: the CPU build runs every step eagerly; "
+                          "leave it out there")
+    if getattr(args, "enforce_eager", False):
+        raise ConfigError("hyco option full_graph_chains replays full CUDA graphs: remove --enforce-eager, or the "
+                          "option")
+    comp = getattr(args, "compilation_config", None)
+    mode = comp.get("cudagraph_mode") if isinstance(comp, dict) else getattr(comp, "cudagraph_mode", None)
+    name = getattr(mode, "name", mode)
+    if name is not None and str(name).upper() != "FULL_AND_PIECEWISE":
+        raise ConfigError(f"hyco option full_graph_chains needs vLLM's default cudagraph_mode FULL_AND_PIECEWISE "
+                          f"(full graphs for chain-only steps, piecewise for branching trees), got {name}: remove "
+                          f"cudagraph_mode from --compilation-config, or the option")
+
+
 def spec_slots(cfg: HycoConfig) -> int:
     """vLLM's ``num_speculative_tokens`` for a HyCo engine: its spec slots per request, enough for a tree of
     the node budget (one slot per node; the root is the request's last token, the bonus of the round before)
@@ -276,6 +297,7 @@ def expand_engine_args(args: Any, *, is_cpu: bool) -> HycoConfig:
     args.async_scheduling = False
     if not is_cpu:
         _select_tree_attention(args)
+    check_full_graph_chains(cfg, args, is_cpu=is_cpu)
     args.additional_config = {**(getattr(args, "additional_config", None) or {}),
                               ADDITIONAL_CONFIG_KEY: cfg.to_dict()}
     logger.info("%s", cfg.describe())

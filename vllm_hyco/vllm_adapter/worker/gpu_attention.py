@@ -60,10 +60,15 @@ from vllm_hyco.vllm_adapter.worker.kv_view import BlockMajorKVView
 BACKEND_PATH = f"{__name__}.HycoTritonAttentionBackend"
 
 
-def install() -> None:
+def install(full_graph_chains: bool = False) -> None:
     """Register the backend over the static CUSTOM member (idempotent; call in every process that builds
-    attention layers, before the model is built: ``HycoWorker.__init__`` does)."""
+    attention layers, before the model is built: ``HycoWorker.__init__`` does). ``full_graph_chains``: the
+    builder declares vLLM's own Triton support, so FULL_AND_PIECEWISE stays and chain-only steps may replay
+    full graphs (``worker/graphs.py`` keeps them off steps with branching trees)."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    HycoTritonAttentionMetadataBuilder._cudagraph_support = (
+        TritonAttentionMetadataBuilder._cudagraph_support if full_graph_chains else AttentionCGSupport.NEVER)
 
     custom = AttentionBackendEnum.CUSTOM
     if not custom.is_overridden() or custom.get_path() != BACKEND_PATH:
@@ -137,7 +142,8 @@ class HycoTritonAttentionImpl(TritonAttentionImpl):
 
 
 class HycoTritonAttentionMetadataBuilder(TritonAttentionMetadataBuilder):
-    # Full CUDA graphs would replay attention without the tree hook: piecewise only (see module docstring).
+    # Full CUDA graphs would replay attention without the tree hook: piecewise only (see module docstring),
+    # unless full_graph_chains (install): then full graphs for steps without branching trees (worker/graphs.py)
     _cudagraph_support = AttentionCGSupport.NEVER
 
 

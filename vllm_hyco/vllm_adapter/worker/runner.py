@@ -161,8 +161,11 @@ class HycoRunnerMixin:
                 # drafts its result is the plain sampler's on the one row per request.
                 return super()._sample(logits, None)
             return super()._sample(logits, spec_decode_metadata)
-        # before anything is compacted: a cache-owning layer whose KV write did not run is a hard error
-        check_captured(tree_plan.layers_written(), tree_step.kv_layers(self), ", ".join(tr.req_id for tr in st.trees))
+        # before anything is compacted: a cache-owning layer whose KV write did not run is a hard error (a
+        # full CUDA graph of chains replays every layer's stock write, without the hooks: worker/graphs.py)
+        if not tree_plan.full_graph_step():
+            check_captured(tree_plan.layers_written(), tree_step.kv_layers(self),
+                           ", ".join(tr.req_id for tr in st.trees))
         trees = {tr.batch_idx: tr for tr in st.trees}
         num_reqs = self.input_batch.num_reqs
         # Row ranges of each request in ``logits``: [lo, hi).

@@ -201,14 +201,15 @@ class PaddedTrees:
 # This step's trees and the device they run on; the trees whose rows the attention overrides recompute;
 # the stacked TreeStep of those, built on first use; the names of the layers whose KV-cache write ran
 # while the trees were active; per-step layouts keyed by the caller.
-_ACTIVE: dict = {"trees": None, "masked": None, "device": "cpu", "step": None, "written": set(), "cache": {}}
+_ACTIVE: dict = {"trees": None, "masked": None, "device": "cpu", "step": None, "written": set(), "cache": {},
+                 "full_graph": False}
 
 
 def set_active_trees(trees: list[TreeRows] | None, device: torch.device | str = "cpu") -> None:
     """Publish this step's trees (None or [] clears); everything runs in the worker process."""
     trees = trees or None
     masked = ([tr for tr in trees if recomputed(tr.parents)] or None) if trees else None
-    _ACTIVE.update(trees=trees, masked=masked, device=device, step=None, written=set(), cache={})
+    _ACTIVE.update(trees=trees, masked=masked, device=device, step=None, written=set(), cache={}, full_graph=False)
 
 
 def step_cached(key, build):
@@ -225,6 +226,21 @@ def note_layer_written(layer: object) -> None:
     rows at sequential slots; a no-op in a step without trees. Both overrides call it after the stock write."""
     if _ACTIVE["trees"]:
         _ACTIVE["written"].add(getattr(layer, "layer_name", None) or str(id(layer)))
+
+
+def note_full_graph() -> None:
+    """This step of trees (chains only) replays a full CUDA graph (``worker/graphs.py``): every layer's stock KV
+    write is in the graph, and no hook runs to record it."""
+    if _ACTIVE["trees"]:
+        if _ACTIVE["masked"]:
+            raise RuntimeError("a step with a branching tree was dispatched to a full CUDA graph: its tree rows' "
+                               "attention would not be recomputed")
+        _ACTIVE["full_graph"] = True
+
+
+def full_graph_step() -> bool:
+    """Whether this step's trees replayed a full CUDA graph (:func:`note_full_graph`)."""
+    return bool(_ACTIVE["full_graph"])
 
 
 def layers_written() -> set[str]:

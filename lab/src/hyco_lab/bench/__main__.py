@@ -441,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
         results["sweep_units"] = bench.sweep_units
     from hyco_lab.bench import physics
 
-    results["gpu_batch1"] = physics.batch1(bench.records, sweep, M.OVERLAP or None)
+    results["gpu_batch1"] = physics.batch1(bench.records, sweep or per_run, M.OVERLAP or None)
     from hyco_lab.bench import qreport
 
     results["quality"] = qreport.quality_results(bench.records, env["references"])

@@ -17,6 +17,9 @@ The configurations, each as ``name``: server; phone tree; acceptance.
 * ``hyco-2p``: hyco, ε = 0.005; same, 2 SLM passes; ε = 0.005
 * ``hyco-exact``: hyco; same as hyco; exact
 * ``hyco-exact-prob``: hyco; same, the MTP chain sampled (``draft_sampling`` probabilistic); exact
+* ``hyco-exact-values``: hyco; same as hyco-exact, the phone sending per-node values (protocol v2 ``values``:
+  the server trusts them as far as the session's verdicts show them calibrated, ``spec_decode/trust.py``);
+  exact
 * ``hyco-exact-s4`` .. ``-s32``: hyco, ``budget_policy`` static, ``node_budget`` 4, 8, 16, 32; same as hyco,
   that many nodes; exact
 * ``hyco-exact-prob-s4`` .. ``-s32``: same; same as hyco-exact-prob, that many nodes; exact
@@ -72,6 +75,7 @@ class BenchConfig:
     drafter: str | None = None  # "hybrid", "hybrid-2p", "specedge", "specedge-pd"
     draft_sample_method: str | None = None  # cloud configurations: vLLM's option (None: its default, greedy)
     draft_sampling: str = "greedy"  # phone configurations: SessionOptions.draft_sampling (the MTP chain)
+    values: bool = False  # phone configurations: SessionOptions.values (per-node values on the wire)
     device_ms: float = 0.0  # modelled device ms per round after the first
     node_budget: int | None = None  # hyco servers: a static budget (budget_policy static); None: adaptive
     first_round_ms: float = SLM_PASS_MS  # round 0 is the SLM's alone (D2)
@@ -130,6 +134,8 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
     BenchConfig("hyco-exact", "phone", "HyCo exact", server="hyco", drafter="hybrid", device_ms=HYCO_ROUND_MS),
     BenchConfig("hyco-exact-prob", "phone", "HyCo exact, sampled drafts", server="hyco", drafter="hybrid",
                 device_ms=HYCO_ROUND_MS, draft_sampling="probabilistic"),
+    BenchConfig("hyco-exact-values", "phone", "HyCo exact, phone values", server="hyco", drafter="hybrid",
+                device_ms=HYCO_ROUND_MS, values=True),
     *(BenchConfig(f"hyco-exact-s{b}", "phone", f"HyCo exact, static {b}", server="hyco", drafter="hybrid",
                   device_ms=HYCO_ROUND_MS, node_budget=b) for b in STATIC_BUDGETS),
     *(BenchConfig(f"hyco-exact-prob-s{b}", "phone", f"HyCo exact, sampled drafts, static {b}", server="hyco",

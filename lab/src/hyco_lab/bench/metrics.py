@@ -206,7 +206,7 @@ def _phone_metrics(reqs: Sequence[RequestRecord], tokens: int) -> dict[str, Any]
 def _cloud_metrics(c: dict[str, Any]) -> dict[str, Any]:
     drafts, accepted = c.get("drafts", 0), c.get("accepted", 0)
     per_pos = c.get("accepted_per_pos", [])
-    return {"rounds": drafts, "mat": _div(drafts + accepted, drafts, 3),
+    return {"rounds": drafts, "mat": _div(drafts + accepted, drafts, 3), "k": c.get("k"),
             "accept_depth": [round(a / drafts, 4) for a in per_pos] if drafts else [],
             "accept_source": {"chain": {"drafted": c.get("draft_tokens", 0), "accepted": accepted,
                                         "rate": _div(accepted, c.get("draft_tokens", 0)),

@@ -52,6 +52,8 @@ def load_phone(bundle: Path, config: BenchConfig, *, window: int = WINDOW):
     options: dict[str, Any] = {"mode": config.mode}
     if config.draft_sampling != "greedy":  # sampled MTP drafts (with a sampled request)
         options["draft_sampling"] = config.draft_sampling
+    if config.values:  # per-node values on the wire (the server's ValueTrust decides how far to use them)
+        options["values"] = True
     # a static server budget needs nothing here: the session frame and every verdict grant the phone its
     # budget, and the phone sends the head of that size of its tree (the same phone for every budget)
     spec, mtp, scales = None, None, None
@@ -278,5 +280,7 @@ def describe(config: BenchConfig) -> str:
     out = {"name": config.name, "drafter": config.drafter, "mode": config.mode}
     if config.draft_sampling != "greedy":
         out["draft_sampling"] = config.draft_sampling
+    if config.values:
+        out["values"] = True
     out["device_ms"] = config.device_ms
     return json.dumps(out)

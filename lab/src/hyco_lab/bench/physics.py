@@ -91,16 +91,18 @@ def head_step_ms(shape: GpuShape, masked_lm: bool = True) -> float:
     return max(mb / 1e3 / shape.bandwidth_tbs, shape.head_floor_ms)
 
 
-def mtp_round_ms(shape: GpuShape, k: int, experts_fn, masked_lm: bool = True) -> float:
+def mtp_round_ms(shape: GpuShape, k: float, experts_fn, masked_lm: bool = True) -> float:
     """Cloud+MTP: verify 1 + K rows, then K sequential head steps."""
     return verify_ms(shape, 1 + k, experts_fn(shape, 1 + k)) + k * head_step_ms(shape, masked_lm)
 
 
-def handicap_ms(shape: GpuShape, ctx: float = 1024.0, chain: bool = False) -> float:
+def handicap_ms(shape: GpuShape, ctx: float = 1024.0, chain: bool = False, full_graph_chains: bool = False) -> float:
     """HyCo's per-step GPU handicaps (tree metadata, piecewise graphs, tree rows' attention read again). A
-    chain keeps vLLM's own attention (``tree_plan.masked_trees``): it pays the piecewise graphs only."""
+    chain keeps vLLM's own attention (``tree_plan.masked_trees``): it pays the piecewise graphs only, and
+    nothing with ``full_graph_chains`` (the server option: a step of chains replays a full CUDA graph,
+    ``vllm_adapter/worker/graphs.py``; GPU-unverified, so results show both ways)."""
     if chain:
-        return shape.piecewise_ms_per_layer * shape.layers
+        return 0.0 if full_graph_chains else shape.piecewise_ms_per_layer * shape.layers
     reread = ctx * shape.kv_kb_per_token / 1e6 / shape.bandwidth_tbs / shape.tree_attn_efficiency
     return shape.tree_meta_ms + shape.piecewise_ms_per_layer * shape.layers + reread
 
@@ -121,8 +123,9 @@ def ordinary_residual(shape: GpuShape, batch: int, k: int = 4, experts_fn=indepe
     return {"batch": batch, "mtp_ms": round(mtp, 3), "hyco_ms": round(hyco, 3), "ratio": round(hyco / mtp, 3)}
 
 
-def hyco_round_ms(shape: GpuShape, rows: float, experts_fn, ctx: float = 1024.0, chain: bool = False) -> float:
-    return verify_ms(shape, rows, experts_fn(shape, rows)) + handicap_ms(shape, ctx, chain)
+def hyco_round_ms(shape: GpuShape, rows: float, experts_fn, ctx: float = 1024.0, chain: bool = False,
+                  full_graph_chains: bool = False) -> float:
+    return verify_ms(shape, rows, experts_fn(shape, rows)) + handicap_ms(shape, ctx, chain, full_graph_chains)
 
 
 # -- replaying the budget policy on logged trees at batch 1 -------------------------------------------
@@ -152,13 +155,14 @@ def replay_engine(shape: GpuShape, experts_fn, *, policy: str = "adaptive", cap:
 
 
 def replay(rounds: Sequence[dict], shape: GpuShape, experts_fn, *, policy: str = "adaptive", cap: int = 32,
-           ctx: float = 1024.0, engine=None, sid: str = "s") -> dict:
+           ctx: float = 1024.0, engine=None, sid: str = "s", full_graph_chains: bool = False) -> dict:
     """GPU-modelled g of one session's logged whole trees (``{"parents", "sources", "path"}`` per round,
     value-ordered, as a static-32 run logs them) under ``policy``: ``static`` (the first ``cap`` nodes) or
     ``adaptive`` (``vllm_hyco.spec_decode.budget.BudgetPolicy`` with its cost model fitted on the modelled
     step times, as a GPU engine fits its measured ones; the grant limits the next tree to a prefix).
     ``engine``: the policy of an engine that served earlier sessions (:func:`replay_engine`; None: a fresh
-    one). Returns ms per token, MAT and mean rows verified."""
+    one). ``full_graph_chains``: chain steps pay no handicap (the server option). Returns ms per token, MAT
+    and mean rows verified."""
     from vllm_hyco.spec_decode.budget import chain_prefix
 
     pol = engine if engine is not None else replay_engine(shape, experts_fn, policy=policy, cap=cap, ctx=ctx)
@@ -170,7 +174,7 @@ def replay(rounds: Sequence[dict], shape: GpuShape, experts_fn, *, policy: str =
         plan = pol.plan(sid, parents_k, labels_k, ctx=int(ctx), sharing=1)
         k = plan.nodes
         chain = k <= chain_prefix(parents)
-        step = hyco_round_ms(shape, k + 1, experts_fn, ctx, chain)
+        step = hyco_round_ms(shape, k + 1, experts_fn, ctx, chain, full_graph_chains)
         pol.observe_step(k + 1, (k + 1) * ctx / 1000.0, step / 1e3, trees=1, branching=int(not chain))
         kept = [r for r in itertools.takewhile(lambda r, k=k: r <= k, path)]
         pol.observe_round(sid, parents[: k + 1], None if labels is None else labels[: k + 1], kept,
@@ -295,15 +299,44 @@ if __name__ == "__main__":
     raise SystemExit(main())
 
 
+def cloud_k(config: str, runs: Sequence[dict] = ()) -> float:
+    """Cloud+MTP's K at batch 1: the mean K its ``runs`` measured (``k`` in their metrics), else its
+    configuration's (a per-batch-size schedule's K for a batch of one).
+
+    >>> cloud_k("cloud-mtp-k2"), cloud_k("cloud-mtp-dyn"), cloud_k("cloud-mtp", [{"k": 3.0}, {"k": 4.0}])
+    (2.0, 4.0, 3.5)
+    """
+    ks = [float(m["k"]) for m in runs if m.get("k")]
+    if ks:
+        return sum(ks) / len(ks)
+    from hyco_lab.bench.configs import CONFIGS
+
+    c = CONFIGS[config]
+    if c.k_schedule:
+        return float(next(k for lo, hi, k in c.k_schedule if lo <= 1 <= hi))
+    return float(c.k)
+
+
+def _scheduled(config: str) -> bool:
+    """A Cloud+MTP configuration with vLLM's per-batch-size K."""
+    from hyco_lab.bench.configs import CONFIGS
+
+    return config in CONFIGS and CONFIGS[config].k_schedule is not None
+
+
 def batch1(records: Sequence[dict], sweep: Sequence[dict], overlap: dict | None = None, *,
            source: str | None = None, caps: Sequence[int] = (4, 8, 16, 32)) -> dict:
     """GPU-modelled g at batch 1, both expert assumptions: the logged whole trees of ``source`` (every
-    measured session of the sweep, at any level: a static phone sends the same trees whatever the load,
-    and the verifier's samples do not depend on it) replayed one session after another on one modelled
-    engine (:func:`replay_engine`, as a server at batch 1 serves them) under static budgets ``caps`` and
-    the adaptive policy (:func:`replay`), against Cloud+MTP's measured MAT over the same levels with its own
-    head steps. ``source`` None: the sweep's whole trees of sampled drafts (``hyco-exact-prob-s32``) when
-    it ran, else those of greedy drafts (``hyco-exact-s32``)."""
+    measured session, at any level: a static phone sends the same trees whatever the load, and the verifier's
+    samples do not depend on it) replayed one session after another on one modelled engine
+    (:func:`replay_engine`, as a server at batch 1 serves them) under static budgets ``caps`` and the adaptive
+    policy (:func:`replay`), against every Cloud+MTP setting in ``sweep`` (a sweep's or a run's metrics): its
+    verify forward of 1 + K rows and K head steps (:func:`cloud_k`) over its MAT measured over the levels (a
+    per-batch-size K: at the lowest level it ran). ``best_cloud`` names the cheapest per expert assumption
+    and ``adaptive_ratio`` is the adaptive replay's g over it; ``adaptive_full_graph_chains_ratio`` the same
+    with the server's ``full_graph_chains`` (chain steps in full CUDA graphs: no handicap; GPU-unverified).
+    ``source`` None: the whole trees of sampled drafts (``hyco-exact-prob-s32``) when they ran, else those of
+    greedy drafts (``hyco-exact-s32``)."""
     if source is None:
         ran = {rec.get("config") for rec in records}
         source = "hyco-exact-prob-s32" if "hyco-exact-prob-s32" in ran else "hyco-exact-s32"
@@ -313,19 +346,21 @@ def batch1(records: Sequence[dict], sweep: Sequence[dict], overlap: dict | None 
         fns["overlap"] = table_experts({int(k): v for k, v in overlap["rows"].items()})
     sessions = []
     for rec in records:
-        if rec.get("config") != source or rec.get("run", -1) < 0 or rec.get("concurrency") is None:
+        if rec.get("config") != source or rec.get("run", -1) < 0:
             continue
         for req in rec.get("requests", []):
             rounds = [r["tree"] for r in req.get("rounds", []) if r.get("tree") and r.get("round", 0) > 0]
             if rounds:
                 sessions.append(rounds)
     rows: list[dict] = []
+    best: dict[str, dict] = {}
     for name, fn in fns.items():
-        for policy, cap in [("static", c) for c in caps] + [("adaptive", max(caps))]:
+        runs = [("static", c, False) for c in caps] + [("adaptive", max(caps), False), ("adaptive", max(caps), True)]
+        for policy, cap, full in runs:
             engine = replay_engine(shape, fn, policy=policy, cap=cap)
             ms = tokens = nrounds = nrows = 0.0
             for i, rounds in enumerate(sessions):
-                r = replay(rounds, shape, fn, policy=policy, cap=cap, engine=engine, sid=str(i))
+                r = replay(rounds, shape, fn, policy=policy, cap=cap, engine=engine, sid=str(i), full_graph_chains=full)
                 n = len(rounds)
                 tok = r["mat"] * n
                 ms += r["g_ms"] * tok
@@ -333,14 +368,28 @@ def batch1(records: Sequence[dict], sweep: Sequence[dict], overlap: dict | None 
                 nrounds += n
                 nrows += r["rows"] * n
             if tokens:
-                rows.append({"config": f"hyco-exact {policy}" + (f" {cap}" if policy == "static" else ""),
+                rows.append({"config": f"hyco-exact {policy}" + (f" {cap}" if policy == "static" else "")
+                             + (" full_graph_chains" if full else ""),
                              "experts": name, "g_ms": round(ms / tokens, 4), "mat": round(tokens / nrounds, 3),
                              "rows": round(nrows / nrounds, 2)})
-        for cfg in ("cloud-mtp", "cloud-mtp-prob"):
+        clouds = sorted({m["config"] for m in sweep if str(m.get("config", "")).startswith("cloud-mtp")})
+        for cfg in clouds:
             runs = [m for m in sweep if m.get("config") == cfg and m.get("mat") and m.get("rounds")]
+            if _scheduled(cfg):  # K depends on the batch: its lowest level only
+                level = min((m.get("concurrency") or 0 for m in runs), default=0)
+                runs = [m for m in runs if (m.get("concurrency") or 0) == level]
             if runs:
                 mat = sum(m["mat"] * m["rounds"] for m in runs) / sum(m["rounds"] for m in runs)
-                rows.append({"config": cfg, "experts": name, "g_ms": round(mtp_round_ms(shape, 4, fn) / mat, 4),
-                             "mat": round(mat, 3), "rows": 5.0})
+                k = cloud_k(cfg, runs)
+                row = {"config": cfg, "experts": name, "g_ms": round(mtp_round_ms(shape, k, fn) / mat, 4),
+                       "mat": round(mat, 3), "rows": round(1 + k, 2)}
+                rows.append(row)
+                if name not in best or row["g_ms"] < best[name]["g_ms"]:
+                    best[name] = row
+    ratios = {}
+    for label, config in (("adaptive_ratio", "hyco-exact adaptive"),
+                          ("adaptive_full_graph_chains_ratio", "hyco-exact adaptive full_graph_chains")):
+        mine = {r["experts"]: r for r in rows if r["config"] == config}
+        ratios[label] = {name: round(mine[name]["g_ms"] / b["g_ms"], 3) for name, b in best.items() if name in mine}
     return {"rows": rows, "sessions": len(sessions), "source": source, "shape": shape_dict(shape),
-            "overlap": overlap or None}
+            "overlap": overlap or None, "best_cloud": {name: b["config"] for name, b in best.items()}, **ratios}

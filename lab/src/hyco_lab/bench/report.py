@@ -202,14 +202,21 @@ def _gpu_batch1_md(results: dict[str, Any]) -> list[str]:
     if not g.get("rows"):
         return []
     out = ["## GPU-modelled g at batch 1 (H200 model, `hyco_lab.bench.physics`)", "",
-           (f"The logged whole trees of `{g['source']}` ({g['sessions']} sessions of the sweep, every level) replayed "
-            "one session after another on one modelled engine at batch 1, under each budget (adaptive: the "
-            "server's policy with its cost model fitted on the modelled step times); Cloud+MTP: its verify "
-            "forward of 5 rows plus 4 head steps over its MAT measured at the same levels. "
+           (f"The logged whole trees of `{g['source']}` ({g['sessions']} sessions, every level) replayed one "
+            "session after another on one modelled engine at batch 1, under each budget (adaptive: the server's "
+            "policy with its cost model fitted on the modelled step times); each Cloud+MTP setting: its verify "
+            "forward of 1 + K rows plus K head steps over its MAT measured over the levels (a per-batch-size K: at "
+            "the lowest level). "
             "Experts per layer: independent routing, or the overlap measured on a router of the real shape."), "",
            "| configuration | experts | g ms/token | MAT | rows/round |", "|---|---|---|---|---|"]
     for r in g["rows"]:
         out.append(f"| {r['config']} | {r['experts']} | {r['g_ms']:.3f} | {r['mat']:.2f} | {r['rows']:.1f} |")
+    for name, ratio in (g.get("adaptive_ratio") or {}).items():
+        full = (g.get("adaptive_full_graph_chains_ratio") or {}).get(name)
+        out.append(f"\nAdaptive replay against the best Cloud+MTP setting on the model ({name} experts: "
+                   f"`{g['best_cloud'][name]}`): **{ratio:.3f}x** with every step in piecewise graphs (as committed)"
+                   + (f"; **{full:.3f}x** with `full_graph_chains` (chain steps in full CUDA graphs, no handicap; "
+                      "GPU-unverified)" if full is not None else "") + ".")
     return out + [""]
 
 

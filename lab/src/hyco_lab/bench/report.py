@@ -107,7 +107,7 @@ def markdown(results: dict[str, Any]) -> str:
     from hyco_lab.bench import qreport
 
     lines += qreport.markdown(results)
-    lines += _acceptance_md(summary) + _sweep_md(results) + _ordinary_md(results)
+    lines += _acceptance_md(summary) + _sweep_md(results) + _gpu_batch1_md(results) + _ordinary_md(results)
     lines += ["", "Not run: " + "; ".join(f"**{k}**: {v}" for k, v in results["dropped"].items()), "",
               f"Bars: `{json.dumps(results['bars'])}`", ""]
     return "\n".join(lines)
@@ -194,7 +194,7 @@ def _sweep_md(results: dict[str, Any]) -> list[str]:
                    f"{cell('g_core_ms')} | {cell('mat')} | {cell('nodes_round', 1)} | "
                    f"{cell('verified_nodes_round', 1)} | {cell('gpu_g_independent_ms')} / {cell('gpu_g_overlap_ms')} | "
                    f"{sum(m.get('errors') or 0 for m in ms)} |")
-    return out + [""] + _gpu_batch1_md(results) + _mixed_md(results)
+    return out + [""] + _mixed_md(results)
 
 
 def _gpu_batch1_md(results: dict[str, Any]) -> list[str]:
@@ -427,7 +427,12 @@ def rebuild(out_dir: str | Path, env_updates: dict[str, Any] | None = None) -> d
         records = json.loads((out / "records.json").read_text())
         results["quality"] = qreport.quality_results(records, env["references"])
         results["quality_noise"] = qreport.same_config_noise(records, env["references"])
-    for key, value in old.items():  # what the records do not hold (replay, tv, gpu_batch1, ordinary_mixed...)
+    from hyco_lab.bench import physics
+
+    records = json.loads((out / "records.json").read_text())
+    results["gpu_batch1"] = physics.batch1(records, sweep or old.get("sweep") or per_run,
+                                           (old.get("gpu_batch1") or {}).get("overlap"))
+    for key, value in old.items():  # what the records do not hold (replay, tv, ordinary_mixed...)
         if key not in results and value:
             results[key] = value
     return write_report(out, results)

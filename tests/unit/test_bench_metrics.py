@@ -103,7 +103,8 @@ def test_report_files(tmp_path):
 def test_report_rebuild_keeps_every_sweep_run_and_what_records_do_not_hold(tmp_path):
     """The sweep numbers its passes 100 * (run + 1) + level, so its second run shares numbers with the
     distance-from-plain passes (200 +): a rebuild takes the passes the sweep listed, and keeps the sections
-    that are not recomputed from the records (the GPU replay, the ordinary-request latency)."""
+    that are not recomputed from the records (the GPU replay when the records hold none of its whole trees,
+    the ordinary-request latency)."""
     passes = []
     for run in range(2):
         rec = _phone_run("hyco", 100 * (run + 1) + 4, 1)

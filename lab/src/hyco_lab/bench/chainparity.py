@@ -37,7 +37,10 @@ from typing import Any
 import numpy as np
 
 CHAIN = 1  # vllm_hyco.handoff.tree_contract.NodeLabel: the MTP chain
-PAIRS = (("hyco-exact", "cloud-mtp"), ("hyco-exact-prob", "cloud-mtp-prob"))
+#: (phone configuration, vLLM configuration) pairs compared by default; the static-32 runs (``hyco-exact-s32``,
+#: ``hyco-exact-prob-s32``) verify every chain node, so no budget cut selects which sessions reach a depth
+PAIRS = (("hyco-exact", "cloud-mtp"), ("hyco-exact-prob", "cloud-mtp-prob"), ("hyco-exact-s32", "cloud-mtp"),
+         ("hyco-exact-prob-s32", "cloud-mtp-prob"))
 RESAMPLES = 2000
 
 

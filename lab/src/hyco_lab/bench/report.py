@@ -72,7 +72,10 @@ def _fmt(s: dict | None, nd: int = 2) -> str:
 
 def markdown(results: dict[str, Any]) -> str:
     env, summary = results["env"], results["summary"]
+    fam = env.get("family") or {}
     lines = [f"# HyCo benchmark ({env.get('date', '')})", "",
+             *([f"> Family: {env.get('weights', '?')} weights, verifier sha256 {fam['verifier_sha256']} "
+                f"(recorded by the run: `env.family`)", ""] if fam.get("verifier_sha256") else []),
              (f"Machine: {env.get('machine', '?')}. Fixtures: {env.get('fixtures', '?')} "
               f"({env.get('weights', '?')} weights, verifier sha256 "
               f"{(env.get('family') or {}).get('verifier_sha256', 'not recorded')}). "
@@ -430,9 +433,10 @@ def rebuild(out_dir: str | Path, env_updates: dict[str, Any] | None = None) -> d
     from hyco_lab.bench import physics
 
     records = json.loads((out / "records.json").read_text())
-    results["gpu_batch1"] = physics.batch1(records, sweep or old.get("sweep") or per_run,
-                                           (old.get("gpu_batch1") or {}).get("overlap"))
-    for key, value in old.items():  # what the records do not hold (replay, tv, ordinary_mixed...)
+    gpu = physics.batch1(records, sweep or old.get("sweep") or per_run, (old.get("gpu_batch1") or {}).get("overlap"))
+    if gpu["sessions"]:  # the records hold the replayed trees: recomputed (every Cloud+MTP setting, both ways)
+        results["gpu_batch1"] = gpu
+    for key, value in old.items():  # what the records do not hold (replay, tv, ordinary_mixed, ...)
         if key not in results and value:
             results[key] = value
     return write_report(out, results)

@@ -355,8 +355,8 @@ def batch1(records: Sequence[dict], sweep: Sequence[dict], overlap: dict | None 
     rows: list[dict] = []
     best: dict[str, dict] = {}
     for name, fn in fns.items():
-        runs = [("static", c, False) for c in caps] + [("adaptive", max(caps), False), ("adaptive", max(caps), True)]
-        for policy, cap, full in runs:
+        replays = [("static", c, False) for c in caps] + [("adaptive", max(caps), False), ("adaptive", max(caps), True)]
+        for policy, cap, full in replays:
             engine = replay_engine(shape, fn, policy=policy, cap=cap)
             ms = tokens = nrounds = nrows = 0.0
             for i, rounds in enumerate(sessions):

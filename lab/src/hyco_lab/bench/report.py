@@ -77,8 +77,7 @@ def markdown(results: dict[str, Any]) -> str:
              *([f"> Family: {env.get('weights', '?')} weights, verifier sha256 {fam['verifier_sha256']} "
                 f"(recorded by the run: `env.family`)", ""] if fam.get("verifier_sha256") else []),
              (f"Machine: {env.get('machine', '?')}. Fixtures: {env.get('fixtures', '?')} "
-              f"({env.get('weights', '?')} weights, verifier sha256 "
-              f"{(env.get('family') or {}).get('verifier_sha256', 'not recorded')}). "
+              f"({env.get('weights', '?')} weights, verifier sha256 {fam.get('verifier_sha256', 'not recorded')}). "
               f"Link: {env.get('link', {})}. Prompts: "
               f"{env.get('prompts')} x {env.get('runs')} runs, max_tokens {env.get('max_tokens')}, "
               f"temperature {env.get('temperature')}, top-k {env.get('top_k') or 'off'}, top-p "
@@ -411,8 +410,8 @@ def rebuild(out_dir: str | Path, env_updates: dict[str, Any] | None = None) -> d
 
     out = Path(out_dir)
     old = json.loads((out / "results.json").read_text())
-    runs = [RunRecord.from_dict(r) for r in json.loads((out / "records.json").read_text())
-            if not r["config"].startswith("ordinary")]
+    records = json.loads((out / "records.json").read_text())
+    runs = [RunRecord.from_dict(r) for r in records if not r["config"].startswith("ordinary")]
     per_run = [run_metrics(r) for r in runs if 0 <= r.run < 100]
     # the sweep's passes are numbered 100 * (run + 1) + level, so they share numbers from 200 on with the
     # distance-from-plain passes: take the ones the sweep listed
@@ -427,12 +426,10 @@ def rebuild(out_dir: str | Path, env_updates: dict[str, Any] | None = None) -> d
     from hyco_lab.bench import qreport
 
     if env.get("references"):
-        records = json.loads((out / "records.json").read_text())
         results["quality"] = qreport.quality_results(records, env["references"])
         results["quality_noise"] = qreport.same_config_noise(records, env["references"])
     from hyco_lab.bench import physics
 
-    records = json.loads((out / "records.json").read_text())
     gpu = physics.batch1(records, sweep or old.get("sweep") or per_run, (old.get("gpu_batch1") or {}).get("overlap"))
     if gpu["sessions"]:  # the records hold the replayed trees: recomputed (every Cloud+MTP setting, both ways)
         results["gpu_batch1"] = gpu

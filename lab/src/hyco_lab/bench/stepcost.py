@@ -31,6 +31,7 @@ Reported per step and per committed token (the CPU build: compare ratios within 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import functools
 import json
@@ -39,6 +40,7 @@ import os
 import random
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 
 from vllm_hyco.vllm_adapter.patches import Patch
 
@@ -158,6 +160,21 @@ def _tree(root: int, greedy: list[int], nodes: int, rng: random.Random, vocab: i
     return tokens, parents
 
 
+@contextlib.contextmanager
+def _profiled(path: str | None) -> Iterator[None]:
+    """cProfile the block into ``path`` (``--cprofile``); nothing when ``path`` is None."""
+    if path is None:
+        yield
+        return
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        yield
+    finally:
+        prof.disable()
+        prof.dump_stats(path)
+
+
 def run_hyco(verifier: str, n: int, nodes: int, steps: int, tree_attn: str, out: dict,
              shape: str = "tree", chain_attn: str = "stock", cprofile: str | None = None) -> None:
     os.environ["VLLM_HYCO_CPU_TREE_ATTN"] = tree_attn
@@ -184,12 +201,11 @@ def run_hyco(verifier: str, n: int, nodes: int, steps: int, tree_attn: str, out:
     st = {h.sid: {"root": h.root, "out": [], "round": 0, "ref": r} for h, r in zip(handles, refs)}
     warm = 3
     tokens, base = 0, None
-    prof = cProfile.Profile() if cprofile else None
+    timed = contextlib.ExitStack()
     for r in range(steps + warm):
         if r == warm:
             base = clock.snapshot()
-            if prof is not None:
-                prof.enable()
+            timed.enter_context(_profiled(cprofile))
         batch = []
         for sid, s in st.items():
             toks, pars = _tree(s["root"], list(s["ref"][len(s["out"]):]), nodes, rng, vocab, shape)
@@ -200,9 +216,7 @@ def run_hyco(verifier: str, n: int, nodes: int, steps: int, tree_attn: str, out:
             s["root"], s["round"] = v.bonus, s["round"] + 1
             if r >= warm:
                 tokens += len(v.committed)
-    if prof is not None:
-        prof.disable()
-        prof.dump_stats(cprofile)
+    timed.close()
     name = f"hyco-{shape}{nodes}" + ("" if tree_attn == "padded" else f"-{tree_attn}") \
         + ("" if shape == "tree" or chain_attn == "stock" else f"-{chain_attn}")
     out.update(_result(clock, base, tokens, name, n))
@@ -220,13 +234,8 @@ def run_mtp(verifier: str, assistant: str, n: int, steps: int, out: dict, k: int
     params = SamplingParams(temperature=0.0, max_tokens=steps * 3, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in prompts[:1]], SamplingParams(max_tokens=4), use_tqdm=False)
     base = clock.snapshot()
-    prof = cProfile.Profile() if cprofile else None
-    if prof is not None:
-        prof.enable()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    if prof is not None:
-        prof.disable()
-        prof.dump_stats(cprofile)
+    with _profiled(cprofile):
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     out.update(_result(clock, base, tokens, "cloud-mtp" + ("" if k == 4 else f"-k{k}"), n, prefill_tokens=0))
 

@@ -131,6 +131,13 @@ class HandoffScales:
                 return k, v
         raise HandoffSchemaError(f"the scales file has no entry for layer {layer_id}", code="scales_mismatch")
 
+    def rows(self, layer_id: int, kind: str) -> tuple[np.ndarray, np.ndarray | None]:
+        """The scales of one hand-off layer's rows: its K/V scales, or for a ``hidden`` row layer (h_p of
+        every committed position, schema 3) h's own ``[1, hidden]`` and no V."""
+        if kind == "hidden":
+            return self.h[None, :], None
+        return self.layer(layer_id)
+
     def meta(self) -> dict:
         return {
             "format": SCALES_FORMAT,

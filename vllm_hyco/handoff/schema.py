@@ -51,11 +51,15 @@ from vllm_hyco.handoff.limits import DEFAULT_LIMITS, WireLimits
 from vllm_hyco.handoff.quant import SCHEME, HandoffScales, quantize
 
 HANDOFF_SCHEMA_VERSION = 2
-SUPPORTED_HANDOFF_SCHEMAS = (2,)
+#: schema 3 = schema 2 + the ``hidden`` layer kind (families whose MTP layer owns its KV: ``vllm_hyco.models``);
+#: a schema without a ``hidden`` layer is still written as 2, so Gemma-4 sessions keep their bytes
+HIDDEN_ROWS_SCHEMA_VERSION = 3
+SUPPORTED_HANDOFF_SCHEMAS = (2, 3)
 FINGERPRINT_BYTES = 16
 SCHEMA_HASH_BYTES = 8
 MAX_POSITION = 2**31 - 1
-LAYER_KINDS = ("full", "sliding")
+HIDDEN = "hidden"  # == vllm_hyco.models.HIDDEN (the hand-off stays import-free of the model seam)
+LAYER_KINDS = ("full", "sliding", HIDDEN)
 _E = HandoffSchemaError
 
 
@@ -64,7 +68,7 @@ class LayerSpec:
     """One verifier attention layer whose K/V rows the hand-off carries."""
 
     layer_id: int
-    kind: str  # "full" | "sliding"
+    kind: str  # "full" | "sliding" | "hidden" (h_p rows: kv_heads 1, head_dim hidden, no V; schema 3)
     kv_heads: int
     head_dim: int
     window: int  # sliding window in positions; 0 for full attention
@@ -138,10 +142,16 @@ class HandoffSpec:
                 code="fingerprint_mismatch",
             )
 
+    @property
+    def version(self) -> int:
+        """The schema version this layout needs: 3 with a ``hidden`` row layer, else 2."""
+        hidden = any(layer.kind == HIDDEN for layer in self.layers)
+        return HIDDEN_ROWS_SCHEMA_VERSION if hidden else HANDOFF_SCHEMA_VERSION
+
     def to_wire(self) -> dict:
         """The session's schema map (the ``session`` frame's ``schema``)."""
         return {
-            "version": HANDOFF_SCHEMA_VERSION,
+            "version": self.version,
             "fingerprint": self.fingerprint,
             "hidden": self.hidden_size,
             "layers": [layer.to_wire() for layer in self.layers],
@@ -175,6 +185,10 @@ class HandoffSpec:
         layers = tuple(_layer_from_wire(x, i, limits) for i, x in enumerate(layers_raw))
         if len({layer.layer_id for layer in layers}) != len(layers):
             raise _E("hand-off schema: a layer id is listed twice", code="bad_handoff")
+        row_layers = [layer for layer in layers if layer.kind == HIDDEN]
+        if row_layers and (version < HIDDEN_ROWS_SCHEMA_VERSION or len(layers) != 1):
+            raise _E(f"hand-off schema {version}: a 'hidden' row layer needs schema {HIDDEN_ROWS_SCHEMA_VERSION} "
+                     f"and no other layer", code="bad_handoff")
         q = Fields(f.get("quant", dict), _E, "hand-off schema quant")
         scheme = q.choice("scheme", (SCHEME,))
         scales_id = _bin16(q.bin("scales_id"), "scales_id")
@@ -278,7 +292,7 @@ class HandoffPayload:
         qk: list[np.ndarray] = []
         qv: list[np.ndarray | None] = []
         for layer, ki, vi in zip(header.spec.layers, k, v):
-            k_scale, v_scale = scales.layer(layer.layer_id)
+            k_scale, v_scale = scales.rows(layer.layer_id, layer.kind)
             qk.append(quantize(ki, k_scale))
             if vi is None:
                 qv.append(None)
@@ -447,7 +461,10 @@ def _layer_from_wire(obj: Any, index: int, limits: WireLimits) -> LayerSpec:
             f"{limits.max_kv_channels}",
             code="bad_handoff",
         )
-    if (layer.kind == "full") != (layer.window == 0):
+    if layer.kind == HIDDEN and (layer.kv_heads != 1 or layer.has_v or layer.k_eq_v or layer.window):
+        raise _E(f"hand-off schema layer {index}: a 'hidden' row layer has kv_heads 1, no V and window 0",
+                 code="bad_handoff")
+    if layer.kind != HIDDEN and (layer.kind == "full") != (layer.window == 0):
         raise _E(
             f"hand-off schema layer {index}: a {layer.kind} layer must have window "
             f"{'0' if layer.kind == 'full' else '> 0'}, got {layer.window}",

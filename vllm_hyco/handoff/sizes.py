@@ -49,8 +49,8 @@ def layers_from_hf_config(cfg: Mapping[str, Any]) -> tuple[int, tuple[LayerSpec,
     """(hidden, hand-off layers) of a verifier's config, by the rule of its model family
     (``vllm_hyco.models``: for Gemma 4 its last sliding and last full cache-owning layer)."""
     family = family_of(cfg)
-    layers = tuple(LayerSpec(h.layer_id, h.kind, h.kv_heads, h.head_dim, h.window, k_eq_v=h.k_eq_v)
-                   for h in family.handoff_layers(cfg))
+    layers = tuple(LayerSpec(h.layer_id, h.kind, h.kv_heads, h.head_dim, h.window, k_eq_v=h.k_eq_v,
+                             has_v=h.has_v) for h in family.handoff_layers(cfg))
     return family.hidden_size(cfg), layers
 
 

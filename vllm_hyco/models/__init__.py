@@ -1,6 +1,6 @@
 """The model seam: one module per model family saying what HyCo needs from it (``base.ModelFamily``).
 
-Families: ``gemma4`` (:data:`vllm_hyco.models.gemma4.GEMMA4`). Pure Python: the engine's three processes,
+Families: ``gemma4`` (:data:`vllm_hyco.models.gemma4.GEMMA4`) and ``mimo`` (:data:`vllm_hyco.models.mimo.MIMO`). Pure Python: the engine's three processes,
 the wire's byte counts (``vllm_hyco.handoff.sizes``), the endpoint, the phone and the lab's fixtures all read
 it. A config no family serves is refused by name (:func:`family_of`).
 
@@ -18,12 +18,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from vllm_hyco.errors import ConfigError
-from vllm_hyco.models.base import DEFAULT_HANDOFF_WINDOW, DrafterKV, HandoffLayer, KVLayout, ModelFamily
+from vllm_hyco.models.base import DEFAULT_HANDOFF_WINDOW, HIDDEN, DrafterKV, HandoffLayer, KVLayout, ModelFamily
 from vllm_hyco.models.gemma4 import GEMMA4
+from vllm_hyco.models.mimo import MIMO
 
-FAMILIES: tuple[ModelFamily, ...] = (GEMMA4,)
+FAMILIES: tuple[ModelFamily, ...] = (GEMMA4, MIMO)
 
-__all__ = ["DEFAULT_HANDOFF_WINDOW", "FAMILIES", "DrafterKV", "HandoffLayer", "KVLayout", "ModelFamily", "family_of"]
+__all__ = ["DEFAULT_HANDOFF_WINDOW", "FAMILIES", "HIDDEN", "DrafterKV", "HandoffLayer", "KVLayout", "ModelFamily", "family_of"]
 
 
 def family_of(config: Mapping[str, Any]) -> ModelFamily:

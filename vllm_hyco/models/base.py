@@ -32,6 +32,9 @@ from typing import Any, Protocol
 
 #: the hand-off window W when the config names none (the paper's 1,024 positions)
 DEFAULT_HANDOFF_WINDOW = 1024
+#: the hand-off "layer" kind of a ``DrafterKV.OWN`` family: the verifier's hidden state h_p of every committed
+#: position (one row of ``hidden`` values, h's scales), from which the phone extends its MTP layer's own KV
+HIDDEN = "hidden"
 
 
 class DrafterKV(str, enum.Enum):
@@ -59,6 +62,7 @@ class HandoffLayer:
     head_dim: int
     window: int  # sliding window in positions; 0 for full attention
     k_eq_v: bool = False  # one projection makes K and V (V is still sent: it is normed differently)
+    has_v: bool = True  # V rows are sent (False for the ``HIDDEN`` rows: one row per position)
 
 
 class ModelFamily(Protocol):
@@ -88,7 +92,8 @@ class ModelFamily(Protocol):
         ...
 
     def handoff_layers(self, config: Mapping[str, Any]) -> tuple[HandoffLayer, ...]:
-        """The layers the hand-off sends, by layer id (empty for ``DrafterKV.OWN``)."""
+        """The layers the hand-off sends, by layer id (for ``DrafterKV.OWN``: one ``HIDDEN`` row layer, id =
+        the MTP layer's)."""
         ...
 
     def handoff_window(self, config: Mapping[str, Any], override: int | None = None) -> int:

@@ -44,7 +44,7 @@ from vllm_hyco.handoff.client_frames import StartFrame, TreeFrame
 from vllm_hyco.handoff.frames import encode_frame
 from vllm_hyco.handoff.limits import DEFAULT_LIMITS, WireLimits
 from vllm_hyco.handoff.mode_frames import ModeFrame
-from vllm_hyco.handoff.schema import HANDOFF_SCHEMA_VERSION, HandoffPayload
+from vllm_hyco.handoff.schema import HandoffPayload
 from vllm_hyco.handoff.server_frames import FinalFrame, SessionFrame, VerdictFrame, openai_chunk
 from vllm_hyco.handoff.server_model import ServerModel
 from vllm_hyco.handoff.session_id import DEFAULT_ROUTE_KEY, check_route_key, new_session_id, route_key
@@ -120,8 +120,8 @@ class HycoService(ServerModeMixin):
     # -- start ------------------------------------------------------------------------------------------
     def _check_hyco(self, frame: StartFrame) -> float | str | None:
         h = frame.hyco
-        if HANDOFF_SCHEMA_VERSION not in h.capabilities.handoff_schemas:
-            raise WireError(f"this server produces hand-off schema {HANDOFF_SCHEMA_VERSION}; the phone decodes "
+        if self.model.spec.version not in h.capabilities.handoff_schemas:
+            raise WireError(f"this server produces hand-off schema {self.model.spec.version}; the phone decodes "
                             f"{list(h.capabilities.handoff_schemas)}", code="handoff_version")
         if h.fingerprint is not None and h.fingerprint != self.model.spec.fingerprint:
             raise WireError(f"the phone's model fingerprint {h.fingerprint.hex()} differs from the server's "

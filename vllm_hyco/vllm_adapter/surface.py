@@ -152,6 +152,7 @@ INSTANCE_ATTRS = {
                                                         "discard_request_mask", "input_ids", "uses_mrope",
                                                         "cudagraph_dispatcher"),
     "vllm.v1.spec_decode.gemma4:Gemma4Proposer": ("_per_group_block_tables",),
+    "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer": ("_draft_attn_layer_names",),
 }
 
 #: the vLLM objects that carry the engine contract between processes, and the attributes HyCo sets on each
@@ -185,6 +186,13 @@ def clear_attn_backend_cache() -> None:
 def runner_positions(runner: Any, rows: Any) -> Any:
     """The step's positions of the flattened-batch ``rows`` (``GPUModelRunner._get_positions``: M-RoPE aware)."""
     return runner._get_positions(rows)
+
+
+def draft_attention_layers(runner: Any) -> frozenset[str]:
+    """The attention layers of vLLM's MTP drafter that own a KV cache (``SpecDecodeBaseProposer.
+    _draft_attn_layer_names``, set when it loads; empty without a drafter or for Gemma 4's KV-sharing head):
+    a drafter with its own KV (MiMo) writes them in its own passes, never in the verifier's forward."""
+    return frozenset(getattr(getattr(runner, "drafter", None), "_draft_attn_layer_names", None) or ())
 
 
 def set_draft_probs(runner: Any, probs: Any, req_ids: list[str] | None) -> None:

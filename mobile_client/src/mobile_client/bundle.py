@@ -115,6 +115,8 @@ def load_bundle(model_dir: Path, backend: str = "torch", build_dir: Path | None 
     mtp = None
     if scales is None:
         notes.append(f"no {model_dir / 'handoff_scales.npz'}: SLM-only trees (no MTP chain)")
+    elif spec is not None and any(layer.kind == "hidden" for layer in spec.layers):
+        mtp = own_mtp_drafter(model_dir, keep, window, notes)
     else:
         mtp = mtp_drafter(model_dir, keep, backend, build_dir, window, notes)
     drafter = HycoPhoneDrafter(HybridDrafter(mtp, rows, two_pass=slm_passes == 2), slm=slm, mtp=mtp,
@@ -147,6 +149,17 @@ def mtp_drafter(model_dir: Path, keep: list[int], backend: str, build_dir: Path,
     if step is None:
         step = torch_step(MtpHead.from_hf_state_dict(mspec, asd, keep))
     return MtpDrafter(mspec, keep, lut, step, window=window)
+
+
+def own_mtp_drafter(model_dir: Path, keep: list[int], window: int, notes: list[str]):
+    """The MTP Drafter of a family whose MTP layer owns its KV (MiMo): the verifier folder's first MTP layer,
+    its embedding and ``lm_head``, run in torch (``drafters.own_mtp``; no compiled step yet)."""
+    from mobile_client.drafters.own_mtp import OwnMtpDrafter
+
+    cfg, sd = read_hf_dir(model_dir / "verifier")
+    notes.append("MTP step: the verifier's own MTP layer (its KV kept on the phone from the hand-off's h rows), "
+                 "torch")
+    return OwnMtpDrafter(cfg, sd, keep, window=window)
 
 
 def compiled_step(ctx: Path, notes: list[str], name: str):

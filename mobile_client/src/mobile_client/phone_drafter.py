@@ -63,10 +63,20 @@ class HycoPhoneDrafter:
             return self.slm.accept(list(rows), tokens=list(tokens))
         return self.slm.accept(list(rows))
 
-    def apply_handoff(self, h: HandoffPayload) -> np.ndarray | None:
-        """Dequantize the hand-off, write its K/V rows into the MTP ring, return ``x_hat`` = [e ; h] [2H]."""
+    def apply_handoff(self, h: HandoffPayload, tokens: Sequence[int] | None = None) -> np.ndarray | None:
+        """Dequantize the hand-off, write its K/V rows into the MTP ring, return ``x_hat`` = [e ; h] [2H].
+
+        A ``hidden`` row layer (an MTP layer with its own KV: ``drafters.own_mtp``) extends the MTP layer's
+        cache from h_p and the committed ``tokens`` (all of them, by position) and returns its x_hat."""
         if self.mtp is None:
             return None
+        layers = h.header.spec.layers
+        if len(layers) == 1 and layers[0].kind == "hidden":
+            if tokens is None:
+                raise SessionError("an MTP layer with its own KV needs the committed tokens with the hand-off",
+                                   code="bad_config")
+            rows_h = dequantize(h.k[0][:, 0, :], self.scales.h)  # [P, hidden]
+            return self.mtp.apply_handoff(h.header.root_position, h.header.span_start, rows_h, tokens)
         rows = {}
         for layer, k, v in zip(h.header.spec.layers, h.k, h.v):
             k_scale, v_scale = self.scales.layer(layer.layer_id)

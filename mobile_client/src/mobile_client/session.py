@@ -78,7 +78,7 @@ from vllm_hyco.handoff.client_frames import (
 )
 from vllm_hyco.handoff.frames import encode_frame
 from vllm_hyco.handoff.limits import AIOHTTP_DEFAULT_MAX_MSG
-from vllm_hyco.handoff.schema import HANDOFF_SCHEMA_VERSION, HandoffPayload, HandoffSpec
+from vllm_hyco.handoff.schema import SUPPORTED_HANDOFF_SCHEMAS, HandoffPayload, HandoffSpec
 from vllm_hyco.handoff.server_frames import SessionFrame
 from vllm_hyco.handoff.tree_contract import DEFAULT_NODE_BUDGET, grant_node_budget
 from vllm_hyco.spec_decode.budget import SESSION_HALF_LIFE, AcceptanceModel
@@ -201,7 +201,7 @@ class PhoneSession(SessionRecovery, ServerModeSession):
     def _hyco(self, resume: ResumeRequest | None) -> HycoOptions:
         o = self.options
         caps = ClientCapabilities(node_budget=o.node_budget, labels=o.labels,
-                                  handoff_schemas=(HANDOFF_SCHEMA_VERSION,), max_message_bytes=o.max_message_bytes)
+                                  handoff_schemas=SUPPORTED_HANDOFF_SCHEMAS, max_message_bytes=o.max_message_bytes)
         fp = o.fingerprint if o.fingerprint is not None else (self.spec.fingerprint if self.spec else None)
         return HycoOptions(o.mode, o.epsilon, caps, o.keep_set_hash, resume, fp)
 
@@ -441,7 +441,10 @@ class PhoneSession(SessionRecovery, ServerModeSession):
     def _apply_handoff(self, h: HandoffPayload, position: int, bonus: int) -> None:
         self._check_handoff(h, position, bonus)
         if hasattr(self.drafter, "apply_handoff"):
-            self.x_hat = self.drafter.apply_handoff(h)
+            if takes_keyword(self.drafter.apply_handoff, "tokens"):  # an MTP layer with its own KV reads them
+                self.x_hat = self.drafter.apply_handoff(h, tokens=self.prompt_tokens + self.tokens)
+            else:
+                self.x_hat = self.drafter.apply_handoff(h)
         self.need_seed = False
 
     # -- the end -----------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""One step's hand-off: int8 K/V rows, h and e(bonus) of every tree, gathered on the device (worker process).
+"""One step's hand-off: int8 K/V rows (or h rows), h and e(bonus) of every tree, gathered on the device
+(worker process).
 
 Matches vLLM 0.32 (V1 runner: ``input_batch.block_table[g]``, ``model.embed_input_ids``). The runner mixin's
 ``_sample`` calls :func:`handoff` after the decision and the compaction (``worker/tree_step.py``): per tree,
@@ -7,7 +8,8 @@ quantized to int8 on the device with the model's fixed scales (``kernels.handoff
 the host as int8 in one transfer, as an ``engine_contract.Handoff``. The seed (the last W positions, at
 round 0 and at the round after server mode) is gathered and quantized the same way. Under tensor
 parallelism every rank quantizes its own KV heads here; the K/V pieces of the whole step are gathered to
-rank 0 in one collective (``tp_heads``).
+rank 0 in one collective (``tp_heads``). A family whose MTP layer owns its KV (MiMo) hands off h rows instead
+of K/V rows (``hidden_rows.py``).
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ import numpy as np
 import torch
 
 from vllm_hyco.engine_contract import Handoff, HandoffSeed, KVRows
-from vllm_hyco.kernels import gather_quantize_kv, handoff_gather_quantize
-from vllm_hyco.vllm_adapter.worker import tp_heads
+from vllm_hyco.kernels import gather_quantize_kv, handoff_gather_quantize, quantize_int8
+from vllm_hyco.models import HIDDEN
+from vllm_hyco.vllm_adapter.worker import hidden_rows, tp_heads
 from vllm_hyco.vllm_adapter.worker.kv_view import slots_for_positions
 from vllm_hyco.vllm_adapter.worker.tree_plan import TreeRows
 from vllm_hyco.vllm_adapter.worker.tree_step import StepDecision, StepTrees, cache_layer, kv_layers, slot_mapping
@@ -39,6 +42,8 @@ def handoff_scales(runner: Any) -> dict[str, Any]:
 
         out = {"e": to_device(model.scales.e), "h": to_device(model.scales.h)}
         for spec in model.spec.layers:
+            if spec.kind == HIDDEN:  # h rows: h's scales
+                continue
             k, v = model.scales.layer(spec.layer_id)
             out[spec.kind] = (to_device(k), to_device(v) if v is not None else to_device(k))
         st.scales = out
@@ -66,6 +71,7 @@ def handoff(runner: Any, step: StepTrees, dec: StepDecision, hidden: torch.Tenso
     with torch.no_grad():
         e = runner.model.embed_input_ids(verdict.bonus).float()  # [B, hidden] (all-reduced under TP)
     h = hidden[end_rows].float() if hidden is not None else torch.zeros_like(e)
+    h_rows = _hidden_rows(runner, step, dec, hidden, lengths) if runner.hyco.hidden_rows else None
     layers, lays = {}, []
     for kind, name in kv_layers(runner).handoff.items():
         lay = cache_layer(runner, name)
@@ -90,6 +96,8 @@ def handoff(runner: Any, step: StepTrees, dec: StepDecision, hidden: torch.Tenso
     # the seeds (round 0, the round after server mode): (start, end, {kind: (k, v)}) of this rank's heads
     seeds = {b: _seed(runner, tr, layers, scales, tr.context_len + len(dec.path_rows[b]) + 1, shard)
              for b, tr in enumerate(step.trees) if tr.seed}
+    hidden_seeds = {b: hidden_rows.seed(runner, tr.req_id, tr.context_len + len(dec.path_rows[b]) + 1, e)
+                    for b, tr in enumerate(step.trees) if tr.seed and h_rows is not None}
     seed_pieces = [(b, kind) for b in seeds for kind in layers]
     for b, kind in seed_pieces:
         kv += list(seeds[b][2][kind])
@@ -102,6 +110,11 @@ def handoff(runner: Any, step: StepTrees, dec: StepDecision, hidden: torch.Tenso
     for b, kind in seed_pieces:
         seed_rows[b][kind] = KVRows(next(gathered).cpu(), next(gathered).cpu())
     parts, names = [q.e, q.h, *kv[: len(names)]], ["e_bonus", "h", *names]
+    if h_rows is not None:  # complete on every rank (hidden states are all-reduced): no head gather
+        parts, names = parts + [h_rows], names + [f"{HIDDEN}_k"]
+        layers[HIDDEN] = HIDDEN
+        for b, (_, rows) in hidden_seeds.items():  # the same [start, end) as the K/V seed of ``_seed``
+            seed_rows[b][HIDDEN] = KVRows(rows.cpu(), rows.cpu())
     sizes = [p.numel() for p in parts]
     host = torch.cat([p.flatten() for p in parts]).cpu() if parts else torch.empty(0, dtype=torch.int8)
     pieces = dict(zip(names, torch.split(host, sizes)))
@@ -117,9 +130,23 @@ def handoff(runner: Any, step: StepTrees, dec: StepDecision, hidden: torch.Tenso
         seed = HandoffSeed(seeds[b][0], seeds[b][1], seed_rows[b]) if b in seeds else None
         out.append(Handoff(position=tr.context_len + d, start=tr.context_len,
                            e_bonus=pieces["e_bonus"].view(num, -1)[b], h=pieces["h"].view(num, -1)[b],
-                           layers=dict(layers), kv={kind: KVRows(rows_of(f"{kind}_k"), rows_of(f"{kind}_v"))
-                                                    for kind in layers}, seed=seed))
+                           layers=dict(layers), kv={kind: KVRows(rows_of(f"{kind}_k"), rows_of(
+                               f"{kind}_v" if kind != HIDDEN else f"{kind}_k")) for kind in layers}, seed=seed))
     return out
+
+
+def _hidden_rows(runner: Any, step: StepTrees, dec: StepDecision, hidden: torch.Tensor | None,
+                 lengths: list[int]) -> torch.Tensor:
+    """int8 [rows, 1, hidden]: h of every tree's root and accepted path (tree rows 0 and ``path_rows``, not
+    yet compacted in ``hidden``), recorded in the sessions' rings for later seeds."""
+    assert hidden is not None, "a family with hidden hand-off rows needs the step's hidden states"
+    idx = [tr.q_start + r for tr, p in zip(step.trees, dec.path_rows) for r in (0, *p)]
+    rows = hidden[torch.tensor(idx, dtype=torch.int64).to(hidden.device)]
+    at = 0
+    for tr, n in zip(step.trees, lengths):
+        hidden_rows.record_rows(runner, tr.req_id, tr.context_len, rows[at: at + n])
+        at += n
+    return quantize_int8(rows.float(), runner.hyco.scales["h"])[:, None, :]
 
 
 def head_shard(runner: Any) -> tp_heads.HeadShard:

@@ -80,16 +80,18 @@ def _kind(layer: object) -> str:
 
 
 def discover(context: Mapping[str, object], kv_cache_groups: Iterable[object] | None = None, *,
-             handoff: Mapping[str, int] | None = None) -> KVLayers:
+             handoff: Mapping[str, int] | None = None, drafter: Iterable[str] = ()) -> KVLayers:
     """The cache owners, KV-shared layers and hand-off layers of ``context`` (the static forward context);
-    ``handoff``: the model seam's hand-off layers, kind -> layer id.
+    ``handoff``: the model seam's hand-off layers, kind -> layer id; ``drafter``: the attention layers of
+    vLLM's MTP drafter (MiMo's MTP layer owns a cache the verifier's forward never writes: not the tree's).
 
     ``kv_cache_groups`` (``kv_cache_config.kv_cache_groups``), when given, must hold every owner and
     nothing else but KV-shared layers (the runner's copy lists them in their target's group, the
     scheduler's does not): a mismatch means vLLM allocated caches this module does not know about
     (ConfigError).
     """
-    attn = [(name, layer) for name, layer in context.items() if _is_attention(layer)]
+    skip = set(drafter)
+    attn = [(name, layer) for name, layer in context.items() if _is_attention(layer) and name not in skip]
     attn = [item for _, item in sorted((_order(n, i), (n, lay)) for i, (n, lay) in enumerate(attn))]
     if not attn:
         raise ConfigError("HyCo found no attention layer in vLLM's forward context (static_forward_context)")
@@ -102,7 +104,7 @@ def discover(context: Mapping[str, object], kv_cache_groups: Iterable[object] | 
                               f"attention layer of this model")
     owners = tuple(n for n, _ in attn if n not in shared)
     if kv_cache_groups is not None:
-        allocated = {n for g in kv_cache_groups for n in g.layer_names} - set(shared)
+        allocated = {n for g in kv_cache_groups for n in g.layer_names} - set(shared) - skip
         if allocated != set(owners):
             raise ConfigError(f"vLLM allocated KV caches for {sorted(allocated ^ set(owners))[:4]} that HyCo's "
                               f"layer discovery disagrees on (cache owners: {len(owners)}, allocated: "

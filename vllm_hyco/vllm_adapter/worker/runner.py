@@ -47,8 +47,8 @@ import torch
 from vllm_hyco.config import HycoConfig
 from vllm_hyco.engine_contract import StepTree, TreeVerdict
 from vllm_hyco.errors import HardwareUnsupportedError
-from vllm_hyco.models import DrafterKV, KVLayout, family_of
-from vllm_hyco.vllm_adapter.worker import handoff_step, ordinary_mtp, tree_plan, tree_step, warmup
+from vllm_hyco.models import HIDDEN, DrafterKV, KVLayout, family_of
+from vllm_hyco.vllm_adapter.worker import handoff_step, hidden_rows, ordinary_mtp, tree_plan, tree_step, warmup
 from vllm_hyco.vllm_adapter.worker.layers import check_captured
 from vllm_hyco.vllm_adapter.worker.state import RunnerState
 from vllm_hyco.vllm_adapter.worker.tree_plan import TreeRows
@@ -63,13 +63,15 @@ def runner_state(vllm_config: Any) -> RunnerState:
     cfg = HycoConfig.maybe_from_vllm_config(vllm_config)
     hf = vllm_config.model_config.hf_config.to_dict()
     family = family_of(hf)
-    if family.drafter_kv is not DrafterKV.SHARED or family.kv_layout is not KVLayout.PER_HEAD:
+    if family.kv_layout is not KVLayout.PER_HEAD:
         raise HardwareUnsupportedError(
-            f"--speculative-config hyco: the {family.name} family's MTP drafter keeps {family.drafter_kv.value} KV "
-            f"in a {family.kv_layout.value} layout; the tree step and the hand-off handle a drafter reading the "
-            f"verifier's per-head K/V only (vllm_hyco/models/base.py)")
+            f"--speculative-config hyco: the {family.name} family's verifier keeps its KV in a "
+            f"{family.kv_layout.value} layout; the tree step, compaction and the hand-off handle per-head K/V "
+            f"only (vllm_hyco/models/base.py)")
+    layers = family.handoff_layers(hf)
     return RunnerState(config=cfg, window=family.handoff_window(hf, cfg.window if cfg is not None else None),
-                       handoff_ids={layer.kind: layer.layer_id for layer in family.handoff_layers(hf)})
+                       handoff_ids={layer.kind: layer.layer_id for layer in layers if layer.kind != HIDDEN},
+                       hidden_rows=family.drafter_kv is DrafterKV.OWN)
 
 
 class HycoRunnerMixin:
@@ -99,8 +101,10 @@ class HycoRunnerMixin:
         # Finished ids reach the worker also in steps that schedule no tokens (an idle engine), which skip
         # ``_prepare_inputs``: free the per-request generators here so none outlives its session.
         result = super()._update_states(scheduler_output)
-        for req_id in getattr(scheduler_output, "finished_req_ids", ()) or ():
+        finished = getattr(scheduler_output, "finished_req_ids", ()) or ()
+        for req_id in finished:
             self.hyco.gens.pop(req_id, None)
+        hidden_rows.free(self, finished)
         return result
 
     def _prepare_inputs(self, scheduler_output: Any, num_scheduled_tokens: Any) -> Any:
@@ -140,7 +144,10 @@ class HycoRunnerMixin:
     def sample_tokens(self, grammar_output: Any) -> Any:
         st = self.hyco
         if self.execute_model_state is not None and st.trees:
-            st.hidden = self.execute_model_state.hidden_states  # [num_tokens, hidden] post final norm
+            st.hidden = self.execute_model_state.hidden_states  # [num_tokens, hidden] (the model's output)
+        if self.execute_model_state is not None and st.hidden_rows:  # sessions' h rows for later seeds
+            hidden_rows.record_step(self, self.execute_model_state.hidden_states,
+                                    {tr.batch_idx for tr in st.trees or ()})
         try:
             output = super().sample_tokens(grammar_output)
         finally:

@@ -21,6 +21,9 @@ class RunnerState:
     window: int  # the hand-off window W in positions (the model seam's rule, HycoConfig.window over it)
     # the model seam's hand-off layers, kind -> layer id (``layers.discover`` maps them onto what vLLM built)
     handoff_ids: dict[str, int] = field(default_factory=dict)
+    # the family's MTP layer owns its KV (``DrafterKV.OWN``): the hand-off carries h rows (``hidden_rows.py``)
+    hidden_rows: bool = False
+    hidden_rings: dict[str, Any] = field(default_factory=dict)  # req id -> hidden_rows.HiddenRing (sessions)
     trees: list[Any] | None = None  # this step's tree_plan.TreeRows (None: no tree)
     verdicts: dict[str, TreeVerdict] = field(default_factory=dict)  # req id -> this step's verdict
     hidden: Any = None  # [num_tokens, hidden] this step's post-final-norm hidden states (trees only)

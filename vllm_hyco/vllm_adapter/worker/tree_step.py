@@ -37,6 +37,7 @@ from vllm_hyco.kernels import compact_kv
 from vllm_hyco.spec_decode.coupling import SampledDrafts
 from vllm_hyco.spec_decode.sampling import SAMPLING_EPS, SamplingSpec, draw_uniforms
 from vllm_hyco.spec_decode.verify import BatchVerdict, PackedTrees, verify_batch_with_uniforms
+from vllm_hyco.vllm_adapter import surface
 from vllm_hyco.vllm_adapter.worker.kv_view import BlockMajorKVView, cpu_kv_view
 from vllm_hyco.vllm_adapter.worker.layers import KVLayers, discover
 from vllm_hyco.vllm_adapter.worker.tree_plan import TreeRows
@@ -186,7 +187,8 @@ def kv_layers(runner: Any) -> KVLayers:
     if st.kv_layers is None:
         cfg = getattr(runner, "kv_cache_config", None)
         st.kv_layers = discover(runner.compilation_config.static_forward_context,
-                                getattr(cfg, "kv_cache_groups", None), handoff=st.handoff_ids)
+                                getattr(cfg, "kv_cache_groups", None), handoff=st.handoff_ids,
+                                drafter=surface.draft_attention_layers(runner))
     return st.kv_layers
 
 

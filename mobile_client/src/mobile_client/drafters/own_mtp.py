@@ -1,0 +1,172 @@
+"""The MTP Drafter of a family whose MTP layer owns its KV cache (MiMo: ``vllm_hyco.models.mimo``).
+
+The phone runs the verifier's first MTP layer itself and keeps that layer's KV cache: a ring of W columns,
+column p mod W. Each round's hand-off carries h_p, the verifier's hidden state (before its final norm) of
+every position committed since the last one, as int8 rows (hand-off schema 3, a ``hidden`` row layer). The
+phone holds the committed tokens, so it can pair each h_p with x_{p+1} exactly as vLLM's ``mimo_mtp`` drafter
+reads its inputs:
+
+    o_p = final_norm(block(input_proj([hidden_norm(h_p) ; token_norm(e(x_{p+1}))]), position p))
+
+(``e`` is zeroed at position 0), writing the block's K/V at p. ``apply_handoff(t, a, h_rows, tokens)`` runs
+the rows of positions [a, t) in one forward; a is the previous round's root position, so the chain rows the
+last ``draft`` wrote at positions >= a are overwritten by committed ones. The last row's output o_{t-1}
+predicts x_{t+1} (x_t is the bonus, the next root) and is the round's ``x_hat``. ``draft`` then chains K
+steps as vLLM's ``EagleProposer`` does: step k's token is drawn from ``lm_head(o)``, and step k + 1 runs the
+layer on (h = o, that token) at position t - 1 + k, attending every cached position up to it.
+
+Weights: the verifier folder's ``model.mtp_layers.0.*``, its ``model.embed_tokens`` and ``lm_head``
+(restricted to the keep set, as the Gemma-4 head's). Torch only: no static-graph export path yet (the layer's
+growing cache would need the ring as a graph input, as ``mtp.MtpHead`` takes its K/V rings).
+
+>>> cfg = {"hidden_size": 8, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4,
+...        "intermediate_size": 16, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "num_hidden_layers": 2}
+>>> sd = random_mimo_mtp_state_dict(cfg, vocab=11)
+>>> d = OwnMtpDrafter(cfg, sd, keep_ids=list(range(11)), window=16)
+>>> x_hat = d.apply_handoff(4, 0, np.ones((4, 8), np.float32), [1, 2, 3, 4, 5])
+>>> x_hat.shape, len(d.draft(x_hat).chain)
+((8,), 4)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from mobile_client.drafters.layers import RMSNorm, keep_lm_head, load_into, rotate
+from mobile_client.drafters.mtp import MtpDraft
+from mobile_client.drafters.sampling import DraftSampling, draft_distribution, draw
+from mobile_client.drafters.spec import RopeSpec
+
+#: the checkpoint's name for the MTP layer the phone runs (vLLM 0.32 drafts with layer 0 only)
+PREFIX = "model.mtp_layers.0."
+
+
+class OwnMtpLayer(nn.Module):
+    """MiMo's MTP layer (HF names): the two input norms, ``input_proj``, a Qwen2 decoder block, the final norm."""
+
+    def __init__(self, cfg: dict):
+        super().__init__()
+        hid, eps = int(cfg["hidden_size"]), float(cfg.get("rms_norm_eps", 1e-6))
+        self.heads, self.kvh = int(cfg["num_attention_heads"]), int(cfg["num_key_value_heads"])
+        self.d = int(cfg.get("head_dim") or hid // self.heads)
+        inter = int(cfg["intermediate_size"])
+        self.rope = RopeSpec(float(cfg.get("rope_theta", 10000.0)))
+        self.token_layernorm, self.hidden_layernorm = RMSNorm(hid, eps), RMSNorm(hid, eps)
+        self.input_proj = nn.Linear(2 * hid, hid, bias=False)
+        self.input_layernorm, self.post_attention_layernorm = RMSNorm(hid, eps), RMSNorm(hid, eps)
+        self.final_layernorm = RMSNorm(hid, eps)
+        attn = nn.Module()
+        attn.q_proj = nn.Linear(hid, self.heads * self.d)
+        attn.k_proj = nn.Linear(hid, self.kvh * self.d)
+        attn.v_proj = nn.Linear(hid, self.kvh * self.d)
+        attn.o_proj = nn.Linear(self.heads * self.d, hid, bias=False)
+        mlp = nn.Module()
+        mlp.gate_proj, mlp.up_proj = nn.Linear(hid, inter, bias=False), nn.Linear(hid, inter, bias=False)
+        mlp.down_proj = nn.Linear(inter, hid, bias=False)
+        self.self_attn, self.mlp = attn, mlp
+
+    def forward(self, h: torch.Tensor, e: torch.Tensor, positions: torch.Tensor, k_ring: torch.Tensor,
+                v_ring: torch.Tensor, ring_pos: torch.Tensor) -> torch.Tensor:
+        """Rows [n, hidden] at ``positions`` [n]: write their K/V into the rings ([kvh, W, d], ``ring_pos`` [W]
+        the position each column holds, updated here), attend causally over the ring, return o [n, hidden]."""
+        window = k_ring.shape[1]
+        e = torch.where(positions[:, None] == 0, torch.zeros_like(e), e)
+        x = self.input_proj(torch.cat([self.hidden_layernorm(h), self.token_layernorm(e)], dim=-1))
+        a = self.self_attn
+        y = self.input_layernorm(x)
+        n = y.shape[0]
+        cos, sin = self.rope.cos_sin(positions, self.d)  # [n, d]
+        q = rotate(a.q_proj(y).view(n, self.heads, self.d), cos[:, None], sin[:, None])
+        k = rotate(a.k_proj(y).view(n, self.kvh, self.d), cos[:, None], sin[:, None])
+        cols = positions % window
+        k_ring[:, cols] = k.transpose(0, 1)
+        v_ring[:, cols] = a.v_proj(y).view(n, self.kvh, self.d).transpose(0, 1)
+        ring_pos[cols] = positions
+        live = (ring_pos[None, :] >= 0) & (ring_pos[None, :] <= positions[:, None]) \
+            & (ring_pos[None, :] > positions[:, None] - window)  # [n, W]
+        g = self.heads // self.kvh
+        qg = q.view(n, self.kvh, g, self.d).permute(1, 2, 0, 3).reshape(self.kvh, g * n, self.d)
+        scores = torch.matmul(qg, k_ring.transpose(-1, -2)) / math.sqrt(self.d)  # [kvh, g*n, W]
+        scores = scores.masked_fill(~live.repeat(g, 1)[None], float("-inf"))
+        o = torch.matmul(torch.softmax(scores, dim=-1), v_ring)  # [kvh, g*n, d]
+        o = o.view(self.kvh, g, n, self.d).permute(2, 0, 1, 3).reshape(n, self.heads * self.d)
+        resid = x + a.o_proj(o)
+        m = self.mlp
+        y = self.post_attention_layernorm(resid)
+        y = m.down_proj(nn.functional.silu(m.gate_proj(y)) * m.up_proj(y))
+        return self.final_layernorm(resid + y)
+
+
+class OwnMtpDrafter:
+    """Algorithm 2 for an MTP layer with its own KV (see the module docstring): a ``ChainDrafter``."""
+
+    def __init__(self, cfg: dict, sd: dict[str, torch.Tensor], keep_ids: Sequence[int], *, window: int = 1024,
+                 k: int = 4, d: int = 2):
+        self.layer = OwnMtpLayer(cfg).eval()
+        load_into(self.layer, sd, PREFIX)
+        self.embed = sd["model.embed_tokens.weight"].to(torch.float32)  # [V, hidden]
+        self.lm_head = keep_lm_head(sd, keep_ids).to(torch.float32)  # [V_keep, hidden]
+        self.keep_ids = np.asarray(keep_ids)
+        self.window, self.k, self.d = window, k, d
+        kvh, hd = self.layer.kvh, self.layer.d
+        self.k_ring, self.v_ring = torch.zeros(kvh, window, hd), torch.zeros(kvh, window, hd)
+        self.ring_pos = torch.full((window,), -1, dtype=torch.int64)
+        self.t0 = -1  # the next root's position after the last hand-off
+
+    @torch.no_grad()
+    def apply_handoff(self, t: int, a: int, h_rows: np.ndarray, tokens: Sequence[int]) -> np.ndarray:
+        """Extend the cache with positions [a, t): ``h_rows`` [t - a, hidden] float, ``tokens`` the committed
+        ids by position (at least t + 1 of them: x_{p+1} for every row). Returns x_hat = o_{t-1} [hidden]."""
+        if a != self.t0:  # a new session, a seed or a resync: only the hand-off's rows are live
+            self.ring_pos.fill_(-1)
+        h = torch.as_tensor(np.asarray(h_rows, np.float32)).reshape(t - a, -1)
+        nxt = torch.as_tensor([int(x) for x in tokens[a + 1: t + 1]], dtype=torch.long)
+        assert nxt.shape[0] == t - a, (len(tokens), t, a)
+        o = self.layer(h, self.embed[nxt], torch.arange(a, t), self.k_ring, self.v_ring, self.ring_pos)
+        self.t0 = t
+        return o[-1].numpy()
+
+    @torch.no_grad()
+    def draft(self, x_hat: np.ndarray, sampling: DraftSampling | None = None) -> MtpDraft:
+        """K steps: chain, runner-ups at steps <= D (greedy: argmax, first among equals; sampled: drawn from
+        the step's quantized distribution, ``chain_q``), the chain's rows written past the root."""
+        assert self.t0 > 0, "apply a hand-off first"
+        sampled = sampling is not None and not sampling.greedy
+        o = torch.as_tensor(np.asarray(x_hat, np.float32)).reshape(1, -1)
+        chain, runners, idx, qs = [], [], [], []
+        for step in range(1, self.k + 1):
+            logits = (o @ self.lm_head.T).reshape(-1).numpy()
+            if sampled:
+                cols, w = draft_distribution(logits, sampling)
+                i = int(cols[draw(w, sampling.rng)])
+                qs.append((tuple(int(t) for t in self.keep_ids[cols]), tuple(int(x) for x in w)))
+            else:
+                i = int(np.argmax(logits))
+            chain.append(int(self.keep_ids[i]))
+            idx.append(i)
+            if step <= self.d:
+                second = logits.copy()
+                second[i] = -np.inf
+                runners.append(int(self.keep_ids[int(np.argmax(second))]))
+            if step < self.k:  # the drafted token at position t - 1 + step, h = the last output
+                pos = torch.tensor([self.t0 - 1 + step])
+                o = self.layer(o, self.embed[[chain[-1]]], pos, self.k_ring, self.v_ring, self.ring_pos)
+        return MtpDraft(chain, runners, idx, qs if sampled else None)
+
+
+def random_mimo_mtp_state_dict(cfg: dict, vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random weights under the checkpoint's names (tests and doctests)."""
+    g = torch.Generator().manual_seed(seed)
+    layer = OwnMtpLayer(cfg)
+    sd = {PREFIX + n: torch.randn(p.shape, generator=g) * (0.02 if p.dim() > 1 else 0.1) + (p.dim() == 1) * 1.0
+          for n, p in layer.named_parameters() if not n.endswith("bias")}
+    sd.update({PREFIX + n: torch.zeros(p.shape) for n, p in layer.named_parameters() if n.endswith("bias")})
+    hid = int(cfg["hidden_size"])
+    sd["model.embed_tokens.weight"] = torch.randn(vocab, hid, generator=g)
+    sd["lm_head.weight"] = torch.randn(vocab, hid, generator=g)
+    return sd

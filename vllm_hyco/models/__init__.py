@@ -1,6 +1,7 @@
 """The model seam: one module per model family saying what HyCo needs from it (``base.ModelFamily``).
 
-Families: ``gemma4`` (:data:`vllm_hyco.models.gemma4.GEMMA4`) and ``mimo`` (:data:`vllm_hyco.models.mimo.MIMO`). Pure Python: the engine's three processes,
+Families: ``gemma4`` (:data:`vllm_hyco.models.gemma4.GEMMA4`) and ``mimo``
+(:data:`vllm_hyco.models.mimo.MIMO`). Pure Python: the engine's three processes,
 the wire's byte counts (``vllm_hyco.handoff.sizes``), the endpoint, the phone and the lab's fixtures all read
 it. A config no family serves is refused by name (:func:`family_of`).
 
@@ -24,7 +25,8 @@ from vllm_hyco.models.mimo import MIMO
 
 FAMILIES: tuple[ModelFamily, ...] = (GEMMA4, MIMO)
 
-__all__ = ["DEFAULT_HANDOFF_WINDOW", "FAMILIES", "HIDDEN", "DrafterKV", "HandoffLayer", "KVLayout", "ModelFamily", "family_of"]
+__all__ = ["DEFAULT_HANDOFF_WINDOW", "FAMILIES", "HIDDEN", "DrafterKV", "HandoffLayer", "KVLayout", "ModelFamily",
+           "family_of"]
 
 
 def family_of(config: Mapping[str, Any]) -> ModelFamily:

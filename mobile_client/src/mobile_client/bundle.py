@@ -1,7 +1,8 @@
 """The phone's model bundle: what a phone app ships, read into drafters (docs/phone-loop.md).
 
 A bundle folder holds ``verifier/config.json`` (+ ``model.safetensors`` for the torch MTP table),
-``assistant/`` (the MTP head), ``slm/`` (the SLM Drafter), ``handoff_scales.npz`` (without it: SLM-only
+``assistant/`` (the MTP head; a family whose MTP layer ships inside the verifier, MiMo, has none: the phone
+runs ``verifier/``'s own MTP layer), ``slm/`` (the SLM Drafter), ``handoff_scales.npz`` (without it: SLM-only
 trees), optionally ``keep_ids.npy``, ``tokenizer/`` and ``build/`` (the compiled steps of
 ``python -m mobile_client.export.build``). The layout is documented in :mod:`mobile_client.cli`.
 
@@ -9,7 +10,8 @@ Public functions, used by ``hyco-phone`` (:mod:`mobile_client.cli`) and by the b
 (``hyco_lab.bench.phones``):
 
 * :func:`load_bundle` -- the whole phone: HybridDrafter (MTP + SLM) wrapped in a ``HycoPhoneDrafter``;
-* :func:`read_hf_dir`, :func:`keep_ids`, :func:`handoff_spec`, :func:`mtp_drafter`, :func:`compiled_step`
+* :func:`read_hf_dir`, :func:`keep_ids`, :func:`handoff_spec`, :func:`chain_drafter` (:func:`mtp_drafter` or
+  :func:`own_mtp_drafter`), :func:`compiled_step`
   -- its parts, for callers that assemble other drafters from the same bundle.
 
 Example::
@@ -115,10 +117,8 @@ def load_bundle(model_dir: Path, backend: str = "torch", build_dir: Path | None 
     mtp = None
     if scales is None:
         notes.append(f"no {model_dir / 'handoff_scales.npz'}: SLM-only trees (no MTP chain)")
-    elif spec is not None and any(layer.kind == "hidden" for layer in spec.layers):
-        mtp = own_mtp_drafter(model_dir, keep, window, notes)
     else:
-        mtp = mtp_drafter(model_dir, keep, backend, build_dir, window, notes)
+        mtp = chain_drafter(model_dir, spec, keep, backend, build_dir, window, notes)
     drafter = HycoPhoneDrafter(HybridDrafter(mtp, rows, two_pass=slm_passes == 2), slm=slm, mtp=mtp,
                                scales=scales)
     return PhoneBundle(drafter, spec, notes, KeepSet.from_ids(keep, sspec.vocab).hash_bytes)
@@ -149,6 +149,18 @@ def mtp_drafter(model_dir: Path, keep: list[int], backend: str, build_dir: Path,
     if step is None:
         step = torch_step(MtpHead.from_hf_state_dict(mspec, asd, keep))
     return MtpDrafter(mspec, keep, lut, step, window=window)
+
+
+def chain_drafter(model_dir: Path, spec: Any, keep: list[int], backend: str, build_dir: Path, window: int,
+                  notes: list[str]):
+    """The bundle's MTP Drafter for its hand-off schema ``spec``: the verifier's own MTP layer where the
+    hand-off carries h rows (an MTP layer with its own KV, :func:`own_mtp_drafter`), else the assistant head
+    reading the hand-off's K/V (:func:`mtp_drafter`)."""
+    if any(layer.kind == "hidden" for layer in spec.layers):
+        if backend == "compiled":
+            notes.append("MTP step: no compiled step for an MTP layer with its own KV; running it in torch")
+        return own_mtp_drafter(model_dir, keep, window, notes)
+    return mtp_drafter(model_dir, keep, backend, build_dir, window, notes)
 
 
 def own_mtp_drafter(model_dir: Path, keep: list[int], window: int, notes: list[str]):

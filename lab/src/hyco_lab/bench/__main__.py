@@ -34,7 +34,7 @@ from hyco_lab.bench.report import (
     phone_notes,
     write_report,
 )
-from hyco_lab.bench.server import BenchServer, budget_counters, counters_delta, spec_counters
+from hyco_lab.bench.server import BenchServer, budget_counters, counters_delta, mtp_drafter_dir, spec_counters
 from vllm_hyco.errors import ConfigError, HycoError
 
 #: --tv's default prompts: two held-out family requests whose first answer token is uncertain under the
@@ -246,7 +246,7 @@ class Bench:
             if cfg.kind != "modelled":
                 groups.setdefault(cfg.server_key(), []).append(cfg)
         for cfgs in groups.values():
-            spec = cfgs[0].server_spec(str(self.fx / "assistant"))
+            spec = cfgs[0].server_spec(str(mtp_drafter_dir(self.fx)))
             _log(f"starting server for {', '.join(c.name for c in cfgs)}: {spec}")
             with self.server(spec) as srv:
                 _log(f"  up in {srv.startup_s:.0f} s")
@@ -335,7 +335,7 @@ class Bench:
         for cfg in C.select(self.args.sweep_configs):
             # phase-locked phones: every HyCo server gathers its steps (static budgets too), so the sweep's
             # HyCo configurations differ in their budget only
-            spec = cfg.server_spec(str(self.fx / "assistant"), max_sessions=max(levels),
+            spec = cfg.server_spec(str(mtp_drafter_dir(self.fx)), max_sessions=max(levels),
                                    step_gather="on" if self.args.phase_lock and cfg.server == "hyco" else None)
             runs = self.args.sweep_runs if self.args.sweep_runs is not None else self.args.runs
             with self.server(spec, max_num_seqs=max(levels)) as srv:

@@ -151,8 +151,8 @@ class Sweep:
         self.idle: list[float] = []  # the engine-core process's idle CPU, ms per second (measure_idle)
 
     def spec(self) -> str:
-        spec = json.loads(self.cfg.server_spec(str(self.fx / "assistant"), max_sessions=8))
-        return json.dumps(spec | {"model": str(self.fx / "assistant"), "num_speculative_tokens": C.MTP_K})
+        spec = json.loads(self.cfg.server_spec(str(S.mtp_drafter_dir(self.fx)), max_sessions=8))
+        return json.dumps(spec | {"model": str(S.mtp_drafter_dir(self.fx)), "num_speculative_tokens": C.MTP_K})
 
     def probe(self, srv: S.BenchServer) -> dict[str, Any]:
         t = srv.timing()

@@ -177,7 +177,7 @@ class Mixed:
     def start(self, stack: contextlib.ExitStack, arm: Arm) -> BenchServer | None:
         """The arm's server, up and warmed (one ordinary request, one phone); None, logged, when it fails."""
         sessions = 2 * self.n + 2
-        spec = arm.spec(str(self.bench.fx / "assistant"), sessions)
+        spec = arm.spec(str(S.mtp_drafter_dir(self.bench.fx)), sessions)
         info = self.arm_info[arm.name] = {"arm": arm.name, "config": arm.config.name, "spec": spec,
                                           "background": "phones" if arm.phones else "Cloud+MTP requests"}
         _log(f"starting arm {arm.name}: {spec}")

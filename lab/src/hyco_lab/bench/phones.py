@@ -37,7 +37,7 @@ WINDOW = 1024
 def load_phone(bundle: Path, config: BenchConfig, *, window: int = WINDOW):
     """(drafter, handoff spec or None, SessionOptions kwargs, notes) for one phone of ``config``."""
     from mobile_client.baselines import proactive_draft
-    from mobile_client.bundle import handoff_spec, keep_ids, mtp_drafter, read_hf_dir
+    from mobile_client.bundle import chain_drafter, handoff_spec, keep_ids, read_hf_dir
     from mobile_client.drafters.base import HybridDrafter, SpecEdgeDrafter
     from mobile_client.drafters.slm import SlmDrafter
     from mobile_client.drafters.spec import SlmSpec
@@ -62,7 +62,7 @@ def load_phone(bundle: Path, config: BenchConfig, *, window: int = WINDOW):
         if scales is None:
             notes.append("no handoff_scales.npz in the bundle: SLM-only trees (no MTP chain)")
         else:
-            mtp = mtp_drafter(bundle, keep, "torch", bundle / "build", window, notes)
+            mtp = chain_drafter(bundle, spec, keep, "torch", bundle / "build", window, notes)
         inner = HybridDrafter(mtp, rows, two_pass=config.drafter == "hybrid-2p")
     else:
         inner = SpecEdgeDrafter(rows, passes=4, keep_ids=np.asarray(keep))

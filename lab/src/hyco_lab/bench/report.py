@@ -391,14 +391,17 @@ SESSION_MODE = "phone mode pinned (mobile_client.mode_rule.PhoneOnly, HycoClient
 def fixture_family(fx: Path) -> dict[str, Any]:
     """The family a run measured: its weights label, the shipped verifier's sha256 (``MANIFEST.json`` of the
     trained checkpoints; the bench's fp32 copy is cast from it) and the built models' fingerprints."""
-    from hyco_lab.fixtures.trained import MANIFEST, TRAINED_DIR
+    from hyco_lab.fixtures.trained import MANIFEST, TRAINED_DIR, TRAINED_MIMO_DIR
 
     weights, out = fixture_weights(fx), {"fixtures": str(fx)}
     with contextlib.suppress(OSError, ValueError):
         out["fingerprints"] = json.loads((fx / "fixtures.json").read_text()).get("fingerprints")
+    with contextlib.suppress(OSError, ValueError):
+        out["model_type"] = json.loads((fx / "verifier" / "config.json").read_text()).get("model_type")
     if weights == "trained":
+        shipped = TRAINED_MIMO_DIR if out.get("model_type") == "mimo" else TRAINED_DIR
         with contextlib.suppress(OSError, ValueError, KeyError):
-            files = json.loads((TRAINED_DIR / MANIFEST).read_text())["files"]
+            files = json.loads((shipped / MANIFEST).read_text())["files"]
             out["verifier_sha256"] = files["verifier/model.safetensors"]["sha256"]
     return {"weights": weights, **out}
 

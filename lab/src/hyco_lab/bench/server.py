@@ -13,6 +13,7 @@ after another one on a shared server) pays the same prefill.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -135,6 +136,21 @@ def counters_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, A
     return {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted")} | {"accepted_per_pos": per_pos}
 
 
+def mtp_drafter_dir(fx: Path) -> Path:
+    """The folder vLLM's MTP drafter loads from (the ``model`` of Cloud+MTP and of a hyco spec): the family's
+    ``assistant/`` (Gemma 4), or the verifier itself where the MTP layers ship inside it (MiMo)."""
+    fx = Path(fx)
+    return fx / "assistant" if (fx / "assistant").exists() else fx / "verifier"
+
+
+def _remote_code(verifier: Path) -> bool:
+    """The checkpoint's config names its own code (``auto_map``: MiMo's ``configuration_mimo.py``)."""
+    try:
+        return bool(json.loads((Path(verifier) / "config.json").read_text()).get("auto_map"))
+    except (OSError, ValueError):
+        return False
+
+
 class BenchServer:
     """``vllm-hyco serve VERIFIER`` with ``spec`` (a ``--speculative-config`` JSON, or None: plain vLLM)."""
 
@@ -159,6 +175,8 @@ class BenchServer:
                 "--served-model-name", MODEL_NAME, "--dtype", self.dtype, "--max-model-len",
                 str(self.max_model_len), "--max-num-seqs", str(self.max_num_seqs), "--enforce-eager",
                 "--distributed-executor-backend", "uni", "--no-enable-prefix-caching", *self.extra_args]
+        if _remote_code(self.verifier):  # MiMo ships its config class as remote code, as the real checkpoints do
+            args.append("--trust-remote-code")
         return args + (["--speculative-config", self.spec] if self.spec else [])
 
     def env(self) -> dict[str, str]:

@@ -103,7 +103,7 @@ def test_start_frames_new_and_resume():
     start = s.start_frame()
     assert start.request == {"prompt": PROMPT} and start.hyco.resume is None
     assert start.hyco.capabilities.node_budget == 16 and start.hyco.fingerprint == SPEC.fingerprint
-    assert start.hyco.capabilities.handoff_schemas == (2,)
+    assert start.hyco.capabilities.handoff_schemas == (2, 3)  # K/V rows, and h rows (schema 3)
     assert (start.hyco.mode, start.hyco.epsilon) == ("epsilon", 0.001)
     s.apply_session(ack(node_budget=12))
     assert s.sid == SID and s.node_budget == 12 and not s.resumable

@@ -96,5 +96,9 @@ def test_mimo_hands_off_h_rows_for_its_own_kv_mtp_layer():
     # a Gemma-4 schema is still written as 2 (its sessions keep their bytes)
     assert HandoffSpec.from_scales(FIXTURE_VERIFIER_CONFIG, layers_from_hf_config(FIXTURE_VERIFIER_CONFIG)[1],
                                    scales).version == 2
+    # the paper's byte count holds for h rows: 44 B + 2H + H per position (MiMo-7B: 4,096 B a position)
+    from vllm_hyco.handoff.sizes import handoff_bytes, paper_handoff_bytes
+
+    assert all(abs(handoff_bytes(spec, n) - paper_handoff_bytes(spec, n)) <= 4 for n in (1, 5, 1024))
     with pytest.raises(ConfigError, match="without MTP layers"):
         MIMO.handoff_layers({**MIMO_CONFIG, "num_nextn_predict_layers": 0})

@@ -1,0 +1,65 @@
+"""The phone's MTP layer with its own KV (``mobile_client.drafters.own_mtp``, MiMo): its cache is the hand-off's
+rows, whatever way they arrive, and its chain is vLLM's ``mimo_mtp`` chaining."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from mobile_client.drafters.own_mtp import OwnMtpDrafter, random_mimo_mtp_state_dict
+
+CFG = {"hidden_size": 16, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 4,
+       "intermediate_size": 32, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "num_hidden_layers": 2}
+VOCAB = 50
+
+
+def _drafter(window: int = 64) -> OwnMtpDrafter:
+    return OwnMtpDrafter(CFG, random_mimo_mtp_state_dict(CFG, VOCAB, seed=3), list(range(VOCAB)), window=window)
+
+
+def _stream(n: int, seed: int = 0) -> tuple[np.ndarray, list[int]]:
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(n, 16)).astype(np.float32), [int(t) for t in rng.integers(0, VOCAB, n + 1)]
+
+
+def test_rounds_with_chains_in_between_equal_one_seed():
+    """Positions [0, 13) handed off in rounds, each followed by a chain (which writes rows past the root that
+    the next round overwrites), leave the cache one seed of [0, 13) leaves: the same x_hat and the same chain."""
+    h, tokens = _stream(13)
+    rounds = _drafter()
+    for a, t in ((0, 4), (4, 5), (5, 9), (9, 13)):
+        x_hat = rounds.apply_handoff(t, a, h[a:t], tokens)
+        rounds.draft(x_hat)
+    seeded = _drafter()
+    x_seed = seeded.apply_handoff(13, 0, h, tokens)
+    np.testing.assert_allclose(x_hat, x_seed, rtol=1e-5, atol=1e-5)
+    assert rounds.draft(x_hat).chain == seeded.draft(x_seed).chain
+
+
+def test_a_window_of_w_positions_is_a_seed_of_the_last_w():
+    """Past W positions the ring holds the last W: 20 positions in rounds through an 8-column ring give what a
+    seed of positions [12, 20) gives a fresh phone."""
+    h, tokens = _stream(20, seed=1)
+    ring = _drafter(window=8)
+    for a in range(0, 20, 3):
+        x_hat = ring.apply_handoff(min(a + 3, 20), a, h[a:a + 3], tokens)
+    fresh = _drafter(window=8)
+    x_seed = fresh.apply_handoff(20, 12, h[12:], tokens)
+    np.testing.assert_allclose(x_hat, x_seed, rtol=1e-5, atol=1e-5)
+
+
+def test_the_chain_reads_the_head_and_feeds_its_output_back():
+    h, tokens = _stream(6, seed=2)
+    d = _drafter()
+    x_hat = d.apply_handoff(6, 0, h, tokens)
+    draft = d.draft(x_hat)
+    logits = torch.as_tensor(x_hat) @ d.lm_head.T
+    assert draft.chain[0] == int(torch.argmax(logits)) and len(draft.chain) == 4 and len(draft.runner_ups) == 2
+    assert draft.runner_ups[0] == int(torch.topk(logits, 2).indices[1]) and draft.chain_q is None
+    # position 0's token embedding is zeroed (vLLM's mimo_mtp): its token does not matter
+    other = list(tokens)
+    other[1] = (tokens[1] + 1) % VOCAB
+    np.testing.assert_allclose(_drafter().apply_handoff(2, 0, h[:2], tokens),
+                               _drafter().apply_handoff(2, 0, h[:2], other), atol=0)
+    other[2] = (tokens[2] + 1) % VOCAB  # position 1's next token does
+    assert not np.allclose(_drafter().apply_handoff(2, 0, h[:2], tokens), _drafter().apply_handoff(2, 0, h[:2], other))

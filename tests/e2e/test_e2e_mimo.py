@@ -1,0 +1,114 @@
+"""Issue 35, the MiMo shape end to end on a real server (127.0.0.1; the trained MiMo-shaped family, fp32,
+``hyco_lab.fixtures.trained.install_mimo``): ``vllm-hyco serve DIR/verifier --speculative-config hyco`` with
+the verifier folder as vLLM's MTP drafter for ordinary requests (``mimo_mtp``), and phones whose MTP Drafter
+is the checkpoint's own MTP layer, its KV kept on the phone from the hand-off's h rows (schema 3,
+``mobile_client.drafters.own_mtp``).
+
+* Greedy exact sessions commit plain greedy's token ids and text (plain: the OpenAI completions route of the
+  same server, which vLLM's MTP speculates), the MTP chain is drafted every round after the seed and some of
+  it is accepted (MAT > 1), and every verdict carried the h rows.
+* A phone bundle of another family (the Gemma-4 fixtures) is refused at the handshake, naming the model
+  bundle, and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+from test_e2e_phone_support import API_KEY, make_client
+
+from mobile_client.bundle import load_bundle
+from mobile_client.session import PhoneSession, SessionOptions
+
+MODEL = "hyco-mimo"
+MAX_TOKENS = 32
+PROMPTS = ["In the beginning God created", "And the LORD said unto Moses,", "The LORD is my shepherd;"]
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory) -> Path:
+    from hyco_lab.fixtures.trained import install_mimo
+
+    out = tmp_path_factory.mktemp("mimo")
+    if not install_mimo(out, fp32=True):
+        pytest.fail("the trained MiMo family is not shipped (lab/src/hyco_lab/fixtures/data/trained_mimo)")
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(family):
+    from hyco_lab.bench.server import BenchServer
+
+    spec = {"method": "hyco", "model": str(family / "verifier"), "num_speculative_tokens": 2}
+    # BenchServer names the model hyco-bench; the last --served-model-name wins; it adds --trust-remote-code
+    srv = BenchServer(family / "verifier", json.dumps(spec), max_num_seqs=8,
+                      extra_args=["--served-model-name", MODEL, "--api-key", API_KEY], threads=None)
+    with srv.start() as running:
+        yield running.url
+
+
+@pytest.fixture(scope="module")
+def tok(family):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(family / "verifier"), trust_remote_code=True)
+
+
+@pytest.fixture(scope="module")
+def plain(server):
+    import openai
+
+    oai = openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, timeout=300, max_retries=0)
+    out = {}
+    for p in PROMPTS:
+        c = oai.completions.create(model=MODEL, prompt=p, max_tokens=MAX_TOKENS, temperature=0,
+                                   extra_body={"ignore_eos": True, "return_token_ids": True}).choices[0]
+        out[p] = (c.text, list(c.model_extra["token_ids"]))
+    return out
+
+
+def _session(bundle_dir: Path, tok, prompt: str) -> PhoneSession:
+    bundle = load_bundle(bundle_dir)
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True}
+    session = PhoneSession(bundle.drafter, prompt_tokens=tok(prompt)["input_ids"], request=body,
+                           endpoint="completions", spec=bundle.spec, options=SessionOptions(node_budget=32))
+    return session
+
+
+def test_phone_sessions_with_the_own_kv_mtp_layer_equal_plain_greedy(server, family, tok, plain):
+    chains, mats = [], []
+    for prompt in PROMPTS:
+        session = _session(family, tok, prompt)
+        assert session.spec is not None and session.spec.version == 3  # h rows: hand-off schema 3
+        hybrid = session.drafter.drafter
+        drafted = []
+        propose = hybrid.propose
+
+        def spy(context, node_budget, propose=propose, drafted=drafted, hybrid=hybrid):
+            tree = propose(context, node_budget)
+            drafted.append(len(hybrid.last_chain.chain))
+            return tree
+
+        hybrid.propose = spy
+        result = asyncio.run(make_client(server).run(session))
+        assert session.tokens == plain[prompt][1] and "".join(session.text_parts) == plain[prompt][0]
+        assert drafted[0] == 0 and all(n == 4 for n in drafted[1:]), drafted  # round 0: SLM only, then K = 4
+        chains.append(drafted)
+        mats.append(result.mat)
+    assert max(mats) > 1.0, mats
+
+
+def test_a_bundle_of_another_family_is_refused_at_the_handshake(server, family, fixtures_dir, tok, plain):
+    from vllm_hyco.errors import HycoServerError
+
+    if not (fixtures_dir / "handoff_scales.npz").exists():
+        pytest.skip("the Gemma-4 fixtures have no hand-off scales: their phone sends no fingerprint")
+    with pytest.raises(HycoServerError) as err:
+        asyncio.run(make_client(server).run(_session(fixtures_dir, tok, PROMPTS[0])))
+    assert err.value.code == "fingerprint_mismatch" and "model bundle" in str(err.value)
+    session = _session(family, tok, PROMPTS[1])  # the server goes on serving
+    asyncio.run(make_client(server).run(session))
+    assert session.tokens == plain[PROMPTS[1]][1]

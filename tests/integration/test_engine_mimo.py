@@ -1,0 +1,146 @@
+"""Issue 35 in-process: HyCo on the trained MiMo-shaped family (``MiMoForCausalLM``, its MTP layer owning its
+KV; fp32), with the verifier folder as vLLM's MTP drafter for ordinary requests and server mode.
+
+* Greedy sessions with trees planting plain greedy's continuation (1-5 nodes, plus a decoy) commit plain greedy's
+  tokens; every hand-off carries h rows (``hidden``) of the root and the accepted path, round 0 a seed of every
+  committed position.
+* The h rows are the ring's: after a server-mode stretch the seed re-sends the positions earlier hand-offs
+  carried, bit for bit (the worker's per-session ring, ``worker/hidden_rows.py``).
+* Exact sampling (T = 1) stays lossless: the first two committed tokens of 2-level trees follow plain
+  sampling's distribution (chi-square against plain samples, alpha 1e-3, ``tests/unit/distcheck.py``).
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+PROMPT = "And the LORD said unto Moses,"
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory) -> Path:
+    from hyco_lab.fixtures.trained import install_mimo
+
+    out = tmp_path_factory.mktemp("mimo")
+    if not install_mimo(out, fp32=True):
+        pytest.fail("the trained MiMo family is not shipped (lab/src/hyco_lab/fixtures/data/trained_mimo)")
+    return out
+
+
+@pytest.fixture(scope="module")
+def llm(family):
+    from conftest import _LLMFactory
+
+    factory = _LLMFactory()
+    yield factory(str(family / "verifier"), trust_remote_code=True,
+                  speculative_config={"method": "hyco", "model": str(family / "verifier"), "num_speculative_tokens": 2})
+    factory.close_all()
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(llm):
+    return llm.get_tokenizer()(PROMPT)["input_ids"]
+
+
+def _rows(h) -> np.ndarray:
+    return np.asarray(h.kv["hidden"].k)[:, 0, :]
+
+
+def test_planted_greedy_trees_commit_plain_greedy_with_h_rows(llm, prompt_ids):
+    from vllm import SamplingParams
+
+    from vllm_hyco.vllm_adapter.api_server.inprocess import HycoEngine
+
+    ref = list(llm.generate([{"prompt_token_ids": prompt_ids}], SamplingParams(temperature=0, max_tokens=40,
+                            ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids)
+    hy, rng = HycoEngine(llm), random.Random(0)
+    s = hy.open(prompt_token_ids=prompt_ids, temperature=0.0, max_tokens=40, ignore_eos=True)
+    out, root, rnd, hidden = [], s.root, 0, llm.llm_engine.model_config.hf_config.hidden_size
+    while True:
+        nxt = ref[len(out):len(out) + rng.randint(1, 5)]
+        v = hy.submit(s.sid, rnd, [root, *nxt, rng.randrange(3, 1000)], [-1, *range(len(nxt)), 0])
+        if v.handoff is not None:
+            h = v.handoff
+            assert set(h.kv) == {"hidden"} and _rows(h).shape == (len(v.path_rows) + 1, hidden)
+            assert (h.seed is not None) == (rnd == 0)
+            if rnd == 0:
+                assert (h.seed.start, h.seed.end) == (0, h.position + 1)
+        out, root, rnd = out + v.committed, v.bonus, rnd + 1
+        if v.finished:
+            break
+    assert out == ref and rnd < len(ref)  # planted paths were accepted
+
+
+def test_a_seed_after_server_mode_resends_the_rows_of_earlier_rounds(llm, prompt_ids):
+    from vllm_hyco.vllm_adapter.api_server.inprocess import HycoEngine
+
+    hy = HycoEngine(llm)
+    s = hy.open(prompt_token_ids=prompt_ids, temperature=0.0, max_tokens=40, ignore_eos=True)
+    seen: dict[int, np.ndarray] = {}  # position -> the int8 h row a hand-off carried
+    v = hy.submit(s.sid, 0, [s.root], [-1])
+    seed = v.handoff.seed
+    seen.update({seed.start + i: r for i, r in enumerate(np.asarray(seed.kv["hidden"].k)[:, 0, :])})
+    v = hy.submit(s.sid, 1, [v.bonus], [-1])
+    seen.update({v.handoff.start + i: r for i, r in enumerate(_rows(v.handoff))})
+    hy.set_mode(s.sid, "server")
+    hy.decode_server(s.sid, steps=3)
+    info = hy.set_mode(s.sid, "phone")
+    v = hy.submit(s.sid, info.expected_round, [info.root], [-1])
+    seed = v.handoff.seed
+    assert seed is not None and seed.start == 0 and seed.end == v.handoff.position + 1
+    rows = np.asarray(seed.kv["hidden"].k)[:, 0, :]
+    assert all(np.array_equal(rows[p], r) for p, r in seen.items()), "the ring lost a committed row"
+    hy.close(s.sid)
+
+
+def test_exact_sampling_on_trees_is_lossless(llm, prompt_ids):
+    from vllm import SamplingParams
+
+    from vllm_hyco.vllm_adapter.api_server.inprocess import HycoEngine
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+    from distcheck import chi_square
+
+    n_ref, n_hy, length = 600, 120, 2
+    # a context whose next token is likely but not certain (greedy continuation up to the first step whose top
+    # token holds 0.3-0.8), so the tree's paths are taken and its siblings matter
+    greedy = llm.generate([{"prompt_token_ids": prompt_ids}], SamplingParams(temperature=0, max_tokens=24, logprobs=1,
+                          ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    cut = next(i for i, lp in enumerate(greedy.logprobs) if 0.3 <= np.exp(max(x.logprob for x in lp.values())) <= 0.8)
+    prompt_ids = list(prompt_ids) + list(greedy.token_ids[:cut])
+    sampling = dict(temperature=1.0, max_tokens=length, ignore_eos=True)
+    ref = llm.generate([{"prompt_token_ids": prompt_ids}] * n_ref,
+                       [SamplingParams(seed=20_000 + i, **sampling) for i in range(n_ref)], use_tqdm=False)
+    ref_ids = [tuple(o.outputs[0].token_ids) for o in ref]
+    top = [t for t, _ in Counter(r[0] for r in ref_ids).most_common(2)]
+    second = [t for t, _ in Counter(r[1] for r in ref_ids if r[0] == top[0]).most_common(2)]
+    hy = HycoEngine(llm)
+    got, depths = [], Counter()
+    for i in range(n_hy):  # the same 2-level tree every time: the likeliest tokens, so paths are accepted
+        s = hy.open(prompt_token_ids=prompt_ids, seed=i, **sampling)
+        v = hy.submit(s.sid, 0, [s.root, top[0], top[1], *second], [-1, 0, 0, 1, 1])
+        depths[len(v.path_rows)] += 1
+        out = list(v.committed)
+        if len(out) < length:
+            out += hy.submit(s.sid, 1, [v.bonus], [-1]).committed
+        got.append(tuple(out[:length]))
+    tested = 0
+    for key in (lambda r: r[0], lambda r: r[1], lambda r: r):  # each token's marginal, then the pairs
+        cells = sorted({key(r) for r in ref_ids} | {key(g) for g in got})
+        index = {c: k for k, c in enumerate(cells)}
+        probs = np.bincount([index[key(r)] for r in ref_ids], minlength=len(cells)) / n_ref
+        observed = np.bincount([index[key(g)] for g in got], minlength=len(cells)).astype(float)
+        big = probs * n_hy >= 5
+        if big.sum() < 1 or probs[~big].sum() * n_hy < 5:  # under two bins after merging: nothing to test
+            continue
+        stat, crit = chi_square(observed, probs + 1e-12)
+        assert stat < crit, (stat, crit)
+        tested += 1
+    assert tested >= 2
+    assert depths[1] + depths[2] > 0 and depths[2] > 0, depths  # the tree's paths were taken, to depth 2

@@ -9,7 +9,8 @@ The model bundle (``--model-dir``) is what a phone app ships (docs/phone-loop.md
 
     verifier/config.json          the server model's HF config: hand-off layers and the model fingerprint
     verifier/model.safetensors    torch backend only: its embed_tokens feed the MTP Drafter's 8-bit table
-    assistant/                    the Gemma-4 assistant (MTP head), HF folder
+    assistant/                    the Gemma-4 assistant (MTP head), HF folder; none for MiMo, whose MTP
+                                  layer ships in verifier/ (the phone runs it and keeps its own KV: torch)
     slm/                          the SLM Drafter, HF folder
     handoff_scales.npz            the model's fixed hand-off scales (without it: SLM-only trees)
     keep_ids.npy                  optional keep set (default: the whole vocabulary)

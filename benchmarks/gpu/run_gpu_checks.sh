@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Prepared GPU check of what the engine launches (torch + Triton, no vLLM needed); at most 7.5 minutes, the
 # sum of the step timeouts below (each step keeps its partial results when it times out):
-#   1. tests/kernels/test_kernels_tree_rows.py compiled: the engine's tree-rows function, compaction and the
+#   1. tests/kernels/test_kernels_tree_rows.py (+ test_kernels_mla_tree.py) compiled: the engine's tree-rows function,
+#      the MLA tree kernel on DeepSeek's latent layout, compaction and the
 #      int8 hand-off gather through vllm_adapter/tree_step (needs pytest; skipped without), 100 s cap;
 #   2. benchmarks/gpu/gpu_checks.py: the engine's variants on vLLM's default Triton cache layout (bf16,
 #      sliding 256 / full 512 with 8 query heads per KV head, separate K and V, with and without key splits),
@@ -29,7 +30,8 @@ log "env: $(tail -1 "$OUT/env.txt") dry_run=$DRY"
 
 if "$PY" -c "import pytest" 2>/dev/null; then
   K=""; [ "$DRY" = 1 ] && K="-k compaction or handoff"
-  timeout "${TREE_ROWS_S:-100}" "$PY" -u -m pytest tests/kernels/test_kernels_tree_rows.py -q -p no:cacheprovider \
+  timeout "${TREE_ROWS_S:-100}" "$PY" -u -m pytest tests/kernels/test_kernels_tree_rows.py \
+    tests/kernels/test_kernels_mla_tree.py -q -p no:cacheprovider \
     ${K:+"$K"} --junitxml="$OUT/pytest_tree_rows.xml" > "$OUT/pytest_tree_rows.txt" 2>&1
   log "pytest tree_rows rc=$? ($(tail -1 "$OUT/pytest_tree_rows.txt"))"
 else

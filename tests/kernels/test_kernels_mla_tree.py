@@ -62,7 +62,8 @@ def dense_reference(q, context_lens, trees, dense):
     return torch.stack(out)
 
 
-CASES = [([37], [[-1, 0, 1, 2]]), ([5, 40], [random_tree(9, 1), random_tree(17, 2)]), ([16, 0], [[-1], random_tree(6, 3)])]
+CASES = [([37], [[-1, 0, 1, 2]]), ([5, 40], [random_tree(9, 1), random_tree(17, 2)]),
+         ([16, 0], [[-1], random_tree(6, 3)])]
 
 
 @pytest.mark.parametrize("context_lens,trees", CASES)

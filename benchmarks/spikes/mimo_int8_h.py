@@ -1,0 +1,81 @@
+"""Issue 35: does the h-row hand-off's int8 quantization move the phone's MiMo MTP chain? (greedy, offline)
+
+    python benchmarks/spikes/mimo_int8_h.py FAMILY_DIR [--prompts 40] [--tokens 48] [--out FILE.json]
+
+FAMILY_DIR: ``python -m hyco_lab.fixtures DIR --shape mimo --weights trained --fp32``. The trunk (the trainer's
+torch MiMo, ``hyco_lab.fixtures.train_mimo``, which matches vLLM's log-probabilities within 1.6e-5) continues
+each held-out family request greedily. At every position the phone's drafter (``mobile_client.drafters.
+own_mtp``) takes that round's h row (one position a round) and drafts a K = 4 greedy chain from the next root;
+a chain token at depth d counts as reached when depths 1..d-1 equal the trunk's next tokens, accepted when it
+equals the trunk's token too. Two phones side by side: h in float32, and h through the wire's int8 with the
+family's scales. Prints and writes conditional acceptance per depth for both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("family", type=Path)
+    p.add_argument("--prompts", type=int, default=40)
+    p.add_argument("--tokens", type=int, default=48)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    from hyco_lab.fixtures.kinds import eval_prompts
+    from hyco_lab.fixtures.train_mimo import MiMo
+    from mobile_client.drafters.own_mtp import OwnMtpDrafter
+    from vllm_hyco.handoff.quant import dequantize, load_scales, quantize
+
+    cfg = json.loads((args.family / "verifier" / "config.json").read_text())
+    sd = load_file(str(args.family / "verifier" / "model.safetensors"))
+    model = MiMo(cfg).float().eval()
+    model.load_state_dict({k: v.float() for k, v in sd.items()})
+    scales = load_scales(args.family / "handoff_scales.npz")
+    tok = AutoTokenizer.from_pretrained(str(args.family / "verifier"), trust_remote_code=True)
+    keep = list(range(cfg["vocab_size"]))
+    reached = {name: np.zeros(4) for name in ("float", "int8")}
+    accepted = {name: np.zeros(4) for name in ("float", "int8")}
+    for row in eval_prompts(max(args.prompts, 60))[: args.prompts]:
+        ids = tok(tok.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True),
+                  add_special_tokens=False).input_ids
+        seq = list(ids)
+        with torch.no_grad():
+            for _ in range(args.tokens + 4):
+                seq.append(int(model.logits(model.hidden(torch.tensor([seq])))[0, -1].argmax()))
+            h = model.hidden(torch.tensor([seq]))[0].numpy()  # [T, H] before the final norm
+        rows = {"float": h, "int8": dequantize(quantize(h, scales.h), scales.h)}
+        for name, hr in rows.items():
+            phone = OwnMtpDrafter(cfg, sd, keep)
+            x = phone.apply_handoff(len(ids), 0, hr[: len(ids)], seq)  # the seed: the prompt
+            for root in range(len(ids), len(ids) + args.tokens):
+                chain = phone.draft(x).chain  # drafts the tokens at root + 1 .. root + 4
+                for d in range(4):
+                    reached[name][d] += 1
+                    if chain[d] != seq[root + 1 + d]:
+                        break
+                    accepted[name][d] += 1
+                x = phone.apply_handoff(root + 1, root, hr[root: root + 1], seq)
+    out = {name: {"reached": reached[name].tolist(), "accepted": accepted[name].tolist(),
+                  "conditional": (accepted[name] / np.maximum(reached[name], 1)).round(4).tolist()}
+           for name in reached}
+    out["command"] = " ".join(sys.argv)
+    print(json.dumps(out, indent=1))
+    if args.out:
+        args.out.write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

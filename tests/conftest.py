@@ -100,6 +100,18 @@ def fixtures_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def mimo_family_dir(tmp_path_factory) -> Path:
+    """The trained MiMo-shaped family, fp32 (``hyco_lab.fixtures.trained.install_mimo``: verifier/ with its
+    MTP layer, slm/, the hand-off scales)."""
+    from hyco_lab.fixtures.trained import install_mimo
+
+    out = tmp_path_factory.mktemp("mimo")
+    if not install_mimo(out, fp32=True):
+        pytest.fail("the trained MiMo family is not shipped (lab/src/hyco_lab/fixtures/data/trained_mimo)")
+    return out
+
+
+@pytest.fixture(scope="session")
 def agree_fixtures_dir() -> Path:
     from hyco_lab.fixtures import ensure_fixtures
 

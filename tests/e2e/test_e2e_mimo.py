@@ -18,24 +18,18 @@ import json
 from pathlib import Path
 
 import pytest
-from test_e2e_phone_support import API_KEY, make_client
+from test_e2e_phone_support import API_KEY, MODEL, make_client, plain_greedy
 
 from mobile_client.bundle import load_bundle
 from mobile_client.session import PhoneSession, SessionOptions
 
-MODEL = "hyco-mimo"
 MAX_TOKENS = 32
 PROMPTS = ["In the beginning God created", "And the LORD said unto Moses,", "The LORD is my shepherd;"]
 
 
 @pytest.fixture(scope="module")
-def family(tmp_path_factory) -> Path:
-    from hyco_lab.fixtures.trained import install_mimo
-
-    out = tmp_path_factory.mktemp("mimo")
-    if not install_mimo(out, fp32=True):
-        pytest.fail("the trained MiMo family is not shipped (lab/src/hyco_lab/fixtures/data/trained_mimo)")
-    return out
+def family(mimo_family_dir) -> Path:
+    return mimo_family_dir
 
 
 @pytest.fixture(scope="module")
@@ -59,15 +53,7 @@ def tok(family):
 
 @pytest.fixture(scope="module")
 def plain(server):
-    import openai
-
-    oai = openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, timeout=300, max_retries=0)
-    out = {}
-    for p in PROMPTS:
-        c = oai.completions.create(model=MODEL, prompt=p, max_tokens=MAX_TOKENS, temperature=0,
-                                   extra_body={"ignore_eos": True, "return_token_ids": True}).choices[0]
-        out[p] = (c.text, list(c.model_extra["token_ids"]))
-    return out
+    return plain_greedy(server, PROMPTS, MAX_TOKENS)
 
 
 def _session(bundle_dir: Path, tok, prompt: str) -> PhoneSession:

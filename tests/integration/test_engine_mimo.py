@@ -24,13 +24,8 @@ PROMPT = "And the LORD said unto Moses,"
 
 
 @pytest.fixture(scope="module")
-def family(tmp_path_factory) -> Path:
-    from hyco_lab.fixtures.trained import install_mimo
-
-    out = tmp_path_factory.mktemp("mimo")
-    if not install_mimo(out, fp32=True):
-        pytest.fail("the trained MiMo family is not shipped (lab/src/hyco_lab/fixtures/data/trained_mimo)")
-    return out
+def family(mimo_family_dir) -> Path:
+    return mimo_family_dir
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +34,8 @@ def llm(family):
 
     factory = _LLMFactory()
     yield factory(str(family / "verifier"), trust_remote_code=True,
-                  speculative_config={"method": "hyco", "model": str(family / "verifier"), "num_speculative_tokens": 2})
+                  speculative_config={"method": "hyco", "model": str(family / "verifier"), "num_speculative_tokens": 2,
+                                      "budget_policy": "static"})  # every node verified: no timing-dependent cut
     factory.close_all()
 
 

@@ -30,10 +30,11 @@ def test_the_fatal_set_is_derived_from_the_one_table():
 
 
 def test_versions_in_the_title():
-    assert (
-        f"protocol version {PROTOCOL_VERSION}, hand-off schema {HANDOFF_SCHEMA_VERSION}"
-        in DOC.splitlines()[0]
-    )
+    from vllm_hyco.handoff.schema import SUPPORTED_HANDOFF_SCHEMAS
+
+    schemas = " and ".join(str(v) for v in SUPPORTED_HANDOFF_SCHEMAS)
+    assert HANDOFF_SCHEMA_VERSION in SUPPORTED_HANDOFF_SCHEMAS
+    assert f"protocol version {PROTOCOL_VERSION}, hand-off schemas {schemas}" in DOC.splitlines()[0]
 
 
 def test_every_frame_type_and_field_is_documented():

@@ -39,7 +39,7 @@ from mobile_client.drafters.layers import (
     rotate,
     softcap,
 )
-from mobile_client.drafters.sampling import DraftSampling, draft_distribution, draw
+from mobile_client.drafters.sampling import DraftSampling, chain_token
 from mobile_client.drafters.spec import FULL, SLIDING, MtpSpec
 from mobile_client.quant.fakequant import ActQuant
 
@@ -293,18 +293,10 @@ class MtpDrafter:
         chain, runners, idx, qs = [], [], [], []
         for step in range(1, self.k + 1):
             logits, h = self.step(feeds)
-            o = logits.reshape(-1)
-            if sampled:
-                cols, w = draft_distribution(o, sampling)
-                i = int(cols[draw(w, sampling.rng)])
-                qs.append((tuple(int(t) for t in self.keep_ids[cols]), tuple(int(x) for x in w)))
-            else:
-                i = int(np.argmax(o))  # numpy argmax returns the first maximal index
+            i, q, second = chain_token(logits, self.keep_ids, sampling if sampled else None, step <= self.d)
             chain.append(int(self.keep_ids[i]))
             idx.append(i)
-            if step <= self.d:
-                o2 = o.copy()
-                o2[i] = -np.inf
-                runners.append(int(self.keep_ids[int(np.argmax(o2))]))
+            qs += [q] if q is not None else []
+            runners += [second] if second is not None else []
             feeds["z"] = np.concatenate([self.lut[i], h.reshape(-1)])[None].astype(np.float32)
         return MtpDraft(chain, runners, idx, qs if sampled else None)

@@ -39,7 +39,7 @@ import torch.nn as nn
 
 from mobile_client.drafters.layers import RMSNorm, keep_lm_head, load_into, rotate
 from mobile_client.drafters.mtp import MtpDraft
-from mobile_client.drafters.sampling import DraftSampling, draft_distribution, draw
+from mobile_client.drafters.sampling import DraftSampling, chain_token
 from mobile_client.drafters.spec import RopeSpec
 
 #: the checkpoint's name for the MTP layer the phone runs (vLLM 0.32 drafts with layer 0 only)
@@ -141,18 +141,11 @@ class OwnMtpDrafter:
         chain, runners, idx, qs = [], [], [], []
         for step in range(1, self.k + 1):
             logits = (o @ self.lm_head.T).reshape(-1).numpy()
-            if sampled:
-                cols, w = draft_distribution(logits, sampling)
-                i = int(cols[draw(w, sampling.rng)])
-                qs.append((tuple(int(t) for t in self.keep_ids[cols]), tuple(int(x) for x in w)))
-            else:
-                i = int(np.argmax(logits))
+            i, q, second = chain_token(logits, self.keep_ids, sampling if sampled else None, step <= self.d)
             chain.append(int(self.keep_ids[i]))
             idx.append(i)
-            if step <= self.d:
-                second = logits.copy()
-                second[i] = -np.inf
-                runners.append(int(self.keep_ids[int(np.argmax(second))]))
+            qs += [q] if q is not None else []
+            runners += [second] if second is not None else []
             if step < self.k:  # the drafted token at position t - 1 + step, h = the last output
                 pos = torch.tensor([self.t0 - 1 + step])
                 o = self.layer(o, self.embed[[chain[-1]]], pos, self.k_ring, self.v_ring, self.ring_pos)

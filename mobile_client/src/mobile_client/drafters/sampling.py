@@ -69,6 +69,28 @@ def draft_distribution(logits: np.ndarray, s: DraftSampling) -> tuple[np.ndarray
     return order[: w.size], w
 
 
+def chain_token(logits: np.ndarray, keep_ids: np.ndarray, sampling: DraftSampling | None,
+                runner_up: bool) -> tuple[int, tuple | None, int | None]:
+    """One MTP chain step's choice over the keep set: (keep index of the chain token, its (full ids, uint16
+    weights) when drawn, else None, the runner-up's full id when asked, else None). Greedy (``sampling`` None
+    or ~0 temperature): the argmax, first among equals. Sampled: drawn from :func:`draft_distribution`; the
+    runner-up is then the best token other than the drawn one."""
+    o = np.asarray(logits).reshape(-1)
+    q = None
+    if sampling is not None and not sampling.greedy:
+        cols, w = draft_distribution(o, sampling)
+        i = int(cols[draw(w, sampling.rng)])
+        q = (tuple(int(t) for t in keep_ids[cols]), tuple(int(x) for x in w))
+    else:
+        i = int(np.argmax(o))  # numpy argmax returns the first maximal index
+    second = None
+    if runner_up:
+        o2 = o.copy()
+        o2[i] = -np.inf
+        second = int(keep_ids[int(np.argmax(o2))])
+    return i, q, second
+
+
 def draw(weights: np.ndarray, rng: np.random.Generator) -> int:
     """An index drawn with probability ``weights[i] / sum(weights)``, exactly (integer arithmetic)."""
     cum = np.cumsum(np.asarray(weights, np.int64))

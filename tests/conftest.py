@@ -112,6 +112,15 @@ def mimo_family_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def deepseek_dir(tmp_path_factory) -> Path:
+    """A DeepSeek-V3-shaped checkpoint (MLA at kv_lora_rank 512 / rope 64, MoE, one MTP layer), random fp32
+    weights (``hyco_lab.fixtures.deepseek``, about a second)."""
+    from hyco_lab.fixtures.deepseek import build_deepseek
+
+    return build_deepseek(tmp_path_factory.mktemp("deepseek") / "model", progress=False)
+
+
+@pytest.fixture(scope="session")
 def agree_fixtures_dir() -> Path:
     from hyco_lab.fixtures import ensure_fixtures
 

@@ -118,7 +118,7 @@ def test_server_mode_options():
 
 def test_a_verifier_no_family_serves_is_refused_before_vllm_builds_the_engine(tmp_path):
     args = _args(tmp_path, {})
-    (tmp_path / "verifier" / "config.json").write_text(json.dumps({"model_type": "deepseek_v3"}))
+    (tmp_path / "verifier" / "config.json").write_text(json.dumps({"model_type": "glm4_moe"}))
     with pytest.raises(ConfigError) as err:
         expand_engine_args(args, is_cpu=True)
-    assert "'deepseek_v3'" in str(err.value) and "gemma4" in str(err.value) and "mimo" in str(err.value)
+    assert "'glm4_moe'" in str(err.value) and "gemma4" in str(err.value) and "deepseek_v3" in str(err.value)

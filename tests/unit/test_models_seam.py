@@ -38,7 +38,8 @@ def test_what_the_engine_builds_on_today():
     assert (GEMMA4.drafter_kv, GEMMA4.kv_layout) == (DrafterKV.SHARED, KVLayout.PER_HEAD)
     assert (GEMMA4.mtp_method, GEMMA4.mtp_model_types) == ("mtp", ("gemma4_assistant",))
     assert GEMMA4.mtp_proposer.rsplit(".", 1)[1] == "Gemma4Proposer"
-    assert [f.name for f in FAMILIES] == ["gemma4", "mimo"]
+    assert [f.name for f in FAMILIES] == ["gemma4", "mimo", "deepseek_v3"]
+    assert [f.phone_mtp for f in FAMILIES] == [True, True, False]  # DeepSeek-V3: SLM-only phones
 
 
 def test_the_wire_reads_the_seam():
@@ -52,8 +53,8 @@ def test_the_wire_reads_the_seam():
 def test_unknown_families_and_broken_configs_are_refused_by_name():
     with pytest.raises(ConfigError, match="HyCo serves model families gemma4 .* model_type 'llama'"):
         family_of({"model_type": "llama"})
-    with pytest.raises(ConfigError, match=r"\(DeepseekV3ForCausalLM\) has model_type 'deepseek_v3'"):
-        family_of({"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"]})
+    with pytest.raises(ConfigError, match=r"\(Glm4MoeForCausalLM\) has model_type 'glm4_moe'"):
+        family_of({"model_type": "glm4_moe", "architectures": ["Glm4MoeForCausalLM"]})
     with pytest.raises(ConfigError, match="not a Gemma-4 text config"):
         GEMMA4.handoff_layers({"model_type": "gemma4_text", "hidden_size": 8,
                                "layer_types": ["sliding_attention", "sliding_attention"]})  # no full layer

@@ -29,7 +29,7 @@ from vllm_hyco.vllm_adapter.patches import Patch  # noqa: E402
 ADAPTER = Path(surface.__file__).parent
 # HyCo's subclasses of vLLM classes live in these adapter modules.
 SUBCLASS_MODULES = ("engine_core.scheduler", "worker.cpu_worker", "worker.gpu_worker", "worker.cpu_attention",
-                    "worker.gpu_attention", "worker.graphs")
+                    "worker.cpu_mla", "worker.gpu_attention", "worker.graphs")
 EXPECTED = surface.SIGNATURES
 CPU_ONLY_MODULES = surface.CPU_ONLY_MODULES
 

@@ -1,9 +1,9 @@
 """The model seam: one module per model family saying what HyCo needs from it (``base.ModelFamily``).
 
-Families: ``gemma4`` (:data:`vllm_hyco.models.gemma4.GEMMA4`) and ``mimo``
-(:data:`vllm_hyco.models.mimo.MIMO`). Pure Python: the engine's three processes,
-the wire's byte counts (``vllm_hyco.handoff.sizes``), the endpoint, the phone and the lab's fixtures all read
-it. A config no family serves is refused by name (:func:`family_of`).
+Families: ``gemma4`` (:data:`vllm_hyco.models.gemma4.GEMMA4`), ``mimo`` (:data:`vllm_hyco.models.mimo.MIMO`)
+and ``deepseek_v3`` (:data:`vllm_hyco.models.deepseek.DEEPSEEK_V3`, CPU build only). Pure Python: the engine's
+three processes, the wire's byte counts (``vllm_hyco.handoff.sizes``), the endpoint, the phone and the lab's
+fixtures all read it. A config no family serves is refused by name (:func:`family_of`).
 
 >>> family_of({"model_type": "gemma4_text"}).name
 'gemma4'
@@ -20,10 +20,11 @@ from typing import Any
 
 from vllm_hyco.errors import ConfigError
 from vllm_hyco.models.base import DEFAULT_HANDOFF_WINDOW, HIDDEN, DrafterKV, HandoffLayer, KVLayout, ModelFamily
+from vllm_hyco.models.deepseek import DEEPSEEK_V3
 from vllm_hyco.models.gemma4 import GEMMA4
 from vllm_hyco.models.mimo import MIMO
 
-FAMILIES: tuple[ModelFamily, ...] = (GEMMA4, MIMO)
+FAMILIES: tuple[ModelFamily, ...] = (GEMMA4, MIMO, DEEPSEEK_V3)
 
 __all__ = ["DEFAULT_HANDOFF_WINDOW", "FAMILIES", "HIDDEN", "DrafterKV", "HandoffLayer", "KVLayout", "ModelFamily",
            "family_of"]

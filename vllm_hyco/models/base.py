@@ -75,6 +75,7 @@ class ModelFamily(Protocol):
     mtp_method: str  # vLLM's speculative method that drafts with this family's MTP head
     mtp_proposer: str  # the vLLM proposer class that runs it (qualified name)
     mtp_model_types: tuple[str, ...]  # ``model_type`` of the MTP drafters vLLM supports for this family
+    phone_mtp: bool  # a phone can run its MTP drafter (else phones draft SLM-only trees: DeepSeek-V3)
 
     def text_config(self, config: Mapping[str, Any]) -> Mapping[str, Any]:
         """The text model's config (a multimodal checkpoint nests it)."""

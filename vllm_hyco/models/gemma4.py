@@ -39,6 +39,7 @@ class Gemma4:
     mtp_method = "mtp"
     mtp_proposer = "vllm.v1.spec_decode.gemma4.Gemma4Proposer"
     mtp_model_types: tuple[str, ...] = ("gemma4_assistant",)
+    phone_mtp = True  # the phone runs the assistant head (mobile_client/drafters/mtp.py)
     #: the hand-off sends the last cache-owning layer of each kind, in this order of kinds
     handoff_kinds = (SLIDING, FULL)
 

@@ -36,6 +36,7 @@ class MiMo:
     mtp_method = "mtp"
     mtp_proposer = "vllm.v1.spec_decode.eagle.EagleProposer"
     mtp_model_types: tuple[str, ...] = ("mimo",)  # the drafter is the verifier's own folder
+    phone_mtp = True  # the phone runs the checkpoint's first MTP layer (mobile_client/drafters/own_mtp.py)
 
     def text_config(self, config: Mapping[str, Any]) -> Mapping[str, Any]:
         return config
@@ -51,8 +52,8 @@ class MiMo:
 
     def handoff_layers(self, config: Mapping[str, Any]) -> tuple[HandoffLayer, ...]:
         if self._int(config, "num_nextn_predict_layers", 0) < 1:
-            raise ConfigError("a MiMo checkpoint without MTP layers (num_nextn_predict_layers 0): HyCo's phone "
-                              "drafts with the checkpoint's first MTP layer")
+            raise ConfigError(f"a {self.name} checkpoint without MTP layers (num_nextn_predict_layers 0): HyCo's "
+                              f"hand-off feeds the checkpoint's first MTP layer")
         # the MTP layer's index in vLLM (num_hidden_layers + 0): the h rows feed that layer's own cache
         return (HandoffLayer(self._int(config, "num_hidden_layers"), HIDDEN, 1, self.hidden_size(config), 0,
                              has_v=False),)
@@ -64,7 +65,7 @@ class MiMo:
     def _int(config: Mapping[str, Any], key: str, default: int | None = None) -> int:
         value = config.get(key, default)
         if value is None:
-            raise ConfigError(f"not a MiMo config: it has no {key!r}")
+            raise ConfigError(f"not a MiMo or DeepSeek-V3 config: it has no {key!r}")
         return int(value)
 
 

@@ -68,7 +68,12 @@ SIGNATURES: dict[str, str | None] = {
     "vllm.v1.worker.gpu_worker:Worker.__init__":
         "self, vllm_config, local_rank, rank, distributed_init_method, is_driver_worker=",
     "vllm.v1.worker.gpu_worker:Worker._make_model_runner": "self",
-    # attention backends (worker/cpu_attention.py, worker/gpu_attention.py)
+    # attention backends (worker/cpu_attention.py, worker/cpu_mla.py, worker/gpu_attention.py)
+    "vllm.v1.attention.backends.mla.cpu_mla:CPUMLABackend.get_impl_cls": "",
+    "vllm.v1.attention.backends.mla.cpu_mla:CPUMLAImpl.do_kv_cache_update":
+        "self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale",
+    "vllm.v1.attention.backends.mla.prefill.cpu_sdpa:CPUSDPAMLAPrefillBackend.run_prefill_new_tokens":
+        "self, q, k, v, return_softmax_lse, out=, output_scale=",
     "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl.forward":
         "self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=, output_block_scale=",
     "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl.do_kv_cache_update":
@@ -165,7 +170,8 @@ CARRIERS = {"vllm.v1.core.sched.output:SchedulerOutput": ("hyco_trees", "hyco_se
 # Targets that exist only in vLLM's CPU build (skipped, not failed, on another platform).
 CPU_ONLY_MODULES = ("vllm.utils.cpu_triton_utils", "vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner",
                     "vllm.v1.attention.backends.cpu_attn", "vllm_hyco.vllm_adapter.worker.cpu_worker",
-                    "vllm_hyco.vllm_adapter.worker.cpu_attention")
+                    "vllm_hyco.vllm_adapter.worker.cpu_attention", "vllm.v1.attention.backends.mla.cpu_mla",
+                    "vllm.v1.attention.backends.mla.prefill.cpu_sdpa", "vllm_hyco.vllm_adapter.worker.cpu_mla")
 
 
 def api_process_count(args: Any) -> int:
@@ -193,6 +199,20 @@ def draft_attention_layers(runner: Any) -> frozenset[str]:
     _draft_attn_layer_names``, set when it loads; empty without a drafter or for Gemma 4's KV-sharing head):
     a drafter with its own KV (MiMo) writes them in its own passes, never in the verifier's forward."""
     return frozenset(getattr(getattr(runner, "drafter", None), "_draft_attn_layer_names", None) or ())
+
+
+def layer_of_impl(impl: Any) -> Any:
+    """The attention layer (vLLM's ``MLAAttention``) whose ``impl`` is ``impl``, from the forward context's
+    layers (``ForwardContext.no_compile_layers``); cached on the impl. An MLA impl's KV write is not handed
+    its layer."""
+    layer = getattr(impl, "_hyco_layer", None)
+    if layer is None:
+        from vllm.forward_context import get_forward_context
+
+        layers = get_forward_context().no_compile_layers
+        layer = next(lay for lay in layers.values() if getattr(lay, "impl", None) is impl)
+        impl._hyco_layer = layer
+    return layer
 
 
 def set_draft_probs(runner: Any, probs: Any, req_ids: list[str] | None) -> None:

@@ -156,6 +156,12 @@ def chain_drafter(model_dir: Path, spec: Any, keep: list[int], backend: str, bui
     """The bundle's MTP Drafter for its hand-off schema ``spec``: the verifier's own MTP layer where the
     hand-off carries h rows (an MTP layer with its own KV, :func:`own_mtp_drafter`), else the assistant head
     reading the hand-off's K/V (:func:`mtp_drafter`)."""
+    from vllm_hyco.models import family_of
+
+    cfg = json.loads((model_dir / "verifier" / "config.json").read_text())
+    if not family_of(cfg).phone_mtp:
+        notes.append(f"no phone-sized MTP drafter for the {family_of(cfg).name} family: SLM-only trees")
+        return None
     if any(layer.kind == "hidden" for layer in spec.layers):
         if backend == "compiled":
             notes.append("MTP step: no compiled step for an MTP layer with its own KV; running it in torch")

@@ -17,7 +17,7 @@ import torch
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-from vllm_hyco.vllm_adapter.worker import cpu_attention
+from vllm_hyco.vllm_adapter.worker import cpu_attention, cpu_mla
 from vllm_hyco.vllm_adapter.worker.runner import HycoRunnerMixin
 
 
@@ -28,6 +28,7 @@ class HycoCPUModelRunner(HycoRunnerMixin, CPUModelRunner):
 class HycoCPUWorker(CPUWorker):
     def init_device(self):
         cpu_attention.install()  # before the model (and its attention layers) is built
+        cpu_mla.install()  # MLA models (DeepSeek-V3 shape): tree rows through the prefill path, masked
         super().init_device()
         if not getattr(self, "use_v2_model_runner", False):
             self.model_runner = HycoCPUModelRunner(self.vllm_config, torch.device("cpu"))

@@ -175,3 +175,61 @@ def cpu_kv_view(isa: str, kv_cache: torch.Tensor, kv_cache_dtype: str = "auto") 
     _, num_kv_heads, block_size, two_d = kv_cache.shape
     _verify_cpu_layout(isa, kv_cache.dtype, block_size, num_kv_heads, two_d // 2)
     return view
+
+
+class MlaLatentKVView:
+    """CPU_MLA (DeepSeek's MLA): one latent row per token and layer, ``[num_blocks, block_size, kv_lora_rank +
+    rope]`` (vLLM's ``MLAAttentionSpec``; ``CPUMLAImpl.do_kv_cache_update`` writes ``[kv_c_normed | k_pe]`` at
+    the slot). K and V are the same row (its first ``kv_lora_rank`` values are the value in the absorbed form),
+    viewed as one KV head; a compaction move copies the whole row."""
+
+    layout = "mla_latent"
+
+    def __init__(self, kv_cache_dtype: str = "auto"):
+        if kv_cache_dtype not in BlockMajorKVView.UNQUANTIZED:
+            raise HardwareUnsupportedError(f"kv_cache_dtype={kv_cache_dtype!r}: quantized MLA caches are not "
+                                           f"supported by the tree path; use --kv-cache-dtype auto")
+        self.kv_cache_dtype = kv_cache_dtype
+
+    def kv_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        row = kv_cache.unsqueeze(2)  # [num_blocks, block_size, 1, width]
+        return row, row
+
+    def move_views(self, kv_cache: torch.Tensor) -> list[torch.Tensor]:
+        return [kv_cache.unsqueeze(2)]
+
+    def gather(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        flat = kv_cache.view(-1, 1, kv_cache.shape[-1])
+        rows = flat[slots.to(device=kv_cache.device, dtype=torch.int64)]
+        return rows, rows
+
+    def scatter(self, kv_cache: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                *, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+        kv_cache.view(-1, 1, kv_cache.shape[-1])[slots.to(device=kv_cache.device, dtype=torch.int64)] = \
+            key.to(device=kv_cache.device, dtype=kv_cache.dtype)
+
+
+def mla_kv_view(impl: object, kv_cache: torch.Tensor, kv_cache_dtype: str = "auto") -> MlaLatentKVView:
+    """A verified MLA latent view: the cache must be ``[blocks, block_size, width]`` and vLLM's own writer
+    (``impl.do_kv_cache_update``) must put a row where :meth:`MlaLatentKVView.gather` reads it (checked once per
+    shape on a scratch cache), else HardwareUnsupportedError at startup."""
+    view = MlaLatentKVView(kv_cache_dtype)
+    if kv_cache.dim() != 3:
+        raise HardwareUnsupportedError(f"MLA KV cache of shape {tuple(kv_cache.shape)}: the tree path knows the "
+                                       f"[blocks, block_size, kv_lora_rank + rope] latent layout only")
+    _verify_mla_layout(impl, kv_cache.shape[1], kv_cache.shape[2], kv_cache.dtype)
+    return view
+
+
+@functools.cache
+def _verify_mla_layout(impl: object, block_size: int, width: int, dtype: torch.dtype) -> None:
+    rank = int(getattr(impl, "kv_lora_rank", width - 64))
+    scratch = torch.zeros(3, block_size, width, dtype=dtype)
+    slots = torch.tensor([block_size + 1, 2 * block_size + block_size - 1, 3], dtype=torch.int64)
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randn(3, width, generator=gen).to(dtype)
+    impl.do_kv_cache_update(rows[:, :rank], rows[:, None, rank:], scratch, slots, "auto", None)
+    got, _ = MlaLatentKVView().gather(scratch, slots)
+    if not torch.equal(got[:, 0], rows):
+        raise HardwareUnsupportedError(f"CPU_MLA latent KV layout (block {block_size}, width {width}, {dtype}) is "
+                                       f"not the one vllm_hyco verified; tree verification would read a wrong cache")

@@ -63,11 +63,12 @@ def runner_state(vllm_config: Any) -> RunnerState:
     cfg = HycoConfig.maybe_from_vllm_config(vllm_config)
     hf = vllm_config.model_config.hf_config.to_dict()
     family = family_of(hf)
-    if family.kv_layout is not KVLayout.PER_HEAD:
+    device = str(getattr(vllm_config.device_config, "device_type", "cpu") or "cpu")
+    if family.kv_layout is KVLayout.MLA_LATENT and device != "cpu":
         raise HardwareUnsupportedError(
-            f"--speculative-config hyco: the {family.name} family's verifier keeps its KV in a "
-            f"{family.kv_layout.value} layout; the tree step, compaction and the hand-off handle per-head K/V "
-            f"only (vllm_hyco/models/base.py)")
+            f"--speculative-config hyco: the {family.name} family's MLA latent KV is verified on vLLM's CPU build "
+            f"only (worker/cpu_mla.py); the GPU tree backend handles per-head K/V (the MLA tree kernel, "
+            f"kernels/mla_tree.py, is not wired into an engine yet)")
     layers = family.handoff_layers(hf)
     return RunnerState(config=cfg, window=family.handoff_window(hf, cfg.window if cfg is not None else None),
                        handoff_ids={layer.kind: layer.layer_id for layer in layers if layer.kind != HIDDEN},
@@ -129,7 +130,7 @@ class HycoRunnerMixin:
             tr.host_s += time.perf_counter() - t0
             trees.append(tr)
         self.hyco.trees = trees or None
-        tree_plan.set_active_trees(trees, self.device)
+        tree_plan.set_active_trees(trees, self.device, int(self.query_start_loc.np[self.input_batch.num_reqs]))
         return result
 
     def _hyco_check_gpu_backend(self) -> None:

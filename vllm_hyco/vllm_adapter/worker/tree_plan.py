@@ -202,14 +202,21 @@ class PaddedTrees:
 # the stacked TreeStep of those, built on first use; the names of the layers whose KV-cache write ran
 # while the trees were active; per-step layouts keyed by the caller.
 _ACTIVE: dict = {"trees": None, "masked": None, "device": "cpu", "step": None, "written": set(), "cache": {},
-                 "full_graph": False}
+                 "full_graph": False, "tokens": 0}
 
 
-def set_active_trees(trees: list[TreeRows] | None, device: torch.device | str = "cpu") -> None:
-    """Publish this step's trees (None or [] clears); everything runs in the worker process."""
+def set_active_trees(trees: list[TreeRows] | None, device: torch.device | str = "cpu", tokens: int = 0) -> None:
+    """Publish this step's trees (None or [] clears) and its scheduled rows (``tokens``); everything runs in the
+    worker process."""
     trees = trees or None
     masked = ([tr for tr in trees if recomputed(tr.parents)] or None) if trees else None
-    _ACTIVE.update(trees=trees, masked=masked, device=device, step=None, written=set(), cache={}, full_graph=False)
+    _ACTIVE.update(trees=trees, masked=masked, device=device, step=None, written=set(), cache={}, full_graph=False,
+                   tokens=int(tokens))
+
+
+def step_tokens() -> int:
+    """The step's scheduled rows, every request's (the MLA override finds its prefill rows' offset by it)."""
+    return _ACTIVE["tokens"]
 
 
 def step_cached(key, build):

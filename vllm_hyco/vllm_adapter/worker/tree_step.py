@@ -38,7 +38,7 @@ from vllm_hyco.spec_decode.coupling import SampledDrafts
 from vllm_hyco.spec_decode.sampling import SAMPLING_EPS, SamplingSpec, draw_uniforms
 from vllm_hyco.spec_decode.verify import BatchVerdict, PackedTrees, verify_batch_with_uniforms
 from vllm_hyco.vllm_adapter import surface
-from vllm_hyco.vllm_adapter.worker.kv_view import BlockMajorKVView, cpu_kv_view
+from vllm_hyco.vllm_adapter.worker.kv_view import BlockMajorKVView, cpu_kv_view, mla_kv_view
 from vllm_hyco.vllm_adapter.worker.layers import KVLayers, discover
 from vllm_hyco.vllm_adapter.worker.tree_plan import TreeRows
 
@@ -206,6 +206,8 @@ def cache_layers(runner: Any) -> list[CacheLayer]:
             cache = layer.kv_cache
             if hasattr(layer, "isa"):  # CPU_ATTN sets it on its layers
                 view = cpu_kv_view(layer.isa, cache, getattr(layer, "kv_cache_dtype", "auto"))
+            elif cache.dim() == 3:  # CPU_MLA's latent rows [blocks, block_size, kv_lora_rank + rope]
+                view = mla_kv_view(layer.impl, cache, getattr(layer, "kv_cache_dtype", "auto"))
             else:
                 view = BlockMajorKVView(getattr(layer, "kv_cache_dtype", "auto"))
             out.append(CacheLayer(name, group_of[name], layer, view))

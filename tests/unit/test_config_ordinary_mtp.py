@@ -122,3 +122,22 @@ def test_a_verifier_no_family_serves_is_refused_before_vllm_builds_the_engine(tm
     with pytest.raises(ConfigError) as err:
         expand_engine_args(args, is_cpu=True)
     assert "'glm4_moe'" in str(err.value) and "gemma4" in str(err.value) and "deepseek_v3" in str(err.value)
+
+
+def test_an_mla_family_runs_on_cpu_mla_and_is_refused_on_gpu(tmp_path):
+    """DeepSeek-V3 (MLA): the CPU build's reference CPU_MLA backend, which HyCo overrides (an AMX host would
+    pick AMX_MLA unless told); another backend asked for is refused, and so is a GPU engine."""
+    def mla_args():
+        args = _args(tmp_path, {})
+        (tmp_path / "verifier" / "config.json").write_text(json.dumps(
+            {"model_type": "deepseek_v3", "num_hidden_layers": 2, "hidden_size": 8, "num_nextn_predict_layers": 1}))
+        return args
+
+    args = mla_args()
+    expand_engine_args(args, is_cpu=True)
+    assert args.attention_backend == "CPU_MLA"
+    for is_cpu, backend, words in ((False, None, "CPU build only"), (True, "AMX_MLA", "remove --attention-backend")):
+        args = mla_args()
+        args.attention_backend = backend
+        with pytest.raises(ConfigError, match=words):
+            expand_engine_args(args, is_cpu=is_cpu)

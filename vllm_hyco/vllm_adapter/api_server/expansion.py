@@ -14,6 +14,8 @@ to::
     async_scheduling   = False
     additional_config["hyco"] = HycoConfig.to_dict()     # reaches engine core and workers (pickled VllmConfig)
     attention_backend  = "CUSTOM"   (GPU only: HyCo's tree-attention backend, vllm_adapter/worker/gpu_attention.py)
+    attention_backend  = "CPU_MLA"  (an MLA family on the CPU build: the backend vllm_adapter/worker/cpu_mla.py
+                                     overrides; refused on GPU)
 
 On GPU the tree rows need HyCo's backend, registered over the static ``CUSTOM`` member by the worker
 (a new enum name could not be unpickled in a spawned engine core). It subclasses vLLM's Triton backend,
@@ -55,7 +57,7 @@ from typing import Any
 
 from vllm_hyco.config import ADDITIONAL_CONFIG_KEY, HycoConfig
 from vllm_hyco.errors import ConfigError
-from vllm_hyco.models import family_of
+from vllm_hyco.models import KVLayout, family_of
 from vllm_hyco.vllm_adapter import CPU_WORKER, GPU_WORKER, NULL_PROPOSER, SCHEDULER, surface
 
 logger = logging.getLogger("vllm.hyco")  # a child of vLLM's logger: same handler and format
@@ -240,18 +242,38 @@ def _config_dict(path: str) -> dict[str, Any]:
     return PretrainedConfig.get_config_dict(path)[0]
 
 
-def check_family(args: Any) -> None:
+def check_family(args: Any) -> Any:
     """Refuse, here rather than when the worker starts, a verifier no family of the model seam serves
     (``vllm_hyco.models``: the message names its ``model_type`` and the families served). A checkpoint whose
     config cannot be read here is left to vLLM, which reads it next."""
     model = getattr(args, "model", None)
     if not model:
-        return
+        return None
     try:
         config = _config_dict(str(model))
     except (OSError, ValueError):
+        return None
+    return family_of(config)
+
+
+def _select_mla_attention(args: Any, family: Any, *, is_cpu: bool) -> None:
+    """An MLA family (DeepSeek-V3): the CPU build only, on vLLM's reference ``CPU_MLA`` backend, which HyCo
+    overrides (``worker/cpu_mla.py``); an AMX host would pick ``AMX_MLA`` unless told, and HyCo does not
+    override that one."""
+    if family is None or family.kv_layout is not KVLayout.MLA_LATENT:
         return
-    family_of(config)
+    if not is_cpu:
+        raise ConfigError(f"--speculative-config hyco verifies the {family.name} family's MLA trees on vLLM's CPU "
+                          f"build only (worker/cpu_mla.py); the GPU tree backend handles per-head K/V")
+    cfg = getattr(args, "attention_config", None)
+    cfg_backend = cfg.get("backend") if isinstance(cfg, dict) else getattr(cfg, "backend", None)
+    for flag, value in {"--attention-backend": getattr(args, "attention_backend", None),
+                        "--attention-config backend": cfg_backend}.items():
+        name = getattr(value, "name", value)
+        if name is not None and str(name).upper() not in ("AUTO", "CPU_MLA"):
+            raise ConfigError(f"--speculative-config hyco verifies MLA trees through vLLM's CPU_MLA backend: "
+                              f"remove {flag} {name}")
+    args.attention_backend = "CPU_MLA"
 
 
 def mtp_speculative_config(cfg: HycoConfig, verifier: str) -> dict[str, Any]:
@@ -277,7 +299,8 @@ def mtp_speculative_config(cfg: HycoConfig, verifier: str) -> dict[str, Any]:
 def expand_engine_args(args: Any, *, is_cpu: bool) -> HycoConfig:
     """Validate ``args.speculative_config`` (a HyCo spec), rewrite ``args`` in place, return the config."""
     cfg = HycoConfig.parse(args.speculative_config)
-    check_family(args)
+    family = check_family(args)
+    _select_mla_attention(args, family, is_cpu=is_cpu)
     check_topology(args)
     check_capture(args, is_cpu=is_cpu)
     scheduler = getattr(args, "scheduler_cls", None)

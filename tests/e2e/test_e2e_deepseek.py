@@ -29,7 +29,7 @@ def server(deepseek_dir):
 
     srv = BenchServer(deepseek_dir, json.dumps({"method": "hyco"}), max_num_seqs=8,
                       extra_args=["--served-model-name", MODEL, "--api-key", API_KEY], threads=None)
-    with srv.start() as running:
+    with srv as running:  # __enter__ starts it
         yield running.url
 
 

@@ -40,7 +40,7 @@ def server(family):
     # BenchServer names the model hyco-bench; the last --served-model-name wins; it adds --trust-remote-code
     srv = BenchServer(family / "verifier", json.dumps(spec), max_num_seqs=8,
                       extra_args=["--served-model-name", MODEL, "--api-key", API_KEY], threads=None)
-    with srv.start() as running:
+    with srv as running:  # __enter__ starts it
         yield running.url
 
 

@@ -4,9 +4,11 @@ rows, whatever way they arrive, and its chain is vLLM's ``mimo_mtp`` chaining.""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from mobile_client.drafters.own_mtp import OwnMtpDrafter, random_mimo_mtp_state_dict
+from vllm_hyco.errors import ConfigError, SessionError
 
 CFG = {"hidden_size": 16, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 4,
        "intermediate_size": 32, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "num_hidden_layers": 2}
@@ -63,3 +65,14 @@ def test_the_chain_reads_the_head_and_feeds_its_output_back():
                                _drafter().apply_handoff(2, 0, h[:2], other), atol=0)
     other[2] = (tokens[2] + 1) % VOCAB  # position 1's next token does
     assert not np.allclose(_drafter().apply_handoff(2, 0, h[:2], tokens), _drafter().apply_handoff(2, 0, h[:2], other))
+
+
+def test_a_hand_off_longer_than_the_ring_keeps_its_last_w_rows():
+    h, tokens = _stream(20, seed=4)
+    np.testing.assert_allclose(_drafter(window=8).apply_handoff(20, 0, h, tokens),
+                               _drafter(window=8).apply_handoff(20, 12, h[12:], tokens), rtol=1e-5, atol=1e-5)
+    with pytest.raises(SessionError, match="committed tokens"):
+        _drafter().apply_handoff(20, 0, h, tokens[:15])
+    with pytest.raises(ConfigError, match="plain rope only"):
+        OwnMtpDrafter({**CFG, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+                      random_mimo_mtp_state_dict(CFG, VOCAB), list(range(VOCAB)))

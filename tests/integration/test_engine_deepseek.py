@@ -38,7 +38,7 @@ def _sessions(llm, refs):
             nxt = ref[len(out):len(out) + rng.randint(1, 5)]
             toks = [root, rng.randrange(3, 1000), *nxt]  # the decoy first: the planted chain sits at rows 2..
             v = hy.submit(s.sid, rnd, toks, [-1, 0, 0, *range(2, 1 + len(nxt))])
-            assert v.handoff is None or set(v.handoff.kv) == {"hidden"}
+            assert v.handoff is None or not v.handoff.kv  # no rows: its phones run no MTP head
             paths.append(list(v.path_rows))
             out, root, rnd = out + v.committed, v.bonus, rnd + 1
             if v.finished:

@@ -136,6 +136,11 @@ def test_an_mla_family_runs_on_cpu_mla_and_is_refused_on_gpu(tmp_path):
     args = mla_args()
     expand_engine_args(args, is_cpu=True)
     assert args.attention_backend == "CPU_MLA"
+    args = mla_args()
+    args.attention_config = {"backend": "CPU_MLA"}  # vLLM refuses both flags: the expansion adds none
+    args.attention_backend = None
+    expand_engine_args(args, is_cpu=True)
+    assert args.attention_backend is None
     for is_cpu, backend, words in ((False, None, "CPU build only"), (True, "AMX_MLA", "remove --attention-backend")):
         args = mla_args()
         args.attention_backend = backend

@@ -91,6 +91,8 @@ def test_mimo_hands_off_h_rows_for_its_own_kv_mtp_layer():
     wire = spec.to_wire()
     with pytest.raises(HandoffSchemaError, match="needs schema 3"):
         HandoffSpec.from_wire({**wire, "version": 2})
+    with pytest.raises(HandoffSchemaError, match="16 wide, the model's hidden size is 32"):
+        HandoffSpec.from_wire({**wire, "hidden": 32})
     gemma = layers_from_hf_config(FIXTURE_VERIFIER_CONFIG)[1][0].to_wire()
     with pytest.raises(HandoffSchemaError, match="no other layer"):
         HandoffSpec.from_wire({**wire, "layers": [*wire["layers"], gemma]})
@@ -103,3 +105,22 @@ def test_mimo_hands_off_h_rows_for_its_own_kv_mtp_layer():
     assert all(abs(handoff_bytes(spec, n) - paper_handoff_bytes(spec, n)) <= 4 for n in (1, 5, 1024))
     with pytest.raises(ConfigError, match="without MTP layers"):
         MIMO.handoff_layers({**MIMO_CONFIG, "num_nextn_predict_layers": 0})
+
+
+def test_deepseek_hand_offs_carry_no_rows_for_its_slm_only_phones():
+    """DeepSeek-V3's MTP module is no phone's: its schema lists no layer (schema 3), so a hand-off is e and h."""
+    from vllm_hyco.handoff.quant import HandoffScales
+    from vllm_hyco.handoff.schema import HandoffPayload, HandoffSpec, decode_handoff, encode_handoff
+    from vllm_hyco.handoff.sizes import handoff_bytes
+
+    cfg = {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 16,
+           "num_hidden_layers": 3, "num_nextn_predict_layers": 0}
+    hidden, layers = layers_from_hf_config(cfg)
+    scales = HandoffScales(e=np.full(16, 0.1, np.float32), h=np.full(16, 0.2, np.float32), layers=())
+    spec = HandoffSpec.from_scales(cfg, layers, scales)
+    assert layers == () and spec.version == 3 and HandoffSpec.from_wire(spec.to_wire()) == spec
+    p = HandoffPayload.make_dummy(spec, span_start=0, root_position=40)
+    assert decode_handoff(encode_handoff(p), spec) == p
+    assert handoff_bytes(spec, 1) == handoff_bytes(spec, 1000) < 100  # nothing per position
+    with pytest.raises(HandoffSchemaError, match="expected 1"):
+        HandoffSpec.from_wire({**spec.to_wire(), "version": 2})

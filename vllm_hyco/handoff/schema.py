@@ -51,8 +51,9 @@ from vllm_hyco.handoff.limits import DEFAULT_LIMITS, WireLimits
 from vllm_hyco.handoff.quant import SCHEME, HandoffScales, quantize
 
 HANDOFF_SCHEMA_VERSION = 2
-#: schema 3 = schema 2 + the ``hidden`` layer kind (families whose MTP layer owns its KV: ``vllm_hyco.models``);
-#: a schema without a ``hidden`` layer is still written as 2, so Gemma-4 sessions keep their bytes
+#: schema 3 = schema 2 + the ``hidden`` layer kind (families whose MTP layer owns its KV: ``vllm_hyco.models``)
+#: + an empty layer list (families whose phones run no MTP head); a schema of K/V layers is still written as 2,
+#: so Gemma-4 sessions keep their bytes
 HIDDEN_ROWS_SCHEMA_VERSION = 3
 SUPPORTED_HANDOFF_SCHEMAS = (2, 3)
 FINGERPRINT_BYTES = 16
@@ -144,9 +145,10 @@ class HandoffSpec:
 
     @property
     def version(self) -> int:
-        """The schema version this layout needs: 3 with a ``hidden`` row layer, else 2."""
-        hidden = any(layer.kind == HIDDEN for layer in self.layers)
-        return HIDDEN_ROWS_SCHEMA_VERSION if hidden else HANDOFF_SCHEMA_VERSION
+        """The schema version this layout needs: 3 with a ``hidden`` row layer or with no layer at all (a family
+        whose phones run no MTP head: the hand-off is e and h only), else 2."""
+        rows = any(layer.kind == HIDDEN for layer in self.layers) or not self.layers
+        return HIDDEN_ROWS_SCHEMA_VERSION if rows else HANDOFF_SCHEMA_VERSION
 
     def to_wire(self) -> dict:
         """The session's schema map (the ``session`` frame's ``schema``)."""
@@ -177,9 +179,10 @@ class HandoffSpec:
         fingerprint = _bin16(f.bin("fingerprint"), "fingerprint")
         hidden = f.int("hidden", 1, limits.max_hidden_size)
         layers_raw = f.get("layers", list)
-        if not 1 <= len(layers_raw) <= limits.max_layers:
+        least = 0 if version >= HIDDEN_ROWS_SCHEMA_VERSION else 1  # schema 3: none for a phone without an MTP head
+        if not least <= len(layers_raw) <= limits.max_layers:
             raise _E(
-                f"hand-off schema: {len(layers_raw)} layers; expected 1..{limits.max_layers}",
+                f"hand-off schema {version}: {len(layers_raw)} layers; expected {least}..{limits.max_layers}",
                 code="bad_handoff",
             )
         layers = tuple(_layer_from_wire(x, i, limits) for i, x in enumerate(layers_raw))
@@ -189,6 +192,9 @@ class HandoffSpec:
         if row_layers and (version < HIDDEN_ROWS_SCHEMA_VERSION or len(layers) != 1):
             raise _E(f"hand-off schema {version}: a 'hidden' row layer needs schema {HIDDEN_ROWS_SCHEMA_VERSION} "
                      f"and no other layer", code="bad_handoff")
+        if row_layers and row_layers[0].head_dim != hidden:
+            raise _E(f"hand-off schema: the 'hidden' row layer is {row_layers[0].head_dim} wide, the model's hidden "
+                     f"size is {hidden}", code="bad_handoff")
         q = Fields(f.get("quant", dict), _E, "hand-off schema quant")
         scheme = q.choice("scheme", (SCHEME,))
         scales_id = _bin16(q.bin("scales_id"), "scales_id")

@@ -7,13 +7,13 @@
 * MTP: ``num_nextn_predict_layers`` modules after the decoder layers (vLLM's ``deepseek_mtp``, ``{"method":
   "mtp"}`` with the verifier folder as ``model``); each is a whole MoE layer with MLA, about 11.6 B
   parameters of its own in the real model, so no phone runs it: phones draft SLM-only trees (the paper's
-  Appendix H). The hand-off still carries h rows (``HIDDEN``, schema 3: a schema lists at least one layer),
-  which such a phone ignores; docs/engine.md says what a phone-sized MTP module would cost.
+  Appendix H). The hand-off carries no per-position rows (an empty layer list, schema 3: e and h only), and
+  the server keeps no h ring for its sessions; docs/engine.md says what a phone-sized MTP module would cost.
 * W: the paper's 1,024.
 
 >>> cfg = {"model_type": "deepseek_v3", "hidden_size": 8, "num_hidden_layers": 3, "num_nextn_predict_layers": 1}
->>> [(h.layer_id, h.kind) for h in DEEPSEEK_V3.handoff_layers(cfg)], DEEPSEEK_V3.phone_mtp
-([(3, 'hidden')], False)
+>>> DEEPSEEK_V3.handoff_layers(cfg), DEEPSEEK_V3.phone_mtp
+((), False)
 """
 
 from __future__ import annotations
@@ -21,12 +21,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from vllm_hyco.models.base import DrafterKV, KVLayout
+from vllm_hyco.models.base import DrafterKV, HandoffLayer, KVLayout
 from vllm_hyco.models.mimo import MiMo
 
 
 class DeepseekV3(MiMo):
-    """The seam's answers are MiMo's but for the KV layout, the types and the phone (no phone-sized MTP)."""
+    """The seam's answers are MiMo's but for the KV layout, the types, the phone (no phone-sized MTP) and so the
+    hand-off (no rows)."""
 
     name = "deepseek_v3"
     model_types: tuple[str, ...] = ("deepseek_v3",)
@@ -35,8 +36,8 @@ class DeepseekV3(MiMo):
     mtp_model_types: tuple[str, ...] = ("deepseek_v3",)
     phone_mtp = False  # its MTP module is a whole MoE layer: phones draft SLM-only trees
 
-    def text_config(self, config: Mapping[str, Any]) -> Mapping[str, Any]:
-        return config
+    def handoff_layers(self, config: Mapping[str, Any]) -> tuple[HandoffLayer, ...]:
+        return ()  # no phone MTP head reads anything per position
 
 
 DEEPSEEK_V3 = DeepseekV3()

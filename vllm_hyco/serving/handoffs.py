@@ -11,25 +11,24 @@ import numpy as np
 
 
 class KvRing:
-    """The last W positions of one session's quantized hand-off K/V rows (for ``need_seed`` replays)."""
+    """The last W positions of one session's quantized hand-off K/V rows (for ``need_seed`` replays). A model
+    whose hand-off has no per-position rows (schema 3 with no layer: DeepSeek-V3) keeps positions only."""
 
     def __init__(self, window: int):
         self.window = window
         self.start = 0  # position of row 0
+        self.end = 0  # the position after the last row (the next root's)
         self.rows: list[tuple[np.ndarray, np.ndarray | None]] | None = None
 
-    @property
-    def end(self) -> int:
-        return self.start + (0 if self.rows is None else self.rows[0][0].shape[0])
-
-    def extend(self, start: int, rows: list[tuple[np.ndarray, np.ndarray | None]]) -> None:
-        """Add rows for positions ``[start, start + P)`` (overwriting any from ``start`` on), keep W."""
+    def extend(self, start: int, rows: list[tuple[np.ndarray, np.ndarray | None]], end: int) -> None:
+        """Add rows for positions ``[start, end)`` (overwriting any from ``start`` on), keep W."""
         if self.rows is None or start < self.start or start > self.end:
             self.start, self.rows = start, [(k.copy(), None if v is None else v.copy()) for k, v in rows]
         else:
             keep = start - self.start
             self.rows = [(np.concatenate([k0[:keep], k]), None if v is None else np.concatenate([v0[:keep], v]))
                          for (k0, v0), (k, v) in zip(self.rows, rows)]
+        self.end = end
         extra = self.end - self.start - self.window
         if extra > 0:
             self.start += extra

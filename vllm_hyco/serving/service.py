@@ -324,10 +324,10 @@ class HycoService(ServerModeMixin):
         root_position = h.position + 1
         if (round_ == 0 or s.seed_next) and h.seed is not None:  # round 0, or the first after a stretch
             rows = model.quantize_rows(h.seed.kv)
-            s.ring.extend(h.seed.start, rows)
+            s.ring.extend(h.seed.start, rows, root_position)
             return model.payload(h.seed.start, root_position, bonus, e_q, h_q, rows)
         rows = model.quantize_rows(h.kv)
-        s.ring.extend(h.start, rows)
+        s.ring.extend(h.start, rows, root_position)
         return model.payload(h.start, root_position, bonus, e_q, h_q, rows)
 
     # -- resume -----------------------------------------------------------------------------------------

@@ -128,11 +128,13 @@ SIGNATURES: dict[str, str | None] = {
     # private names read through the accessors below (no override, no patch)
     "vllm.engine.arg_utils:EngineArgs._api_process_count": None,
     "vllm.v1.attention.selector._cached_get_attn_backend": None,
+    "vllm.v1.attention.backends.mla.prefill.selector._auto_select_mla_prefill_backend": None,
 }
 
 #: the rows above that HyCo only reads, through this module's accessors (nowhere else in the adapter)
 PRIVATE_READS = ("vllm.engine.arg_utils:EngineArgs._api_process_count",
                  "vllm.v1.attention.selector._cached_get_attn_backend",
+                 "vllm.v1.attention.backends.mla.prefill.selector._auto_select_mla_prefill_backend",
                  "vllm.v1.worker.gpu_model_runner:GPUModelRunner._get_positions")
 
 #: the rows above that HyCo calls (vLLM's MTP proposer on the ordinary requests' sub-batch, its dynamic-K lookup):
@@ -189,14 +191,24 @@ def clear_attn_backend_cache() -> None:
         cached.cache_clear()
 
 
+def clear_mla_prefill_cache() -> None:
+    """Forget vLLM's cached MLA prefill-backend choice (``prefill.selector._auto_select_mla_prefill_backend``),
+    after a prefill backend is registered over a static enum member."""
+    from vllm.v1.attention.backends.mla.prefill import selector
+
+    cached = getattr(selector, "_auto_select_mla_prefill_backend", None)
+    if cached is not None and hasattr(cached, "cache_clear"):
+        cached.cache_clear()
+
+
 def runner_positions(runner: Any, rows: Any) -> Any:
     """The step's positions of the flattened-batch ``rows`` (``GPUModelRunner._get_positions``: M-RoPE aware)."""
     return runner._get_positions(rows)
 
 
 def draft_attention_layers(runner: Any) -> frozenset[str]:
-    """The attention layers of vLLM's MTP drafter that own a KV cache (``SpecDecodeBaseProposer.
-    _draft_attn_layer_names``, set when it loads; empty without a drafter or for Gemma 4's KV-sharing head):
+    """The attention layers of vLLM's MTP drafter (``SpecDecodeBaseProposer._draft_attn_layer_names``, set when it
+    loads; empty without a drafter; Gemma 4's assistant layers are listed too, and own no cache anyway):
     a drafter with its own KV (MiMo) writes them in its own passes, never in the verifier's forward."""
     return frozenset(getattr(getattr(runner, "drafter", None), "_draft_attn_layer_names", None) or ())
 

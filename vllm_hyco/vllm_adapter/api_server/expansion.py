@@ -267,13 +267,15 @@ def _select_mla_attention(args: Any, family: Any, *, is_cpu: bool) -> None:
                           f"build only (worker/cpu_mla.py); the GPU tree backend handles per-head K/V")
     cfg = getattr(args, "attention_config", None)
     cfg_backend = cfg.get("backend") if isinstance(cfg, dict) else getattr(cfg, "backend", None)
-    for flag, value in {"--attention-backend": getattr(args, "attention_backend", None),
-                        "--attention-config backend": cfg_backend}.items():
+    chosen = {"--attention-backend": getattr(args, "attention_backend", None),
+              "--attention-config backend": cfg_backend}
+    for flag, value in chosen.items():
         name = getattr(value, "name", value)
         if name is not None and str(name).upper() not in ("AUTO", "CPU_MLA"):
             raise ConfigError(f"--speculative-config hyco verifies MLA trees through vLLM's CPU_MLA backend: "
                               f"remove {flag} {name}")
-    args.attention_backend = "CPU_MLA"
+    if all(str(getattr(v, "name", v)).upper() in ("NONE", "AUTO") for v in chosen.values()):
+        args.attention_backend = "CPU_MLA"  # vLLM refuses both flags at once: set it only where none is
 
 
 def mtp_speculative_config(cfg: HycoConfig, verifier: str) -> dict[str, Any]:

@@ -11,12 +11,15 @@ Matches vLLM 0.32 (``v1/attention/backends/mla/cpu_mla.py``, ``mla/prefill/cpu_s
   rows are written at the sequential slots t .. t + n - 1, as for any request.
 * What it replaces: the classes registered for the **static** members ``AttentionBackendEnum.CPU_MLA``
   (``HycoCPUMLABackend``: its impl records each layer's KV write for the tree step's check) and
-  ``MLAPrefillBackendEnum.CPU`` (``HycoSDPAMLAPrefill``: ``run_prefill_new_tokens`` masks a tree request's
+  ``MLAPrefillBackendEnum.CPU`` and ``ZEN_CPU`` (``HycoSDPAMLAPrefill``, ``HycoZenSDPAMLAPrefill``: one
+  ``run_prefill_new_tokens``, ``TreeMaskedPrefill``, masks a tree request's
   rows by its ancestor bits; every other request keeps the causal mask). The prefill requests are the
   batch's last rows (vLLM orders decodes first), so a tree's local start is its step row minus the step's
   decode rows (``tree_plan.step_tokens`` less the prefill rows).
 * Overrides: ``CPUMLABackend.get_impl_cls``, ``CPUMLAImpl.do_kv_cache_update``,
-  ``CPUSDPAMLAPrefillBackend.run_prefill_new_tokens``. tests/unit/test_vllm_surface.py checks them.
+  ``CPUSDPAMLAPrefillBackend.run_prefill_new_tokens`` (the Zen class inherits it). tests/unit/test_vllm_surface.py
+  checks them. Every MLA layer's prefill backend is checked at startup to be one of these
+  (:func:`check_tree_prefill`).
 * When it can go: when vLLM's MLA prefill takes a per-request mask (or a tree-aware MLA decode kernel).
 """
 
@@ -25,6 +28,7 @@ from __future__ import annotations
 import torch
 from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
 from vllm.v1.attention.backends.mla.prefill.cpu_sdpa import CPUSDPAMLAPrefillBackend
+from vllm.v1.attention.backends.mla.prefill.zen_cpu_sdpa import ZenCPUSDPAMLAPrefillBackend
 
 from vllm_hyco.errors import HardwareUnsupportedError
 from vllm_hyco.vllm_adapter import surface
@@ -32,16 +36,30 @@ from vllm_hyco.vllm_adapter.worker import tree_plan
 
 
 def install() -> None:
-    """Register both overrides over their static members (idempotent; call before model load)."""
+    """Register the overrides over their static members (idempotent; call before model load): the CPU_MLA
+    backend, and both CPU prefill backends (the platform tries ``ZEN_CPU`` first, where zentorch is present)."""
     from vllm.v1.attention.backends.mla.prefill import MLAPrefillBackendEnum, register_mla_prefill_backend
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    backend, prefill = f"{__name__}.HycoCPUMLABackend", f"{__name__}.HycoSDPAMLAPrefill"
+    backend = f"{__name__}.HycoCPUMLABackend"
     if AttentionBackendEnum.CPU_MLA.get_path() != backend:
         register_backend(AttentionBackendEnum.CPU_MLA, backend)
         surface.clear_attn_backend_cache()
-    if MLAPrefillBackendEnum.CPU.get_path() != prefill:
-        register_mla_prefill_backend(MLAPrefillBackendEnum.CPU, prefill)
+    for member, cls in ((MLAPrefillBackendEnum.CPU, "HycoSDPAMLAPrefill"),
+                        (MLAPrefillBackendEnum.ZEN_CPU, "HycoZenSDPAMLAPrefill")):
+        if member.get_path() != f"{__name__}.{cls}":
+            register_mla_prefill_backend(member, f"{__name__}.{cls}")
+            surface.clear_mla_prefill_cache()
+
+
+def check_tree_prefill(layer: object) -> None:
+    """An MLA layer verifies trees only through HyCo's masked prefill backend (checked at startup, with the KV
+    layout): any other would let tree rows see their siblings, silently."""
+    backend = getattr(layer, "prefill_backend", None)
+    if not isinstance(backend, TreeMaskedPrefill):
+        raise HardwareUnsupportedError(
+            f"MLA layer {getattr(layer, 'layer_name', '?')} prefills with {type(backend).__name__}, not HyCo's "
+            f"tree-masked prefill backend (worker/cpu_mla.py); tree rows would be verified with a causal mask")
 
 
 class HycoCPUMLAImpl(CPUMLAImpl):
@@ -57,7 +75,9 @@ class HycoCPUMLABackend(CPUMLABackend):
         return HycoCPUMLAImpl
 
 
-class HycoSDPAMLAPrefill(CPUSDPAMLAPrefillBackend):
+class TreeMaskedPrefill:
+    """The tree-masked ``run_prefill_new_tokens`` over either CPU prefill backend (mixed in first)."""
+
     def run_prefill_new_tokens(self, q, k, v, return_softmax_lse, out=None, output_scale=None):
         trees = tree_plan.masked_trees()
         if not trees:
@@ -93,3 +113,11 @@ class HycoSDPAMLAPrefill(CPUSDPAMLAPrefillBackend):
             out.copy_(res)
             return out
         return res
+
+
+class HycoSDPAMLAPrefill(TreeMaskedPrefill, CPUSDPAMLAPrefillBackend):
+    pass
+
+
+class HycoZenSDPAMLAPrefill(TreeMaskedPrefill, ZenCPUSDPAMLAPrefillBackend):
+    pass

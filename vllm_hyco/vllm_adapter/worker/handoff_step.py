@@ -113,7 +113,8 @@ def handoff(runner: Any, step: StepTrees, dec: StepDecision, hidden: torch.Tenso
     if h_rows is not None:  # complete on every rank (hidden states are all-reduced): no head gather
         parts, names = parts + [h_rows], names + [f"{HIDDEN}_k"]
         layers[HIDDEN] = HIDDEN
-        for b, (_, rows) in hidden_seeds.items():  # the same [start, end) as the K/V seed of ``_seed``
+        for b, (start, rows) in hidden_seeds.items():  # h rows only (no K/V layer): their start is the seed's
+            seeds[b] = (start, seeds[b][1], seeds[b][2])
             seed_rows[b][HIDDEN] = KVRows(rows.cpu(), rows.cpu())
     sizes = [p.numel() for p in parts]
     host = torch.cat([p.flatten() for p in parts]).cpu() if parts else torch.empty(0, dtype=torch.int8)

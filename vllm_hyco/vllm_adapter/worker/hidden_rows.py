@@ -9,7 +9,9 @@ server mode) covers the last W committed positions, which earlier steps computed
 phone session in a :class:`HiddenRing` on the device, written by every step that computes the session's
 rows (``record_step``: prefill chunks, server-mode decode; ``record_rows``: a tree's root and path).
 
-A position's last write is its committed value: a row computed for a token that was then rejected (a
+A position served from the prefix cache was never computed for the session, so no step recorded its h: a seed
+starts after the last such position (the phone takes any start). A position's last write is its committed
+value: a row computed for a token that was then rejected (a
 server-mode draft) sits at a position the scheduler rolls back, and the step that computes that position
 again overwrites it before any seed reads it (a seed reads positions below the committed count only).
 """
@@ -25,19 +27,29 @@ from vllm_hyco.vllm_adapter.worker.ordinary_mtp import session_rows
 
 
 class HiddenRing:
-    """The hidden states of one session's last ``window`` computed positions, column p mod W."""
+    """The hidden states of one session's last ``window`` computed positions, column p mod W, and the position
+    each column holds (-1: none yet)."""
 
     def __init__(self, window: int, like: torch.Tensor):
         self.window = window
         self.rows = torch.zeros(window, like.shape[-1], dtype=like.dtype, device=like.device)
+        self.held = torch.full((window,), -1, dtype=torch.int64, device=like.device)
 
     def write(self, positions: torch.Tensor, rows: torch.Tensor) -> None:
         keep = slice(max(0, positions.shape[0] - self.window), positions.shape[0])  # later rows win a column
-        self.rows[positions[keep] % self.window] = rows[keep]
+        cols = positions[keep] % self.window
+        self.rows[cols] = rows[keep]
+        self.held[cols] = positions[keep]
 
-    def read(self, lo: int, hi: int) -> torch.Tensor:
+    def read(self, lo: int, hi: int) -> tuple[int, torch.Tensor]:
+        """(start, rows of [start, hi)): the longest run of held positions ending at ``hi``, from ``lo`` on. A
+        position no step computed for this session (a prefix-cache hit: vLLM reuses its KV, never its hidden
+        state) ends the run, so a seed starts after it."""
         assert hi - lo <= self.window, (lo, hi, self.window)
-        return self.rows[torch.arange(lo, hi, device=self.rows.device) % self.window]
+        positions = torch.arange(lo, hi, device=self.rows.device)
+        missing = torch.nonzero(self.held[positions % self.window] != positions)
+        start = lo + (int(missing[-1]) + 1 if missing.numel() else 0)
+        return start, self.rows[torch.arange(start, hi, device=self.rows.device) % self.window]
 
 
 def ring(runner: Any, req_id: str, like: torch.Tensor) -> HiddenRing:
@@ -68,10 +80,11 @@ def record_rows(runner: Any, req_id: str, start: int, rows: torch.Tensor) -> Non
 
 
 def seed(runner: Any, req_id: str, num_committed: int, like: torch.Tensor) -> tuple[int, torch.Tensor]:
-    """(start, int8 rows [positions, 1, hidden]) of positions [max(0, T - W), T), T = ``num_committed``."""
+    """(start, int8 rows [positions, 1, hidden]) of positions [start, T), T = ``num_committed``: start is
+    max(0, T - W), or later where the session's prefix came from the prefix cache (``HiddenRing.read``)."""
     lo = max(0, num_committed - runner.hyco.window)
-    rows = ring(runner, req_id, like).read(lo, num_committed)
-    return lo, quantize_int8(rows.float(), runner.hyco.scales["h"])[:, None, :]
+    start, rows = ring(runner, req_id, like).read(lo, num_committed)
+    return start, quantize_int8(rows.float(), runner.hyco.scales["h"])[:, None, :]
 
 
 def free(runner: Any, req_ids: Any) -> None:

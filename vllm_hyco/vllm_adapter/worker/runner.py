@@ -47,7 +47,7 @@ import torch
 from vllm_hyco.config import HycoConfig
 from vllm_hyco.engine_contract import StepTree, TreeVerdict
 from vllm_hyco.errors import HardwareUnsupportedError
-from vllm_hyco.models import HIDDEN, DrafterKV, KVLayout, family_of
+from vllm_hyco.models import HIDDEN, KVLayout, family_of
 from vllm_hyco.vllm_adapter.worker import handoff_step, hidden_rows, ordinary_mtp, tree_plan, tree_step, warmup
 from vllm_hyco.vllm_adapter.worker.layers import check_captured
 from vllm_hyco.vllm_adapter.worker.state import RunnerState
@@ -72,7 +72,7 @@ def runner_state(vllm_config: Any) -> RunnerState:
     layers = family.handoff_layers(hf)
     return RunnerState(config=cfg, window=family.handoff_window(hf, cfg.window if cfg is not None else None),
                        handoff_ids={layer.kind: layer.layer_id for layer in layers if layer.kind != HIDDEN},
-                       hidden_rows=family.drafter_kv is DrafterKV.OWN)
+                       hidden_rows=any(layer.kind == HIDDEN for layer in layers))
 
 
 class HycoRunnerMixin:
@@ -94,7 +94,12 @@ class HycoRunnerMixin:
             # Build (and verify) every layer's KV view now, so a CPU KV layout the plugin never verified
             # (bf16 on an AMX host: isa 'amx') stops the server at startup with HardwareUnsupportedError,
             # not the engine at the first phone round.
-            tree_step.cache_layers(self)
+            layers = tree_step.cache_layers(self)
+            if any(lay.view.layout == "mla_latent" for lay in layers):  # MLA: trees only through the masked prefill
+                from vllm_hyco.vllm_adapter.worker.cpu_mla import check_tree_prefill
+
+                for lay in layers:
+                    check_tree_prefill(lay.layer)
         return result
 
     # -- inputs ---------------------------------------------------------------------------------------------

@@ -41,6 +41,7 @@ from mobile_client.drafters.layers import RMSNorm, keep_lm_head, load_into, rota
 from mobile_client.drafters.mtp import MtpDraft
 from mobile_client.drafters.sampling import DraftSampling, chain_token
 from mobile_client.drafters.spec import RopeSpec
+from vllm_hyco.errors import ConfigError, SessionError
 
 #: the checkpoint's name for the MTP layer the phone runs (vLLM 0.32 drafts with layer 0 only)
 PREFIX = "model.mtp_layers.0."
@@ -55,7 +56,7 @@ class OwnMtpLayer(nn.Module):
         self.heads, self.kvh = int(cfg["num_attention_heads"]), int(cfg["num_key_value_heads"])
         self.d = int(cfg.get("head_dim") or hid // self.heads)
         inter = int(cfg["intermediate_size"])
-        self.rope = RopeSpec(float(cfg.get("rope_theta", 10000.0)))
+        self.rope = RopeSpec(_rope_theta(cfg))
         self.token_layernorm, self.hidden_layernorm = RMSNorm(hid, eps), RMSNorm(hid, eps)
         self.input_proj = nn.Linear(2 * hid, hid, bias=False)
         self.input_layernorm, self.post_attention_layernorm = RMSNorm(hid, eps), RMSNorm(hid, eps)
@@ -102,6 +103,17 @@ class OwnMtpLayer(nn.Module):
         return self.final_layernorm(resid + y)
 
 
+def _rope_theta(cfg: dict) -> float:
+    """The config's plain-rope theta (``rope_theta``, or transformers 5's ``rope_parameters``); scaled rope is
+    refused rather than drafted with wrong positions."""
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or {}
+    kind = scaling.get("rope_type", scaling.get("type")) or params.get("rope_type", "default")
+    if kind != "default":
+        raise ConfigError(f"the MTP layer's rope is {kind!r}; the phone's MTP layer implements plain rope only")
+    return float(cfg.get("rope_theta") or params.get("rope_theta") or 10000.0)
+
+
 class OwnMtpDrafter:
     """Algorithm 2 for an MTP layer with its own KV (see the module docstring): a ``ChainDrafter``."""
 
@@ -125,9 +137,12 @@ class OwnMtpDrafter:
         if a != self.t0:  # a new session, a seed or a resync: only the hand-off's rows are live
             self.ring_pos.fill_(-1)
         h = torch.as_tensor(np.asarray(h_rows, np.float32)).reshape(t - a, -1)
-        nxt = torch.as_tensor([int(x) for x in tokens[a + 1: t + 1]], dtype=torch.long)
-        assert nxt.shape[0] == t - a, (len(tokens), t, a)
-        o = self.layer(h, self.embed[nxt], torch.arange(a, t), self.k_ring, self.v_ring, self.ring_pos)
+        if len(tokens) < t + 1:
+            raise SessionError(f"hand-off rows up to position {t - 1} need the committed tokens up to {t}; the "
+                               f"phone holds {len(tokens)}", code="bad_handoff")
+        lo = max(a, t - self.window)  # only the last W rows can stay in the ring
+        nxt = torch.as_tensor([int(x) for x in tokens[lo + 1: t + 1]], dtype=torch.long)
+        o = self.layer(h[lo - a:], self.embed[nxt], torch.arange(lo, t), self.k_ring, self.v_ring, self.ring_pos)
         self.t0 = t
         return o[-1].numpy()
 

@@ -76,3 +76,40 @@ def test_a_hand_off_longer_than_the_ring_keeps_its_last_w_rows():
     with pytest.raises(ConfigError, match="plain rope only"):
         OwnMtpDrafter({**CFG, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
                       random_mimo_mtp_state_dict(CFG, VOCAB), list(range(VOCAB)))
+
+
+def _rounds(drafter, h, tokens, bounds):
+    chains, x_hat = [], None
+    for a, t in bounds:
+        x_hat = drafter.apply_handoff(t, a, h[a:t], tokens)
+        chains.append(drafter.draft(x_hat).chain)
+    return chains, x_hat
+
+
+def test_the_static_one_row_step_drafts_what_the_layer_drafts(tmp_path):
+    """The export path: the one-row static step (the ring in, the row's K/V out), in torch and exported to ONNX
+    (ONNX Runtime, CPU), drafts the same chains as the layer run over each round's rows at once."""
+    from mobile_client.drafters.own_mtp import STEP_INPUTS, STEP_OUTPUTS, torch_own_step
+    from mobile_client.export import qnn
+    from mobile_client.export.onnx_export import export_step
+
+    h, tokens = _stream(14, seed=5)
+    bounds = ((0, 5), (5, 6), (6, 10), (10, 14))
+    ref_chains, ref_x = _rounds(_drafter(window=16), h, tokens, bounds)
+    step_drafter = _drafter(window=16)
+    module = step_drafter.static_step()
+    step_drafter.step = torch_own_step(module)
+    chains, x_hat = _rounds(step_drafter, h, tokens, bounds)
+    assert chains == ref_chains
+    np.testing.assert_allclose(x_hat, ref_x, rtol=1e-4, atol=1e-4)
+    feeds = {"h": np.zeros((1, 16), np.float32), "e": np.zeros((1, 16), np.float32),
+             "k_ring": np.zeros((2, 16, 4), np.float32), "v_ring": np.zeros((2, 16, 4), np.float32),
+             "mask": np.zeros((1, 16), np.float32), "cos": np.ones((1, 4), np.float32),
+             "sin": np.zeros((1, 4), np.float32)}
+    export_step(module, feeds, STEP_INPUTS, STEP_OUTPUTS, tmp_path / "own_mtp_step.onnx")
+    session = qnn.cpu_session(tmp_path / "own_mtp_step.onnx")
+    onnx_drafter = _drafter(window=16)
+    onnx_drafter.step = lambda f: qnn.run(session, f)
+    chains, x_hat = _rounds(onnx_drafter, h, tokens, bounds)
+    assert chains == ref_chains
+    np.testing.assert_allclose(x_hat, ref_x, rtol=1e-4, atol=1e-4)

@@ -16,8 +16,10 @@ steps as vLLM's ``EagleProposer`` does: step k's token is drawn from ``lm_head(o
 layer on (h = o, that token) at position t - 1 + k, attending every cached position up to it.
 
 Weights: the verifier folder's ``model.mtp_layers.0.*``, its ``model.embed_tokens`` and ``lm_head``
-(restricted to the keep set, as the Gemma-4 head's). Torch only: no static-graph export path yet (the layer's
-growing cache would need the ring as a graph input, as ``mtp.MtpHead`` takes its K/V rings).
+(restricted to the keep set, as the Gemma-4 head's). Two backends: the torch layer over a round's rows at once,
+or ``step``, a one-row static graph (:class:`OwnMtpStep`: the ring in, the row's K/V out, as ``mtp.MtpHead``
+takes its K/V rings) run row by row, the export path (``static_step`` -> ONNX; the QNN build of it is not
+made yet).
 
 >>> cfg = {"hidden_size": 8, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4,
 ...        "intermediate_size": 16, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "num_hidden_layers": 2}
@@ -37,7 +39,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from mobile_client.drafters.layers import RMSNorm, keep_lm_head, load_into, rotate
+from mobile_client.drafters.layers import RMSNorm, keep_lm_head, load_into, masked_softmax, rotate
 from mobile_client.drafters.mtp import MtpDraft
 from mobile_client.drafters.sampling import DraftSampling, chain_token
 from mobile_client.drafters.spec import RopeSpec
@@ -45,6 +47,9 @@ from vllm_hyco.errors import ConfigError, SessionError
 
 #: the checkpoint's name for the MTP layer the phone runs (vLLM 0.32 drafts with layer 0 only)
 PREFIX = "model.mtp_layers.0."
+#: graph inputs and outputs of the one-row static step (ONNX and the torch step backend agree on them)
+STEP_INPUTS = ("h", "e", "k_ring", "v_ring", "mask", "cos", "sin")
+STEP_OUTPUTS = ("o", "logits", "k_row", "v_row")
 
 
 class OwnMtpLayer(nn.Module):
@@ -103,6 +108,50 @@ class OwnMtpLayer(nn.Module):
         return self.final_layernorm(resid + y)
 
 
+class OwnMtpStep(nn.Module):
+    """One row of the MTP layer with static shapes, the export path (ONNX, then QNN): the ring is an input and
+    the row's K/V are outputs the CPU writes into it. ``h``, ``e`` [1, hidden] (``e`` zeroed by the CPU at
+    position 0); ``k_ring``, ``v_ring`` [kvh, W, d]; ``mask`` [1, W] 1 where a column holds a live earlier
+    position; ``cos``, ``sin`` [1, d] of the row's position. Returns ``o`` [1, hidden], ``logits`` [1, V_keep],
+    ``k_row``, ``v_row`` [kvh, d]. Softmax with the bounded mask fill of ``layers.masked_softmax``."""
+
+    def __init__(self, layer: OwnMtpLayer, lm_head: torch.Tensor):
+        super().__init__()
+        self.layer = layer
+        self.lm_head = nn.Linear(lm_head.shape[1], lm_head.shape[0], bias=False)
+        with torch.no_grad():
+            self.lm_head.weight.copy_(lm_head)
+
+    def forward(self, h, e, k_ring, v_ring, mask, cos, sin):
+        lay, a = self.layer, self.layer.self_attn
+        heads, kvh, d = lay.heads, lay.kvh, lay.d
+        x = lay.input_proj(torch.cat([lay.hidden_layernorm(h), lay.token_layernorm(e)], dim=-1))
+        y = lay.input_layernorm(x)
+        q = rotate(a.q_proj(y).reshape(heads, d), cos, sin)
+        k = rotate(a.k_proj(y).reshape(kvh, d), cos, sin)
+        v = a.v_proj(y).reshape(kvh, d)
+        keys = torch.cat([k_ring, k.unsqueeze(1)], dim=1)  # [kvh, W + 1, d]: the ring, then the row itself
+        vals = torch.cat([v_ring, v.unsqueeze(1)], dim=1)
+        live = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)  # [1, W + 1]
+        qg = q.reshape(kvh, heads // kvh, d) * (1.0 / math.sqrt(d))
+        o = torch.matmul(masked_softmax(torch.matmul(qg, keys.transpose(-1, -2)), live), vals)
+        resid = x + a.o_proj(o.reshape(1, heads * d))
+        m = lay.mlp
+        z = lay.post_attention_layernorm(resid)
+        out = lay.final_layernorm(resid + m.down_proj(nn.functional.silu(m.gate_proj(z)) * m.up_proj(z)))
+        return out, self.lm_head(out), k, v
+
+
+def torch_own_step(module: OwnMtpStep):
+    """A step backend running ``module`` on numpy feeds named as STEP_INPUTS (what a compiled step replaces)."""
+
+    @torch.no_grad()
+    def run(feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        return [t.numpy() for t in module(*(torch.from_numpy(feeds[n]) for n in STEP_INPUTS))]
+
+    return run
+
+
 def _rope_theta(cfg: dict) -> float:
     """The config's plain-rope theta (``rope_theta``, or transformers 5's ``rope_parameters``); scaled rope is
     refused rather than drafted with wrong positions."""
@@ -118,7 +167,7 @@ class OwnMtpDrafter:
     """Algorithm 2 for an MTP layer with its own KV (see the module docstring): a ``ChainDrafter``."""
 
     def __init__(self, cfg: dict, sd: dict[str, torch.Tensor], keep_ids: Sequence[int], *, window: int = 1024,
-                 k: int = 4, d: int = 2):
+                 k: int = 4, d: int = 2, step=None):
         self.layer = OwnMtpLayer(cfg).eval()
         load_into(self.layer, sd, PREFIX)
         self.embed = sd["model.embed_tokens.weight"].to(torch.float32)  # [V, hidden]
@@ -129,6 +178,31 @@ class OwnMtpDrafter:
         self.k_ring, self.v_ring = torch.zeros(kvh, window, hd), torch.zeros(kvh, window, hd)
         self.ring_pos = torch.full((window,), -1, dtype=torch.int64)
         self.t0 = -1  # the next root's position after the last hand-off
+        self.step = step  # None: the torch layer over many rows at once; else a one-row static step (STEP_INPUTS)
+
+    def static_step(self) -> OwnMtpStep:
+        """The one-row static module of this layer and head (export it, or run it with :func:`torch_own_step`)."""
+        return OwnMtpStep(self.layer, self.lm_head).eval()
+
+    def _rows(self, h: torch.Tensor, nxt: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The layer over rows (h [n, hidden], next tokens [n], positions [n]), their K/V written into the ring:
+        in one torch forward, or row by row through the static step."""
+        if self.step is None:
+            return self.layer(h, self.embed[nxt], positions, self.k_ring, self.v_ring, self.ring_pos)
+        out = []
+        for i, p in enumerate(int(x) for x in positions):
+            e = self.embed[nxt[i: i + 1]] * float(p != 0)
+            live = (self.ring_pos >= 0) & (self.ring_pos < p) & (self.ring_pos > p - self.window)
+            cos, sin = self.layer.rope.cos_sin(torch.tensor([p]), self.layer.d)
+            feeds = {"h": h[i: i + 1].numpy(), "e": e.numpy(), "k_ring": self.k_ring.numpy(),
+                     "v_ring": self.v_ring.numpy(), "mask": live.float()[None].numpy(), "cos": cos.numpy(),
+                     "sin": sin.numpy()}
+            o, _, k_row, v_row = self.step(feeds)
+            col = p % self.window
+            self.k_ring[:, col], self.v_ring[:, col] = torch.from_numpy(k_row), torch.from_numpy(v_row)
+            self.ring_pos[col] = p
+            out.append(torch.from_numpy(np.asarray(o)).reshape(1, -1))
+        return torch.cat(out)
 
     @torch.no_grad()
     def apply_handoff(self, t: int, a: int, h_rows: np.ndarray, tokens: Sequence[int]) -> np.ndarray:
@@ -142,7 +216,7 @@ class OwnMtpDrafter:
                                f"phone holds {len(tokens)}", code="bad_handoff")
         lo = max(a, t - self.window)  # only the last W rows can stay in the ring
         nxt = torch.as_tensor([int(x) for x in tokens[lo + 1: t + 1]], dtype=torch.long)
-        o = self.layer(h[lo - a:], self.embed[nxt], torch.arange(lo, t), self.k_ring, self.v_ring, self.ring_pos)
+        o = self._rows(h[lo - a:], nxt, torch.arange(lo, t))
         self.t0 = t
         return o[-1].numpy()
 
@@ -163,7 +237,7 @@ class OwnMtpDrafter:
             runners += [second] if second is not None else []
             if step < self.k:  # the drafted token at position t - 1 + step, h = the last output
                 pos = torch.tensor([self.t0 - 1 + step])
-                o = self.layer(o, self.embed[[chain[-1]]], pos, self.k_ring, self.v_ring, self.ring_pos)
+                o = self._rows(o, torch.tensor([chain[-1]]), pos)
         return MtpDraft(chain, runners, idx, qs if sampled else None)
 
 

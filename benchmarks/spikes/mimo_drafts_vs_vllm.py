@@ -1,0 +1,93 @@
+"""Issue 35: is the phone's MiMo MTP chain vLLM's? Every draft vLLM's ``mimo_mtp`` makes, against the phone's.
+
+    python benchmarks/spikes/mimo_drafts_vs_vllm.py FAMILY_DIR [--prompts 40] [--tokens 48] [--out FILE.json]
+
+FAMILY_DIR: ``python -m hyco_lab.fixtures DIR --shape mimo --weights trained --fp32``. One in-process vLLM engine
+(fp32, eager, ``{"method": "mtp", "num_speculative_tokens": 4}``) decodes each held-out family request greedily;
+a wrapper around ``SpecDecodeBaseProposer.propose`` records, for every step, the next root's position, the
+bonus and vLLM's 4 drafts. For each step the phone's drafter (``mobile_client.drafters.own_mtp``) is seeded with
+float h of every committed position before that root (the trainer's torch trunk, which matches vLLM's
+log-probabilities within 1.6e-5) and drafts its chain; printed: the share of steps whose first d drafts are
+the same, per depth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("family", type=Path)
+    p.add_argument("--prompts", type=int, default=40)
+    p.add_argument("--tokens", type=int, default=48)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+    import numpy as np
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+    from vllm.v1.spec_decode import llm_base_proposer as lbp
+
+    from hyco_lab.fixtures.kinds import eval_prompts
+    from hyco_lab.fixtures.train_mimo import MiMo
+    from mobile_client.drafters.own_mtp import OwnMtpDrafter
+
+    steps: list[tuple[int, int, list[int]]] = []
+    propose = lbp.SpecDecodeBaseProposer.propose
+
+    def recording(self, *a, **kw):  # vLLM's runner passes its arguments by name
+        out = propose(self, *a, **kw)
+        positions, to_sample = kw["target_positions"], kw["token_indices_to_sample"]
+        last = int(to_sample[0]) if to_sample is not None else int(positions.shape[0] - 1)
+        steps.append((int(positions[last]) + 1, int(kw["next_token_ids"][0]), out[0].tolist()))
+        return out
+
+    lbp.SpecDecodeBaseProposer.propose = recording
+    verifier = str(args.family / "verifier")
+    llm = LLM(model=verifier, dtype="float32", max_model_len=1024, max_num_seqs=1, enforce_eager=True,
+              distributed_executor_backend="uni", seed=0, trust_remote_code=True,
+              speculative_config={"method": "mtp", "model": verifier, "num_speculative_tokens": 4})
+    tok = AutoTokenizer.from_pretrained(verifier, trust_remote_code=True)
+    cfg = json.loads((args.family / "verifier" / "config.json").read_text())
+    sd = load_file(str(args.family / "verifier" / "model.safetensors"))
+    trunk = MiMo(cfg).float().eval()
+    trunk.load_state_dict({k: v.float() for k, v in sd.items()})
+    same, total, diffs = np.zeros(4), 0, []
+    for row in eval_prompts(max(args.prompts, 60))[: args.prompts]:
+        ids = tok(tok.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True),
+                  add_special_tokens=False).input_ids
+        steps.clear()
+        out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=args.tokens,
+                           ignore_eos=True), use_tqdm=False)[0].outputs[0]
+        seq = list(ids) + list(out.token_ids)
+        with torch.no_grad():
+            h = trunk.hidden(torch.tensor([seq]))[0].numpy()
+        for root, bonus, drafts in steps:
+            if root >= len(seq) or seq[root] != bonus:
+                continue  # the last step's drafts (after max_tokens)
+            phone = OwnMtpDrafter(cfg, sd, list(range(cfg["vocab_size"])))
+            chain = phone.draft(phone.apply_handoff(root, 0, h[:root], seq)).chain
+            total += 1
+            same += [chain[: d + 1] == drafts[: d + 1] for d in range(4)]
+            if chain != drafts and len(diffs) < 10:
+                diffs.append({"root": root, "phone": chain, "vllm": drafts})
+    llm.llm_engine.engine_core.shutdown()
+    result = {"steps": total, "same_prefix_per_depth": (same / max(total, 1)).round(4).tolist(), "diffs": diffs,
+              "command": " ".join(sys.argv)}
+    print(json.dumps(result, indent=1))
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -183,19 +183,26 @@ def check_capture(args: Any, *, is_cpu: bool) -> None:
                               "eagerly): add them to --compilation-config splitting_ops or leave splitting_ops unset")
 
 
-def _select_tree_attention(args: Any) -> None:
-    """GPU: attention_backend = CUSTOM (HyCo's tree attention) unless the user already chose CUSTOM."""
+def _require_attention_backend(args: Any, backend: str, why: str) -> None:
+    """The attention backend HyCo's tree rows need: another one asked for (``--attention-backend`` or
+    ``--attention-config backend``) is refused with ``why``; with none asked for, ``attention_backend`` is set
+    (vLLM refuses both flags at once, so one that already names ``backend`` is left alone)."""
     cfg = getattr(args, "attention_config", None)
     cfg_backend = cfg.get("backend") if isinstance(cfg, dict) else getattr(cfg, "backend", None)
     chosen = {"--attention-backend": getattr(args, "attention_backend", None),
               "--attention-config backend": cfg_backend}
     for flag, value in chosen.items():
         name = getattr(value, "name", value)
-        if name is not None and str(name).upper() not in ("AUTO", "CUSTOM"):
-            raise ConfigError(f"--speculative-config hyco verifies trees with its own attention backend on GPU "
-                              f"(a Triton tree-attention backend registered as CUSTOM): remove {flag} {name}")
+        if name is not None and str(name).upper() not in ("AUTO", backend):
+            raise ConfigError(f"{why}: remove {flag} {name}")
     if all(getattr(v, "name", v) in (None, "auto", "AUTO") for v in chosen.values()):
-        args.attention_backend = "CUSTOM"
+        args.attention_backend = backend
+
+
+def _select_tree_attention(args: Any) -> None:
+    """GPU: attention_backend = CUSTOM (HyCo's tree attention) unless the user already chose CUSTOM."""
+    _require_attention_backend(args, "CUSTOM", "--speculative-config hyco verifies trees with its own attention "
+                                               "backend on GPU (a Triton tree-attention backend registered as CUSTOM)")
 
 
 def check_full_graph_chains(cfg: HycoConfig, args: Any, *, is_cpu: bool) -> None:
@@ -265,17 +272,8 @@ def _select_mla_attention(args: Any, family: Any, *, is_cpu: bool) -> None:
     if not is_cpu:
         raise ConfigError(f"--speculative-config hyco verifies the {family.name} family's MLA trees on vLLM's CPU "
                           f"build only (worker/cpu_mla.py); the GPU tree backend handles per-head K/V")
-    cfg = getattr(args, "attention_config", None)
-    cfg_backend = cfg.get("backend") if isinstance(cfg, dict) else getattr(cfg, "backend", None)
-    chosen = {"--attention-backend": getattr(args, "attention_backend", None),
-              "--attention-config backend": cfg_backend}
-    for flag, value in chosen.items():
-        name = getattr(value, "name", value)
-        if name is not None and str(name).upper() not in ("AUTO", "CPU_MLA"):
-            raise ConfigError(f"--speculative-config hyco verifies MLA trees through vLLM's CPU_MLA backend: "
-                              f"remove {flag} {name}")
-    if all(str(getattr(v, "name", v)).upper() in ("NONE", "AUTO") for v in chosen.values()):
-        args.attention_backend = "CPU_MLA"  # vLLM refuses both flags at once: set it only where none is
+    _require_attention_backend(args, "CPU_MLA", "--speculative-config hyco verifies MLA trees through vLLM's "
+                                                "CPU_MLA backend")
 
 
 def mtp_speculative_config(cfg: HycoConfig, verifier: str) -> dict[str, Any]:

@@ -32,13 +32,12 @@ def main(argv: list[str] | None = None) -> int:
 
     import numpy as np
     import torch
-    from safetensors.torch import load_file
-    from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
     from vllm.v1.spec_decode import llm_base_proposer as lbp
 
+    from hyco_lab.fixtures.check_mimo import load_torch
     from hyco_lab.fixtures.kinds import eval_prompts
-    from hyco_lab.fixtures.train_mimo import MiMo
+    from hyco_lab.fixtures.report import _prompt_ids
     from mobile_client.drafters.own_mtp import OwnMtpDrafter
 
     steps: list[tuple[int, int, list[int]]] = []
@@ -56,15 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     llm = LLM(model=verifier, dtype="float32", max_model_len=1024, max_num_seqs=1, enforce_eager=True,
               distributed_executor_backend="uni", seed=0, trust_remote_code=True,
               speculative_config={"method": "mtp", "model": verifier, "num_speculative_tokens": 4})
-    tok = AutoTokenizer.from_pretrained(verifier, trust_remote_code=True)
-    cfg = json.loads((args.family / "verifier" / "config.json").read_text())
-    sd = load_file(str(args.family / "verifier" / "model.safetensors"))
-    trunk = MiMo(cfg).float().eval()
-    trunk.load_state_dict({k: v.float() for k, v in sd.items()})
+    trunk = load_torch(args.family / "verifier")
+    cfg, sd = trunk.cfg, trunk.state_dict()
     same, total, diffs = np.zeros(4), 0, []
-    for row in eval_prompts(max(args.prompts, 60))[: args.prompts]:
-        ids = tok(tok.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True),
-                  add_special_tokens=False).input_ids
+    for ids in _prompt_ids(args.family / "verifier", eval_prompts(max(args.prompts, 60))[: args.prompts]):
         steps.clear()
         out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=args.tokens,
                            ignore_eos=True), use_tqdm=False)[0].outputs[0]

@@ -30,26 +30,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
 
-    from safetensors.torch import load_file
-    from transformers import AutoTokenizer
-
+    from hyco_lab.fixtures.check_mimo import load_torch
     from hyco_lab.fixtures.kinds import eval_prompts
-    from hyco_lab.fixtures.train_mimo import MiMo
+    from hyco_lab.fixtures.report import _prompt_ids
     from mobile_client.drafters.own_mtp import OwnMtpDrafter
     from vllm_hyco.handoff.quant import dequantize, load_scales, quantize
 
-    cfg = json.loads((args.family / "verifier" / "config.json").read_text())
-    sd = load_file(str(args.family / "verifier" / "model.safetensors"))
-    model = MiMo(cfg).float().eval()
-    model.load_state_dict({k: v.float() for k, v in sd.items()})
+    model = load_torch(args.family / "verifier")
+    cfg, sd = model.cfg, model.state_dict()
     scales = load_scales(args.family / "handoff_scales.npz")
-    tok = AutoTokenizer.from_pretrained(str(args.family / "verifier"), trust_remote_code=True)
     keep = list(range(cfg["vocab_size"]))
     reached = {name: np.zeros(4) for name in ("float", "int8")}
     accepted = {name: np.zeros(4) for name in ("float", "int8")}
-    for row in eval_prompts(max(args.prompts, 60))[: args.prompts]:
-        ids = tok(tok.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True),
-                  add_special_tokens=False).input_ids
+    for ids in _prompt_ids(args.family / "verifier", eval_prompts(max(args.prompts, 60))[: args.prompts]):
         seq = list(ids)
         with torch.no_grad():
             for _ in range(args.tokens + 4):

@@ -158,9 +158,9 @@ def chain_drafter(model_dir: Path, spec: Any, keep: list[int], backend: str, bui
     reading the hand-off's K/V (:func:`mtp_drafter`)."""
     from vllm_hyco.models import family_of
 
-    cfg = json.loads((model_dir / "verifier" / "config.json").read_text())
-    if not family_of(cfg).phone_mtp:
-        notes.append(f"no phone-sized MTP drafter for the {family_of(cfg).name} family: SLM-only trees")
+    family = family_of(json.loads((model_dir / "verifier" / "config.json").read_text()))
+    if not family.phone_mtp:
+        notes.append(f"no phone-sized MTP drafter for the {family.name} family: SLM-only trees")
         return None
     if any(layer.kind == "hidden" for layer in spec.layers):
         if backend == "compiled":

@@ -212,7 +212,7 @@ class MlaLatentKVView:
 def mla_kv_view(impl: object, kv_cache: torch.Tensor, kv_cache_dtype: str = "auto") -> MlaLatentKVView:
     """A verified MLA latent view: the cache must be ``[blocks, block_size, width]`` and vLLM's own writer
     (``impl.do_kv_cache_update``) must put a row where :meth:`MlaLatentKVView.gather` reads it (checked once per
-    shape on a scratch cache), else HardwareUnsupportedError at startup."""
+    layer impl and shape on a scratch cache), else HardwareUnsupportedError at startup."""
     view = MlaLatentKVView(kv_cache_dtype)
     if kv_cache.dim() != 3:
         raise HardwareUnsupportedError(f"MLA KV cache of shape {tuple(kv_cache.shape)}: the tree path knows the "

@@ -46,8 +46,7 @@ import torch
 
 from vllm_hyco.config import HycoConfig
 from vllm_hyco.engine_contract import StepTree, TreeVerdict
-from vllm_hyco.errors import HardwareUnsupportedError
-from vllm_hyco.models import HIDDEN, KVLayout, family_of
+from vllm_hyco.models import HIDDEN, family_of
 from vllm_hyco.vllm_adapter.worker import handoff_step, hidden_rows, ordinary_mtp, tree_plan, tree_step, warmup
 from vllm_hyco.vllm_adapter.worker.layers import check_captured
 from vllm_hyco.vllm_adapter.worker.state import RunnerState
@@ -57,18 +56,11 @@ PLACEHOLDER = -1
 
 
 def runner_state(vllm_config: Any) -> RunnerState:
-    """A runner's HyCo state: the engine's HycoConfig and the hand-off window of the model seam. A model no
-    family serves, or a family whose drafter or KV layout the tree path does not handle yet, stops the
-    engine here, at startup, by name."""
+    """A runner's HyCo state: the engine's HycoConfig, the hand-off window and layers of the model seam. A model
+    no family serves stops the engine here, at startup, by name (the expansion refused it first)."""
     cfg = HycoConfig.maybe_from_vllm_config(vllm_config)
     hf = vllm_config.model_config.hf_config.to_dict()
-    family = family_of(hf)
-    device = str(getattr(vllm_config.device_config, "device_type", "cpu") or "cpu")
-    if family.kv_layout is KVLayout.MLA_LATENT and device != "cpu":
-        raise HardwareUnsupportedError(
-            f"--speculative-config hyco: the {family.name} family's MLA latent KV is verified on vLLM's CPU build "
-            f"only (worker/cpu_mla.py); the GPU tree backend handles per-head K/V (the MLA tree kernel, "
-            f"kernels/mla_tree.py, is not wired into an engine yet)")
+    family = family_of(hf)  # an MLA family on a GPU engine was refused by the expansion, before vLLM started
     layers = family.handoff_layers(hf)
     return RunnerState(config=cfg, window=family.handoff_window(hf, cfg.window if cfg is not None else None),
                        handoff_ids={layer.kind: layer.layer_id for layer in layers if layer.kind != HIDDEN},

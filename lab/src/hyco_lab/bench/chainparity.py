@@ -37,9 +37,13 @@ from typing import Any
 import numpy as np
 
 CHAIN = 1  # vllm_hyco.handoff.tree_contract.NodeLabel: the MTP chain
-#: (phone configuration, vLLM configuration) pairs compared by default; the static-32 runs (``hyco-exact-s32``,
-#: ``hyco-exact-prob-s32``) verify every chain node, so no budget cut selects which sessions reach a depth
-PAIRS = (("hyco-exact", "cloud-mtp"), ("hyco-exact-prob", "cloud-mtp-prob"), ("hyco-exact-s32", "cloud-mtp"),
+#: (phone configuration, vLLM configuration) pairs compared by default. ``hyco-exact-chain`` sends the chain
+#: alone at a static budget of K, so its rounds have vLLM's step shape (the accepted chain prefix, then the
+#: bonus): the drafters compared at the same kind of positions. The static-32 runs (``hyco-exact-s32``,
+#: ``hyco-exact-prob-s32``) verify every chain node, so no budget cut selects which sessions reach a depth;
+#: but a runner-up or SLM child on the path moves where the next round starts
+PAIRS = (("hyco-exact-chain", "cloud-mtp"), ("hyco-exact", "cloud-mtp"), ("hyco-exact-prob", "cloud-mtp-prob"),
+         ("hyco-exact-s32", "cloud-mtp"),
          ("hyco-exact-prob-s32", "cloud-mtp-prob"))
 RESAMPLES = 2000
 

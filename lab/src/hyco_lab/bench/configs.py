@@ -23,6 +23,9 @@ The configurations, each as ``name``: server; phone tree; acceptance.
 * ``hyco-exact-s4`` .. ``-s32``: hyco, ``budget_policy`` static, ``node_budget`` 4, 8, 16, 32; same as hyco,
   that many nodes; exact
 * ``hyco-exact-prob-s4`` .. ``-s32``: same; same as hyco-exact-prob, that many nodes; exact
+* ``hyco-exact-chain``: hyco, ``budget_policy`` static, ``node_budget`` K = 4; the MTP chain alone (no
+  runner-ups, no SLM children; round 0 the SLM's, D2): vLLM's MTP step shape, for chain parity
+  (``hyco_lab.bench.chainparity``); exact
 * ``server-head``: dropped (``DROPPED``): the engine runs no MTP head for phone sessions
 * ``slm-only``: none: modelled from the paper's device numbers (no server)
 
@@ -141,6 +144,8 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
     *(BenchConfig(f"hyco-exact-prob-s{b}", "phone", f"HyCo exact, sampled drafts, static {b}", server="hyco",
                   drafter="hybrid", device_ms=HYCO_ROUND_MS, draft_sampling="probabilistic", node_budget=b)
       for b in STATIC_BUDGETS),
+    BenchConfig("hyco-exact-chain", "phone", "HyCo exact, MTP chain alone (static K)", server="hyco",
+                drafter="chain", device_ms=HEAD_ON_DEVICE_MS, node_budget=MTP_K),
     BenchConfig("slm-only", "modelled", "SLM alone (modelled)"),
 )}
 

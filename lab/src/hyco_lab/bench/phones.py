@@ -30,6 +30,7 @@ from hyco_lab.bench.metrics import RoundRecord
 
 # the multi-pass wrapper lives in the phone package (HyCo-2P is a phone option); re-exported here
 from mobile_client.drafters.multipass import ROWS, MultiPassSlm
+from vllm_hyco.errors import ConfigError
 
 WINDOW = 1024
 
@@ -64,6 +65,13 @@ def load_phone(bundle: Path, config: BenchConfig, *, window: int = WINDOW):
         else:
             mtp = chain_drafter(bundle, spec, keep, "torch", bundle / "build", window, notes)
         inner = HybridDrafter(mtp, rows, two_pass=config.drafter == "hybrid-2p")
+    elif config.drafter == "chain":
+        spec, scales = handoff_spec(bundle)
+        if scales is None:
+            raise ConfigError(f"{config.name} drafts the MTP chain alone; the bundle {bundle} has no "
+                              f"handoff_scales.npz (no MTP chain)")
+        mtp = chain_drafter(bundle, spec, keep, "torch", bundle / "build", window, notes)
+        inner = ChainOnlyDrafter(HybridDrafter(mtp, rows))
     else:
         inner = SpecEdgeDrafter(rows, passes=4, keep_ids=np.asarray(keep))
         if config.drafter == "specedge-pd":
@@ -71,6 +79,39 @@ def load_phone(bundle: Path, config: BenchConfig, *, window: int = WINDOW):
                                                                             catch_up=catch_up)
     drafter = HycoPhoneDrafter(inner, slm=slm, mtp=mtp, scales=scales)
     return drafter, spec, options, rows, notes
+
+
+class ChainOnlyDrafter:
+    """The MTP chain alone, K nodes, no runner-ups and no SLM children (``hyco-exact-chain``): each round then
+    has vLLM's MTP step's shape (the accepted chain prefix, then the bonus), so the two drafters are compared
+    at the same kind of positions (``hyco_lab.bench.chainparity``). A round without a hand-off yet (the first,
+    docs/decisions.md D2) is ``hybrid``'s SLM tree.
+
+    >>> import numpy as np
+    >>> from mobile_client.drafters.base import ChainDraft, DraftContext, HybridDrafter
+    >>> class Chain:
+    ...     def draft(self, x_hat, sampling=None):
+    ...         return ChainDraft((5, 6, 7, 8), (9, 10))
+    >>> ChainOnlyDrafter(HybridDrafter(Chain(), None)).propose(DraftContext(1, x_hat=np.zeros(2)), 4).to_wire()
+    ([1, 5, 6, 7, 8], [-1, 0, 1, 2, 3])
+    """
+
+    def __init__(self, hybrid):
+        self.hybrid = hybrid
+
+    def propose(self, context, node_budget: int):
+        from mobile_client.tree import plant_tree
+
+        h = self.hybrid
+        if h.chain_drafter is None or context.x_hat is None:
+            return h.propose(context, node_budget)
+        if context.sampling is None:
+            d = h.chain_drafter.draft(context.x_hat)
+        else:
+            d = h.chain_drafter.draft(context.x_hat, sampling=context.sampling)
+        chain_q = getattr(d, "chain_q", None)
+        return plant_tree(context.root, tuple(d.chain), (), lam=h.lam, node_budget=node_budget,
+                          chain_q=None if chain_q is None else tuple(chain_q))
 
 
 _ACCEPTANCE: dict[tuple[str, int], Any] = {}
@@ -248,7 +289,9 @@ def prompt_ids(tokenizer_dir: Path, messages: list[dict]) -> list[int]:
     """The chat prompt's ids as vLLM's chat path makes them (template, no special tokens added)."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    # the tokenizer needs no model code: a folder whose config maps AutoConfig to its own code (MiMo) would
+    # otherwise ask on stdin whether to run it
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir), trust_remote_code=False)
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return list(tok(text, add_special_tokens=False)["input_ids"])
 

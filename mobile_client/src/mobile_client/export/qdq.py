@@ -6,6 +6,10 @@
   graph (``activation_ranges``), written as ``rmin``/``rmax`` overrides. The torch simulator calibrates its
   own quantization points with the same feeds and the same percentile rule.
 * Other initializers (norm weights, constants) are 16-bit.
+* LpNormalization outputs (the RMSNorms, ``drafters.layers.RMSNorm``) get the op's own bound, [-1, 1] widened
+  by the same margin, not a calibrated range: a row with one dominant channel reaches the end of a calibrated
+  range, and there QNN's HTP LpNormalization (x86 emulator, QAIRT 2.47) wraps around instead of saturating
+  (an element of -0.536 at the low end of its uint16 range came back as +0.788, 65,536 steps higher).
 
 The encodings are returned (and written to JSON by the build) so a phone app or the native QAIRT
 converter can reuse them.
@@ -84,6 +88,9 @@ def activation_ranges(
         lo, hi = np.percentile(data, [100 - percentile, percentile])
         lo, hi = min(lo, 0.0) * margin, max(hi, 0.0) * margin
         ranges[n] = [float(lo), float(max(hi, lo + 1e-4))]
+    for node in model.graph.node:  # x / ||x|| lies in [-1, 1] whatever the row (see the module docstring)
+        if node.op_type == "LpNormalization" and node.output[0] in ranges:
+            ranges[node.output[0]] = [-margin, margin]
     return ranges
 
 

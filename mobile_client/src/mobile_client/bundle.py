@@ -163,21 +163,39 @@ def chain_drafter(model_dir: Path, spec: Any, keep: list[int], backend: str, bui
         notes.append(f"no phone-sized MTP drafter for the {family.name} family: SLM-only trees")
         return None
     if any(layer.kind == "hidden" for layer in spec.layers):
-        if backend == "compiled":
-            notes.append("MTP step: no compiled step for an MTP layer with its own KV; running it in torch")
-        return own_mtp_drafter(model_dir, keep, window, notes)
+        return own_mtp_drafter(model_dir, keep, window, notes, backend=backend, build_dir=build_dir)
     return mtp_drafter(model_dir, keep, backend, build_dir, window, notes)
 
 
-def own_mtp_drafter(model_dir: Path, keep: list[int], window: int, notes: list[str]):
+def own_mtp_drafter(model_dir: Path, keep: list[int], window: int, notes: list[str], backend: str = "torch",
+                    build_dir: Path | None = None):
     """The MTP Drafter of a family whose MTP layer owns its KV (MiMo): the verifier folder's first MTP layer,
-    its embedding and ``lm_head``, run in torch (``drafters.own_mtp``; no compiled step yet)."""
+    its embedding and ``lm_head`` (``drafters.own_mtp``). ``backend="compiled"`` runs its one-row step from
+    ``build_dir/own_mtp_ctx.onnx`` (``export.build.build_own_mtp``) when built, else the layer in torch (a note
+    says which). Raises ConfigError when the compiled step's ring is not ``window`` columns."""
     from mobile_client.drafters.own_mtp import OwnMtpDrafter
 
     cfg, sd = read_hf_dir(model_dir / "verifier")
-    notes.append("MTP step: the verifier's own MTP layer (its KV kept on the phone from the hand-off's h rows), "
-                 "torch")
-    return OwnMtpDrafter(cfg, sd, keep, window=window)
+    what = "MTP step: the verifier's own MTP layer (its KV kept on the phone from the hand-off's h rows)"
+    if backend != "compiled":
+        notes.append(f"{what}, torch")
+        return OwnMtpDrafter(cfg, sd, keep, window=window)
+    notes.append(what)
+    ctx = (build_dir if build_dir is not None else model_dir / "build") / "own_mtp_ctx.onnx"
+    if ctx.exists() and _ring_columns(ctx) != window:
+        raise ConfigError(f"{ctx} was built for a {_ring_columns(ctx)}-column ring; this phone's window is "
+                          f"{window} (pass --window {_ring_columns(ctx)}, or rebuild)")
+    # None (and a note: torch) when not built
+    return OwnMtpDrafter(cfg, sd, keep, window=window, step=compiled_step(ctx, notes, "MTP"))
+
+
+def _ring_columns(ctx: Path) -> int:
+    """W of a compiled own-KV MTP step: the column count of its ``k_ring`` input [kvh, W, d]."""
+    import onnx
+
+    graph = onnx.load(str(ctx), load_external_data=False).graph
+    k_ring = next(i for i in graph.input if i.name == "k_ring")
+    return int(k_ring.type.tensor_type.shape.dim[1].dim_value)
 
 
 def compiled_step(ctx: Path, notes: list[str], name: str):

@@ -10,14 +10,15 @@ The model bundle (``--model-dir``) is what a phone app ships (docs/phone-loop.md
     verifier/config.json          the server model's HF config: hand-off layers and the model fingerprint
     verifier/model.safetensors    torch backend only: its embed_tokens feed the MTP Drafter's 8-bit table
     assistant/                    the Gemma-4 assistant (MTP head), HF folder; none for MiMo, whose MTP
-                                  layer ships in verifier/ (the phone runs it and keeps its own KV: torch)
+                                  layer ships in verifier/ (the phone runs it and keeps its own KV)
     slm/                          the SLM Drafter, HF folder
     handoff_scales.npz            the model's fixed hand-off scales (without it: SLM-only trees)
     keep_ids.npy                  optional keep set (default: the whole vocabulary)
     tokenizer/                    optional (else verifier/): only for --prompt / --messages-json
 
 ``--backend compiled`` runs the steps built by ``python -m mobile_client.export.build`` (``--build-dir``,
-default BUNDLE/build: ``mtp_ctx.onnx``, ``slm_ctx.onnx``, ``mtp_embed_lut.npz``, ``keep_ids.npy``) on QNN's
+default BUNDLE/build: ``mtp_ctx.onnx`` or, for MiMo, ``own_mtp_ctx.onnx``, ``slm_ctx.onnx``,
+``mtp_embed_lut.npz``, ``keep_ids.npy``) on QNN's
 HTP backend (the x86 HTP emulator here, the NPU on a phone); a step without a compiled model runs in torch,
 and the console says so. ``--prompt-ids`` sends a completions request with token ids (no tokenizer).
 ``--slm-passes 2`` drafts HyCo-2P trees (a second SLM pass; torch SLM step only: the compiled SLM graph is

@@ -208,16 +208,18 @@ class Bench:
                            extra_args=["--max-num-batched-tokens", str(self.args.max_num_batched_tokens)])
 
     def one_pass(self, srv: BenchServer, cfg: C.BenchConfig, run: int, prompts: list[dict], ids, concurrency: int,
-                 settle_s: float = 0.5) -> M.RunRecord:
+                 settle_s: float = 0.5, seed0: int | None = None) -> M.RunRecord:
+        """One pass of ``prompts`` at ``concurrency``; request i is seeded ``seed0 + i`` (default ``1000 * run``)."""
+        seed0 = 1000 * run if seed0 is None else seed0
         before_t, before_m = srv.timing(), srv.metrics()
         before_c, before_b = spec_counters(before_m), budget_counters(before_m)
         t0 = time.perf_counter()
         if cfg.kind == "cloud":
             recs, proxy = asyncio.run(run_cloud(srv.url, cfg.name, run, prompts, self.sampling,
-                                                concurrency=concurrency, link=self.link, seed0=1000 * run))
+                                                concurrency=concurrency, link=self.link, seed0=seed0))
         else:
             recs, proxy = asyncio.run(run_phones(srv.url, cfg, run, prompts, ids, self.fx, self.sampling,
-                                                 concurrency=concurrency, link=self.link, seed0=1000 * run,
+                                                 concurrency=concurrency, link=self.link, seed0=seed0,
                                                  phase_lock=self.args.phase_lock))
         wall = time.perf_counter() - t0
         time.sleep(settle_s)  # let the API server's stat loggers see the last outputs
@@ -353,10 +355,13 @@ class Bench:
                         parts = []
                         for b, lo in enumerate(range(0, m, step)):
                             part = order[lo:lo + step]
+                            # seeds by the request's place in the level (a split block's first request is
+                            # not the level's first): every request of a level its own seed, split or not
                             parts.append(self.one_pass(
                                 srv, cfg, 100 * (run + 1) + n, [self.prompts[i] for i in part],
                                 [self.ids()[i] for i in part] if cfg.kind == "phone" else None, n,
-                                settle_s=0.15 if self.args.sweep_split else 0.5))
+                                settle_s=0.15 if self.args.sweep_split else 0.5,
+                                seed0=1000 * (100 * (run + 1) + n) + lo))
                             self.records[-1] |= {"sweep_run": run, "sweep_block": b}
                             self.sweep_units.append(M.run_metrics(parts[-1]) | {"sweep_run": run, "sweep_block": b})
                         out.append(M.run_metrics(M.merge_runs(parts)) | {"sweep_run": run})

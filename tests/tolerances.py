@@ -30,6 +30,13 @@ TOLERANCES[("mtp_step_int8_kv", torch.float32)] = (0.25, 0.05)  # 8-bit K/V rows
 # are asserted beside it. Measured: sim->cpu-qdq 1e-4..5e-2, cpu-qdq->x86 HTP emulator 3e-3..1e-2.
 TOLERANCES[("qnn_sim_vs_cpu_qdq", torch.float32)] = (0.1, 0.0)
 TOLERANCES[("qnn_cpu_qdq_vs_htp_emulator", torch.float32)] = (0.03, 0.0)
+# the same ladder for the MTP layer with its own KV (MiMo one-row step, toy config, W = 1,024;
+# test_client_qnn_own_mtp.py). Measured: sim->cpu-qdq 1.1e-4..1.4e-4, cpu-qdq->x86 HTP emulator 1.2e-3..1.4e-3
+TOLERANCES[("qnn_own_mtp_sim_vs_cpu_qdq", torch.float32)] = (0.01, 0.0)
+TOLERANCES[("qnn_own_mtp_cpu_qdq_vs_htp_emulator", torch.float32)] = (0.02, 0.0)
+# its drafter run row by row through the cpu-qdq step and the emulated step (rounds crossing the ring's wrap):
+# max |diff| / max |x_hat| of each round's x_hat (the layer's output o); measured 5.8e-4..1.2e-3
+TOLERANCES[("qnn_own_mtp_x_hat_cpu_qdq_vs_htp_emulator", torch.float32)] = (0.03, 0.0)
 # engine: K/V a session's cache holds after tree rounds + compaction vs a fresh prefill of the same text
 TOLERANCES[("kv_engine_vs_prefill", torch.float32)] = (1e-4, 1e-4)
 # the same on the checkpoint-shaped fixture (128 random-router experts, top-8): a row's last-bit difference

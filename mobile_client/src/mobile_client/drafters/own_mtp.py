@@ -18,8 +18,10 @@ layer on (h = o, that token) at position t - 1 + k, attending every cached posit
 Weights: the verifier folder's ``model.mtp_layers.0.*``, its ``model.embed_tokens`` and ``lm_head``
 (restricted to the keep set, as the Gemma-4 head's). Two backends: the torch layer over a round's rows at once,
 or ``step``, a one-row static graph (:class:`OwnMtpStep`: the ring in, the row's K/V out, as ``mtp.MtpHead``
-takes its K/V rings) run row by row, the export path (``static_step`` -> ONNX; the QNN build of it is not
-made yet).
+takes its K/V rings) run row by row. That step is the export path: ``export.build.build_own_mtp`` makes its
+float ONNX, the W4/A16 QDQ graph and the QNN context for SM8850 / HTP v81 (``own_mtp_ctx.onnx``, CPU fallback
+disabled), which ``bundle.own_mtp_drafter`` runs as ``step`` with ``backend="compiled"`` (docs/phone-build.md,
+"The MiMo MTP layer"; on x86 the HTP emulator).
 
 >>> cfg = {"hidden_size": 8, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4,
 ...        "intermediate_size": 16, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "num_hidden_layers": 2}
@@ -39,10 +41,11 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from mobile_client.drafters.layers import RMSNorm, keep_lm_head, load_into, masked_softmax, rotate
+from mobile_client.drafters.layers import RMSNorm, grouped_attention, keep_lm_head, load_into, rotate
 from mobile_client.drafters.mtp import MtpDraft
 from mobile_client.drafters.sampling import DraftSampling, chain_token
 from mobile_client.drafters.spec import RopeSpec
+from mobile_client.quant.fakequant import ActQuant
 from vllm_hyco.errors import ConfigError, SessionError
 
 #: the checkpoint's name for the MTP layer the phone runs (vLLM 0.32 drafts with layer 0 only)
@@ -113,7 +116,12 @@ class OwnMtpStep(nn.Module):
     the row's K/V are outputs the CPU writes into it. ``h``, ``e`` [1, hidden] (``e`` zeroed by the CPU at
     position 0); ``k_ring``, ``v_ring`` [kvh, W, d]; ``mask`` [1, W] 1 where a column holds a live earlier
     position; ``cos``, ``sin`` [1, d] of the row's position. Returns ``o`` [1, hidden], ``logits`` [1, V_keep],
-    ``k_row``, ``v_row`` [kvh, d]. Softmax with the bounded mask fill of ``layers.masked_softmax``."""
+    ``k_row``, ``v_row`` [kvh, d]. Softmax with the bounded mask fill of ``layers.masked_softmax``.
+
+    Graph surgery for HTP: the biased q/k/v projections run on a [1, 1, hidden] row, so they export as MatMul +
+    Add; on a 2-D row they export as Gemm, whose int4 per-channel weight QNN's HTP backend rejects (the weight's
+    DequantizeLinear is left to the CPU, and the build disables CPU fallback). The ``ActQuant`` points are the
+    16-bit activations of the fake-quant rung (identity until calibrated, off in the export)."""
 
     def __init__(self, layer: OwnMtpLayer, lm_head: torch.Tensor):
         super().__init__()
@@ -121,25 +129,29 @@ class OwnMtpStep(nn.Module):
         self.lm_head = nn.Linear(lm_head.shape[1], lm_head.shape[0], bias=False)
         with torch.no_grad():
             self.lm_head.weight.copy_(lm_head)
+        self.q_h, self.q_e, self.q_scores, self.q_probs = ActQuant(), ActQuant(), ActQuant(), ActQuant()
+        self.q_attn, self.q_act, self.q_out, self.q_logits = ActQuant(), ActQuant(), ActQuant(), ActQuant()
+        self.q_k, self.q_v = ActQuant(), ActQuant()
 
     def forward(self, h, e, k_ring, v_ring, mask, cos, sin):
         lay, a = self.layer, self.layer.self_attn
         heads, kvh, d = lay.heads, lay.kvh, lay.d
-        x = lay.input_proj(torch.cat([lay.hidden_layernorm(h), lay.token_layernorm(e)], dim=-1))
-        y = lay.input_layernorm(x)
+        x = lay.input_proj(torch.cat([lay.hidden_layernorm(self.q_h(h)), lay.token_layernorm(self.q_e(e))], dim=-1))
+        y = lay.input_layernorm(x).unsqueeze(0)  # [1, 1, hidden]: MatMul + Add, not Gemm (see above)
         q = rotate(a.q_proj(y).reshape(heads, d), cos, sin)
-        k = rotate(a.k_proj(y).reshape(kvh, d), cos, sin)
-        v = a.v_proj(y).reshape(kvh, d)
+        k = self.q_k(rotate(a.k_proj(y).reshape(kvh, d), cos, sin))
+        v = self.q_v(a.v_proj(y).reshape(kvh, d))
         keys = torch.cat([k_ring, k.unsqueeze(1)], dim=1)  # [kvh, W + 1, d]: the ring, then the row itself
         vals = torch.cat([v_ring, v.unsqueeze(1)], dim=1)
         live = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)  # [1, W + 1]
         qg = q.reshape(kvh, heads // kvh, d) * (1.0 / math.sqrt(d))
-        o = torch.matmul(masked_softmax(torch.matmul(qg, keys.transpose(-1, -2)), live), vals)
-        resid = x + a.o_proj(o.reshape(1, heads * d))
+        o = grouped_attention(qg, keys, vals, live, (self.q_scores, self.q_probs))  # [kvh, g, d]
+        resid = x + a.o_proj(self.q_attn(o.reshape(1, heads * d)))
         m = lay.mlp
         z = lay.post_attention_layernorm(resid)
-        out = lay.final_layernorm(resid + m.down_proj(nn.functional.silu(m.gate_proj(z)) * m.up_proj(z)))
-        return out, self.lm_head(out), k, v
+        out = self.q_out(lay.final_layernorm(resid + m.down_proj(self.q_act(nn.functional.silu(m.gate_proj(z))
+                                                                            * m.up_proj(z)))))
+        return out, self.q_logits(self.lm_head(out)), k, v
 
 
 def torch_own_step(module: OwnMtpStep):

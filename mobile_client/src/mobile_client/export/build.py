@@ -1,7 +1,7 @@
 """The one build command for a phone app: ``python -m mobile_client.export.build OUT [--full]``.
 
-Writes under OUT: for each drafter step (``mtp``, ``slm``) the float ONNX, the QDQ ONNX, its encodings
-JSON, the compiled QNN context model (``*_ctx.onnx`` + ``*_ctx_qnn.bin``, SM8850 / HTP v81, CPU fallback
+Writes under OUT: for each drafter step (``mtp`` or ``own_mtp``, ``slm``) the float ONNX, the QDQ ONNX, its
+encodings JSON, the compiled QNN context model (``*_ctx.onnx`` + ``*_ctx_qnn.bin``, SM8850 / HTP v81, CPU fallback
 disabled), golden input/output vectors (``*_golden.npz``: inputs, ORT-CPU QDQ outputs and HTP-emulator
 outputs), ``keep_ids.npy``, the MTP Drafter's 8-bit embedding table, a copy of docs/protocol.md when the
 repo has one, and ``manifest.json`` (versions, shapes, ladder numbers, sha256 of every file).
@@ -10,6 +10,10 @@ Without a checkpoint directory the drafters are the random-weight toy twins (sam
 tiny widths, production windows and row counts). ``--mtp-dir``/``--slm-dir`` take Hugging Face folders
 (``config.json`` + ``model.safetensors``; e.g. the trained fixtures). ``--full`` exports full-size
 random-weight graphs instead and compiles them only (no emulation; slow, never in CI).
+
+A verifier whose hand-off carries h rows (MiMo: its MTP layer owns its KV; ``--target-dir`` or ``--fixtures``
+with ``verifier/`` and ``slm/``, no ``assistant/``) gets the ``own_mtp`` step instead of ``mtp``: the one-row
+static step of its first MTP layer (``build_own_mtp``; no embedding table: the layer reads float e rows).
 """
 
 from __future__ import annotations
@@ -26,9 +30,10 @@ import numpy as np
 import torch
 
 from mobile_client.drafters.mtp import MTP_INPUTS, MTP_OUTPUTS, EmbedLut, MtpHead
+from mobile_client.drafters.own_mtp import STEP_INPUTS, STEP_OUTPUTS, OwnMtpDrafter
 from mobile_client.drafters.spec import MtpSpec, SlmSpec, full_mtp_spec, random_mtp_state_dict, toy_mtp_spec
 from mobile_client.export import qnn
-from mobile_client.export.calib import mtp_feeds
+from mobile_client.export.calib import mtp_feeds, own_mtp_feeds
 from mobile_client.export.pipeline import StepArtifacts, build_step, fake_quant_copy, sha256, write_golden
 
 ROOT = Path(__file__).resolve().parents[4]
@@ -71,6 +76,35 @@ def build_mtp(
     ladder = write_golden(
         out / "mtp_golden.npz", float_head, qhead, art, feeds[n_calib:], MTP_INPUTS, emulate and compile
     )
+    return art, ladder
+
+
+def build_own_mtp(
+    out: Path,
+    cfg: dict,
+    sd: dict,
+    keep_ids: list[int],
+    compile: bool = True,
+    emulate: bool = True,
+    n_calib: int = 12,
+    n_golden: int = 2,
+    window: int = MTP_WINDOW,
+    feeds: list[dict] | None = None,
+) -> tuple[StepArtifacts, dict]:
+    """The MTP layer with its own KV (MiMo, ``drafters.own_mtp``): its one-row static step (``OwnMtpStep``:
+    the ring in, the row's K/V out) -> W4/A16 copy -> ONNX/QDQ/context + ladder on the logits.
+
+    ``cfg``/``sd`` are the verifier folder's config and weights (``model.mtp_layers.0.*``, embedding,
+    ``lm_head``). ``feeds`` (calibration then golden) default to steps recorded from the float drafter over
+    random hand-offs and chains (``calib.own_mtp_feeds``)."""
+    drafter = OwnMtpDrafter(cfg, sd, keep_ids, window=window)
+    float_step = drafter.static_step()
+    if feeds is None:
+        feeds = own_mtp_feeds(drafter, n_calib + n_golden, seed=1)
+    qstep = fake_quant_copy(float_step, feeds[:n_calib], STEP_INPUTS)
+    art = build_step("own_mtp", qstep, out, STEP_INPUTS, STEP_OUTPUTS, feeds[:n_calib], compile=compile)
+    ladder = write_golden(out / "own_mtp_golden.npz", float_step, qstep, art, feeds[n_calib:], STEP_INPUTS,
+                          emulate and compile, output=STEP_OUTPUTS.index("logits"))
     return art, ladder
 
 
@@ -143,13 +177,22 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m mobile_client.export.build", description=__doc__.split("\n")[0]
     )
     ap.add_argument("out", type=Path)
-    ap.add_argument("--fixtures", type=Path, help="a fixtures root (assistant/, verifier/, slm/ inside)")
+    ap.add_argument(
+        "--fixtures", type=Path, help="a fixtures root or bundle (assistant/ unless MiMo, verifier/, slm/ inside)"
+    )
     ap.add_argument("--mtp-dir", type=Path, help="HF gemma4_assistant folder (default: random toy twin)")
     ap.add_argument(
-        "--target-dir", type=Path, help="HF verifier folder (its embed_tokens feed the 8-bit LUT)"
+        "--target-dir",
+        type=Path,
+        help="HF verifier folder (its embed_tokens feed the 8-bit LUT; a MiMo verifier's own MTP layer is built)",
     )
     ap.add_argument("--slm-dir", type=Path, help="HF Gemma-4 text folder for the SLM Drafter")
     ap.add_argument("--keep-ids", type=Path, help=".npy/.json list of kept token ids (default: every id)")
+    ap.add_argument(
+        "--handoff-scales",
+        type=Path,
+        help="MiMo: the hand-off's scales file, whose h scales shape the calibration rows (default: next to verifier/)",
+    )
     ap.add_argument("--full", action="store_true", help="full-size random graphs, compile only (slow)")
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
@@ -164,6 +207,24 @@ def main(argv: list[str] | None = None) -> int:
     compile = not args.no_compile
     emulate = compile and not args.full
 
+    if args.target_dir and own_kv_mtp(args.target_dir):
+        steps, keep, extra = _own_mtp_steps(args, out, compile, emulate)
+    else:
+        steps, keep, extra = _mtp_steps(args, out, compile, emulate)
+    slm = _maybe_slm(args, out, keep, compile, emulate)
+    if slm is not None:
+        steps["slm"] = slm
+    np.save(out / "keep_ids.npy", np.asarray(keep, dtype=np.int32))
+    proto = ROOT / "docs" / "protocol.md"
+    if proto.exists():
+        shutil.copy(proto, out / "protocol.md")
+    info = manifest(out, steps, keep, {**extra, "full_size": args.full})
+    print(json.dumps({k: v["compile"] for k, v in info["steps"].items()}, indent=1))
+    return 0
+
+
+def _mtp_steps(args, out: Path, compile: bool, emulate: bool) -> tuple[dict, list[int], dict]:
+    """The Gemma-4 assistant head's step (``mtp``): ({name: (artifacts, ladder)}, keep ids, manifest extras)."""
     if args.mtp_dir:
         cfg, msd = load_hf_dir(args.mtp_dir)
         mspec = MtpSpec.from_hf_config(cfg)
@@ -180,39 +241,66 @@ def main(argv: list[str] | None = None) -> int:
     else:
         embed = torch.randn(mspec.vocab, mspec.backbone, generator=torch.Generator().manual_seed(args.seed))
     feeds = _captured_feeds(args.target_dir, mspec, keep, 14) if args.target_dir and not args.full else None
-    steps = {
-        "mtp": build_mtp(
-            out,
-            mspec,
-            msd,
-            keep,
-            embed,
-            compile=compile,
-            emulate=emulate,
-            n_calib=4 if args.full else 12,
-            n_golden=0 if args.full else 2,
-            feeds=feeds,
-        )
-    }
-    slm = _maybe_slm(args, out, keep, compile, emulate)
-    if slm is not None:
-        steps["slm"] = slm
-    np.save(out / "keep_ids.npy", np.asarray(keep, dtype=np.int32))
-    proto = ROOT / "docs" / "protocol.md"
-    if proto.exists():
-        shutil.copy(proto, out / "protocol.md")
-    info = manifest(
+    step = build_mtp(
         out,
-        steps,
+        mspec,
+        msd,
         keep,
-        {
-            "weights": "random" if not args.mtp_dir else str(args.mtp_dir),
-            "full_size": args.full,
-            "vocab_size": mspec.vocab,
-        },
+        embed,
+        compile=compile,
+        emulate=emulate,
+        n_calib=4 if args.full else 12,
+        n_golden=0 if args.full else 2,
+        feeds=feeds,
     )
-    print(json.dumps({k: v["compile"] for k, v in info["steps"].items()}, indent=1))
-    return 0
+    weights = "random" if not args.mtp_dir else str(args.mtp_dir)
+    return {"mtp": step}, keep, {"weights": weights, "vocab_size": mspec.vocab}
+
+
+def own_kv_mtp(verifier_dir: Path) -> bool:
+    """Whether the verifier folder's hand-off carries h rows (a ``hidden`` layer: an MTP layer with its own KV,
+    MiMo), so its phone step is the own-KV MTP layer's (``build_own_mtp``), not the assistant head's."""
+    from vllm_hyco.errors import ConfigError
+    from vllm_hyco.handoff.sizes import layers_from_hf_config
+    from vllm_hyco.models import HIDDEN
+
+    try:
+        _, layers = layers_from_hf_config(json.loads((verifier_dir / "config.json").read_text()))
+    except (ConfigError, OSError):
+        return False
+    return any(layer.kind == HIDDEN for layer in layers)
+
+
+def _own_mtp_steps(args, out: Path, compile: bool, emulate: bool) -> tuple[dict, list[int], dict]:
+    """A MiMo bundle: the verifier's own MTP layer (``own_mtp``), calibrated on hand-off rows shaped by the
+    hand-off's h scales when a scales file is found (else standard normal rows)."""
+    cfg, sd = load_hf_dir(args.target_dir)
+    sd = {k: v.float() for k, v in sd.items()}
+    vocab = int(cfg["vocab_size"])
+    keep = _load_keep(args.keep_ids, vocab)
+    scales = args.handoff_scales or args.target_dir.parent / "handoff_scales.npz"
+    streams, rows = None, "standard normal h rows (no hand-off scales file)"
+    if scales.exists():
+        from vllm_hyco.handoff.quant import load_scales
+
+        streams = _scaled_h_streams(load_scales(scales).h, vocab, 14, seed=args.seed)
+        rows = f"h rows drawn with the per-channel h scales of {scales.name}, on the int8 grid"
+    drafter = OwnMtpDrafter(cfg, sd, keep, window=MTP_WINDOW)
+    feeds = own_mtp_feeds(drafter, 14, seed=1, streams=streams)
+    step = build_own_mtp(out, cfg, sd, keep, compile=compile, emulate=emulate, feeds=feeds)
+    return {"own_mtp": step}, keep, {"weights": str(args.target_dir), "vocab_size": vocab, "own_mtp_calibration": rows}
+
+
+def _scaled_h_streams(h_scale: np.ndarray, vocab: int, n: int, seed: int) -> list[tuple[np.ndarray, list[int]]]:
+    """``n`` (h rows, tokens) requests of 2 .. 1.5 W positions: per channel c, h ~ N(0, (127 s_c / 4)^2) (the
+    scales are the 99.99th percentile of |h| / 127) rounded to the hand-off's int8 grid; random tokens."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        t = int(rng.integers(2, int(1.5 * MTP_WINDOW) + 1)) + 6
+        q = np.clip(np.round(rng.standard_normal((t, len(h_scale))) * (127 / 4)), -127, 127)
+        out.append(((q * h_scale).astype(np.float32), rng.integers(0, vocab, t + 1).tolist()))
+    return out
 
 
 def _maybe_slm(args, out: Path, keep: list[int], compile: bool, emulate: bool):

@@ -2,7 +2,9 @@
 
 Random-weight fixtures get synthetic feeds shaped like the phone's real inputs (rings partly filled,
 masks per layer window, z = [8-bit LUT row ; h]); trained fixtures should pass captures of the verifier
-instead (``feeds_from_captures``), which is what the paper's fixed ranges come from.
+instead (``feeds_from_captures``), which is what the paper's fixed ranges come from. The MTP layer with its
+own KV (MiMo) records its one-row step's inputs from a drafter run over hand-offs and chains
+(``own_mtp_feeds``): its ring, mask and rotary tables are the drafter's own.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from mobile_client.drafters.mtp import EmbedLut, MtpDrafter, MtpHead, torch_step
+from mobile_client.drafters.own_mtp import OwnMtpDrafter, torch_own_step
 from mobile_client.drafters.spec import MtpSpec
 
 
@@ -33,6 +36,51 @@ def mtp_feeds(
         z = np.concatenate([lut[int(rng.integers(len(keep_ids)))], rng.standard_normal(spec.backbone)])
         out.append(drafter.feeds(z.astype(np.float32)))
         drafter.t0 = -1  # next feed is a new request
+    return out
+
+
+def own_mtp_feeds(
+    drafter: OwnMtpDrafter, n: int, seed: int = 0, streams: list[tuple[np.ndarray, list[int]]] | None = None
+) -> list[dict[str, np.ndarray]]:
+    """``n`` one-row step inputs recorded from ``drafter`` (float torch step) on requests of random length.
+
+    Each request hands off t positions (1 .. 1.5 W) in one forward of the torch layer, drafts a chain (step
+    inputs h = the layer's own output), hands off the next round's rows (h = hand-off rows) and drafts again;
+    the recorded steps are one-row feeds with the drafter's ring, mask and rotary tables. Feeds alternate
+    between chain steps and hand-off rows. ``streams`` ((h [T, hidden], tokens [T + 1]) per request, e.g. a
+    verifier's captured rows) replace the random h rows (standard normal) and random tokens."""
+    rng = np.random.default_rng(seed)
+    recorded: list[tuple[str, dict[str, np.ndarray]]] = []
+    inner, phase = torch_own_step(drafter.static_step()), ["chain"]
+
+    def recording(feeds):
+        recorded.append((phase[0], {k: v.copy() for k, v in feeds.items()}))
+        return inner(feeds)
+
+    hidden, vocab, window = drafter.layer.input_proj.out_features, len(drafter.embed), drafter.window
+    out: list[dict[str, np.ndarray]] = []
+    for i in range(n):
+        if streams is not None:
+            h, tokens = streams[i % len(streams)]
+            t = int(rng.integers(1, len(h) - drafter.k))
+        else:
+            t = int(rng.integers(1, int(1.5 * window) + 1))
+            h = rng.standard_normal((t + drafter.k + 1, hidden)).astype(np.float32)
+            tokens = rng.integers(0, vocab, t + drafter.k + 2).tolist()
+        step, drafter.step, drafter.t0 = drafter.step, None, -1  # a new request: the hand-off in one forward
+        x_hat = drafter.apply_handoff(t, 0, h[:t], tokens)
+        drafter.step, recorded[:] = recording, []
+        phase[0] = "chain"
+        drafter.draft(x_hat)
+        t2 = t + 1 + int(rng.integers(0, drafter.k))  # the next round: the root and some accepted tokens
+        phase[0] = "handoff"
+        x_hat = drafter.apply_handoff(t2, t, h[t:t2], tokens)
+        phase[0] = "chain"
+        drafter.draft(x_hat)
+        drafter.step = step
+        kind = ("chain", "handoff")[i % 2]
+        pick = [f for p, f in recorded if p == kind]
+        out.append(pick[int(rng.integers(len(pick)))])
     return out
 
 

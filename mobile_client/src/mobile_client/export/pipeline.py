@@ -88,7 +88,7 @@ def build_step(
         "weights": weight_encodings(model, module),
         "activations": activation_ranges(f_path, calib_feeds),
         "activation_bits": 16,
-        "activation_rule": "percentile 99.99 x 1.25, zero included",
+        "activation_rule": "percentile 99.99 x 1.25, zero included; LpNormalization outputs [-1.25, 1.25]",
     }
     f_path.with_suffix(".encodings.json").write_text(json.dumps(enc, indent=1, sort_keys=True))
     quantize_qdq(f_path, q_path, enc["weights"], enc["activations"], calib_feeds)
@@ -133,31 +133,35 @@ def run_ladder(
     input_names,
     htp: bool = True,
     sessions: dict | None = None,
+    output: int = 0,
 ) -> Ladder:
-    """The first output (logits) of every rung on ``feeds``."""
+    """Output number ``output`` (the logits: the first of the MTP and SLM steps) of every rung on ``feeds``."""
     args = [torch.from_numpy(feeds[n]) for n in input_names]
     with torch.no_grad():
-        out = {"float": float_module(*args)[0].numpy(), "fake_quant": quant_module(*args)[0].numpy()}
+        out = {"float": float_module(*args)[output].numpy(), "fake_quant": quant_module(*args)[output].numpy()}
     sessions = sessions if sessions is not None else {}
     if "cpu" not in sessions:
         sessions["cpu"] = qnn.cpu_session(art.qdq_onnx)
-    out["ort_cpu_qdq"] = qnn.run(sessions["cpu"], feeds)[0]
+    out["ort_cpu_qdq"] = qnn.run(sessions["cpu"], feeds)[output]
     if htp and art.ctx_onnx is not None:
         if "htp" not in sessions:
             sessions["htp"] = qnn.htp_session(art.ctx_onnx)
-        out["htp_emulator"] = qnn.run(sessions["htp"], feeds)[0]
+        out["htp_emulator"] = qnn.run(sessions["htp"], feeds)[output]
     return Ladder(out)
 
 
-def write_golden(path: Path, float_m, quant_m, art: StepArtifacts, feeds, names, emulate: bool) -> dict:
-    """Save inputs and per-rung outputs of the golden feeds to ``path`` (npz); return the ladder comparisons.
+def write_golden(
+    path: Path, float_m, quant_m, art: StepArtifacts, feeds, names, emulate: bool, output: int = 0
+) -> dict:
+    """Save inputs and per-rung outputs (output number ``output``, the logits) of the golden feeds to ``path``
+    (npz); return the ladder comparisons.
 
-    Shared by both drafters' builds (``export.build`` for the MTP step, ``export.slm_build`` for the SLM step).
+    Shared by the drafters' builds (``export.build`` for the MTP steps, ``export.slm_build`` for the SLM step).
     """
     sessions: dict = {}
     arrays, stats = {}, []
     for i, f in enumerate(feeds):
-        lad = run_ladder(float_m, quant_m, art, f, names, htp=emulate, sessions=sessions)
+        lad = run_ladder(float_m, quant_m, art, f, names, htp=emulate, sessions=sessions, output=output)
         for n in names:
             arrays[f"{i}/in/{n}"] = f[n]
         for rung, v in lad.outputs.items():

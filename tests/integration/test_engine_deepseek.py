@@ -6,6 +6,10 @@ accepted at depth, so every accepted path is compacted through the latent cache 
 and the session commits plain greedy's tokens. The tree rows run vLLM's MLA prefill path with the tree's mask
 (``worker/cpu_mla.py``): the masked path runs in those steps, and without it (vLLM's causal mask over the tree
 rows) the same trees commit other tokens, so the mask is what keeps them exact.
+
+Slow tier: exact sampling on 2-level trees stays lossless through the masked MLA path (the first two committed
+tokens follow plain sampling's distribution, chi-square against plain samples, alpha 1e-3,
+``tests/treedist.py``), with the likeliest path behind 16 rejected decoys, so it is compacted from rows 17..
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ def llm(deepseek_dir):
     from conftest import _LLMFactory
 
     factory = _LLMFactory()
-    yield factory(str(deepseek_dir), speculative_config={"method": "hyco", "budget_policy": "static"})
+    yield factory(str(deepseek_dir), speculative_config={"method": "hyco", "budget_policy": "static"},
+                  max_logprobs=-1)  # the distribution test reads the whole vocabulary's logprobs
     factory.close_all()
 
 
@@ -72,3 +77,32 @@ def test_mla_trees_are_masked_compacted_and_commit_plain_greedy(llm, monkeypatch
     monkeypatch.setattr(cpu_mla.HycoSDPAMLAPrefill, "run_prefill_new_tokens",
                         CPUSDPAMLAPrefillBackend.run_prefill_new_tokens)
     assert _sessions(llm, refs)[0] != refs
+
+
+@pytest.mark.slow
+def test_exact_sampling_on_masked_mla_trees_is_lossless(llm, monkeypatch):
+    """T = 0.1: the random weights leave the next token nearly uniform over the 4,096 ids at T = 1 (the top
+    one holds ~0.08 %), so tree paths would almost never be taken; at 0.1 greedy's first step from
+    ``PROMPTS[1]`` has its top token at 0.46 (the context is that prompt, cut 0). Exactness must preserve the
+    sampled distribution at any temperature, and plain samples are drawn at the same one. The 16 decoys are
+    there for the test's power: these weights barely attend (the logits follow the last token), so one sibling
+    seen through a missing mask moves the next token's distribution too little for 240 sessions to tell; 16 of
+    them do (by hand, with vLLM's causal mask over the tree rows: the second token's chi-square 77.8 and the
+    pair's 59.2 against 26.3 and 20.8; 12.1 and 1.9 with the mask)."""
+    from treedist import exact_tree_distribution
+
+    from vllm_hyco.vllm_adapter.worker import cpu_mla, tree_plan
+
+    masked = {"calls": 0}
+    ours = cpu_mla.HycoSDPAMLAPrefill.run_prefill_new_tokens
+
+    def counted(self, *args, **kwargs):
+        masked["calls"] += bool(tree_plan.masked_trees())
+        return ours(self, *args, **kwargs)
+
+    monkeypatch.setattr(cpu_mla.HycoSDPAMLAPrefill, "run_prefill_new_tokens", counted)
+    decoys = 16
+    dist = exact_tree_distribution(llm, PROMPTS[1], temperature=0.1, n_ref=1200, n_hy=240, decoys=decoys)
+    dist.assert_lossless()
+    assert masked["calls"] > 0
+    assert any(p == [decoys + 1, decoys + 3] for p in dist.paths), dist.depths  # compacted from rows 17..

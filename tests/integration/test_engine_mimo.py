@@ -7,14 +7,12 @@ KV; fp32), with the verifier folder as vLLM's MTP drafter for ordinary requests 
 * The h rows are the ring's: after a server-mode stretch the seed re-sends the positions earlier hand-offs
   carried, bit for bit (the worker's per-session ring, ``worker/hidden_rows.py``).
 * Exact sampling (T = 1) stays lossless: the first two committed tokens of 2-level trees follow plain
-  sampling's distribution (chi-square against plain samples, alpha 1e-3, ``tests/unit/distcheck.py``).
+  sampling's distribution (chi-square against plain samples, alpha 1e-3, ``tests/treedist.py``).
 """
 
 from __future__ import annotations
 
 import random
-import sys
-from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -96,47 +94,6 @@ def test_a_seed_after_server_mode_resends_the_rows_of_earlier_rounds(llm, prompt
 
 
 def test_exact_sampling_on_trees_is_lossless(llm, prompt_ids):
-    from vllm import SamplingParams
+    from treedist import exact_tree_distribution
 
-    from vllm_hyco.vllm_adapter.api_server.inprocess import HycoEngine
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-    from distcheck import chi_square
-
-    n_ref, n_hy, length = 600, 120, 2
-    # a context whose next token is likely but not certain (greedy continuation up to the first step whose top
-    # token holds 0.3-0.8), so the tree's paths are taken and its siblings matter
-    greedy = llm.generate([{"prompt_token_ids": prompt_ids}], SamplingParams(temperature=0, max_tokens=24, logprobs=1,
-                          ignore_eos=True), use_tqdm=False)[0].outputs[0]
-    cut = next(i for i, lp in enumerate(greedy.logprobs) if 0.3 <= np.exp(max(x.logprob for x in lp.values())) <= 0.8)
-    prompt_ids = list(prompt_ids) + list(greedy.token_ids[:cut])
-    sampling = dict(temperature=1.0, max_tokens=length, ignore_eos=True)
-    ref = llm.generate([{"prompt_token_ids": prompt_ids}] * n_ref,
-                       [SamplingParams(seed=20_000 + i, **sampling) for i in range(n_ref)], use_tqdm=False)
-    ref_ids = [tuple(o.outputs[0].token_ids) for o in ref]
-    top = [t for t, _ in Counter(r[0] for r in ref_ids).most_common(2)]
-    second = [t for t, _ in Counter(r[1] for r in ref_ids if r[0] == top[0]).most_common(2)]
-    hy = HycoEngine(llm)
-    got, depths = [], Counter()
-    for i in range(n_hy):  # the same 2-level tree every time: the likeliest tokens, so paths are accepted
-        s = hy.open(prompt_token_ids=prompt_ids, seed=i, **sampling)
-        v = hy.submit(s.sid, 0, [s.root, top[0], top[1], *second], [-1, 0, 0, 1, 1])
-        depths[len(v.path_rows)] += 1
-        out = list(v.committed)
-        if len(out) < length:
-            out += hy.submit(s.sid, 1, [v.bonus], [-1]).committed
-        got.append(tuple(out[:length]))
-    tested = 0
-    for key in (lambda r: r[0], lambda r: r[1], lambda r: r):  # each token's marginal, then the pairs
-        cells = sorted({key(r) for r in ref_ids} | {key(g) for g in got})
-        index = {c: k for k, c in enumerate(cells)}
-        probs = np.bincount([index[key(r)] for r in ref_ids], minlength=len(cells)) / n_ref
-        observed = np.bincount([index[key(g)] for g in got], minlength=len(cells)).astype(float)
-        big = probs * n_hy >= 5
-        if big.sum() < 1 or probs[~big].sum() * n_hy < 5:  # under two bins after merging: nothing to test
-            continue
-        stat, crit = chi_square(observed, probs + 1e-12)
-        assert stat < crit, (stat, crit)
-        tested += 1
-    assert tested >= 2
-    assert depths[1] + depths[2] > 0 and depths[2] > 0, depths  # the tree's paths were taken, to depth 2
+    exact_tree_distribution(llm, prompt_ids, temperature=1.0, n_ref=600, n_hy=120).assert_lossless()

@@ -118,23 +118,28 @@ def test_qnn_own_mtp_drafter_chains_cpu_qdq_equal_emulator(built):
         assert np.abs(x - y).max() / np.abs(x).max() <= bound
 
 
+def _mimo_verifier(root, sd) -> dict:
+    """A MiMo verifier folder ``root/verifier`` holding the toy MTP layer (config.json + model.safetensors)."""
+    from safetensors.torch import save_file
+
+    cfg = {"model_type": "mimo", "architectures": ["MiMoForCausalLM"], "num_nextn_predict_layers": 1,
+           "vocab_size": VOCAB, **CFG}
+    (root / "verifier").mkdir()
+    (root / "verifier" / "config.json").write_text(json.dumps(cfg))
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(root / "verifier" / "model.safetensors"))
+    return cfg
+
+
 def test_qnn_own_mtp_bundle_runs_the_compiled_step(built, tmp_path):
     """``bundle.chain_drafter`` of a MiMo bundle (a ``hidden`` hand-off layer) with ``backend="compiled"`` runs the
     built context (EMULATED here) and drafts the chains of the emulated step; a window other than the build's is
     refused by name."""
-    from safetensors.torch import save_file
-
     from mobile_client.bundle import chain_drafter
     from vllm_hyco.errors import ConfigError
     from vllm_hyco.handoff.sizes import spec_from_hf_config
 
     out, sd, keep, art, _ = built
-    cfg = {"model_type": "mimo", "architectures": ["MiMoForCausalLM"], "num_nextn_predict_layers": 1,
-           "vocab_size": VOCAB, **CFG}
-    (tmp_path / "verifier").mkdir()
-    (tmp_path / "verifier" / "config.json").write_text(json.dumps(cfg))
-    save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp_path / "verifier" / "model.safetensors"))
-    spec = spec_from_hf_config(cfg)
+    spec = spec_from_hf_config(_mimo_verifier(tmp_path, sd))
     notes: list[str] = []
     drafter = chain_drafter(tmp_path, spec, keep, "compiled", out, MTP_WINDOW, notes)
     assert isinstance(drafter, OwnMtpDrafter) and drafter.step is not None
@@ -158,3 +163,26 @@ def test_qnn_own_mtp_golden_vectors_and_manifest(built):
     step = info["steps"]["own_mtp"]
     assert step["compile"]["bin"] == "own_mtp_ctx_qnn.bin" and step["inputs"]["mask"] == [1, MTP_WINDOW]
     assert {"own_mtp_ctx.onnx", "own_mtp_ctx_qnn.bin", "own_mtp.qdq.onnx"} <= set(info["files"])
+
+
+def test_the_build_command_builds_the_own_mtp_step_for_a_mimo_verifier(built, tmp_path):
+    """``python -m mobile_client.export.build OUT --target-dir V`` with a MiMo verifier (a ``hidden`` hand-off
+    layer) builds ``own_mtp`` (no ``mtp``, no embedding table), here on captured hand-offs (``--calib-streams``),
+    without the compile (the compile is the fixture's)."""
+    from mobile_client.export.build import main
+
+    _, sd, *_ = built
+    _mimo_verifier(tmp_path, sd)
+    rng = np.random.default_rng(3)
+    streams = {}
+    for i, t in enumerate((40, 300)):
+        streams[f"h_{i}"] = rng.standard_normal((t, CFG["hidden_size"])).astype(np.float32)
+        streams[f"tokens_{i}"] = rng.integers(0, VOCAB, t + 1)
+    np.savez(tmp_path / "streams.npz", **streams)
+    out = tmp_path / "build"
+    assert main([str(out), "--target-dir", str(tmp_path / "verifier"), "--no-compile",
+                 "--calib-streams", str(tmp_path / "streams.npz")]) == 0
+    info = json.loads((out / "manifest.json").read_text())
+    assert set(info["steps"]) == {"own_mtp", "slm"} and info["steps"]["own_mtp"]["compile"] is None
+    assert info["own_mtp_calibration"] == "captured hand-offs streams.npz (2 requests)"
+    assert info["steps"]["own_mtp"]["ladder"]["feeds"] == 2 and not (out / "mtp_embed_lut.npz").exists()

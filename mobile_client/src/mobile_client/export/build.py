@@ -193,6 +193,11 @@ def main(argv: list[str] | None = None) -> int:
         type=Path,
         help="MiMo: the hand-off's scales file, whose h scales shape the calibration rows (default: next to verifier/)",
     )
+    ap.add_argument(
+        "--calib-streams",
+        type=Path,
+        help="MiMo: .npz of captured hand-offs (h_<i> [T, hidden] h rows, tokens_<i> [T + 1] ids) to calibrate on",
+    )
     ap.add_argument("--full", action="store_true", help="full-size random graphs, compile only (slow)")
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
@@ -272,15 +277,20 @@ def own_kv_mtp(verifier_dir: Path) -> bool:
 
 
 def _own_mtp_steps(args, out: Path, compile: bool, emulate: bool) -> tuple[dict, list[int], dict]:
-    """A MiMo bundle: the verifier's own MTP layer (``own_mtp``), calibrated on hand-off rows shaped by the
-    hand-off's h scales when a scales file is found (else standard normal rows)."""
+    """A MiMo bundle: the verifier's own MTP layer (``own_mtp``), calibrated on ``--calib-streams`` (captured
+    hand-offs) when given, else on synthetic hand-off rows shaped by the hand-off's h scales when a scales file
+    is found, else on standard normal rows."""
     cfg, sd = load_hf_dir(args.target_dir)
     sd = {k: v.float() for k, v in sd.items()}
     vocab = int(cfg["vocab_size"])
     keep = _load_keep(args.keep_ids, vocab)
     scales = args.handoff_scales or args.target_dir.parent / "handoff_scales.npz"
     streams, rows = None, "standard normal h rows (no hand-off scales file)"
-    if scales.exists():
+    if args.calib_streams:
+        z = np.load(args.calib_streams)
+        streams = [(z[f"h_{i}"].astype(np.float32), z[f"tokens_{i}"].tolist()) for i in range(len(z.files) // 2)]
+        rows = f"captured hand-offs {args.calib_streams.name} ({len(streams)} requests)"
+    elif scales.exists():
         from vllm_hyco.handoff.quant import load_scales
 
         streams = _scaled_h_streams(load_scales(scales).h, vocab, 14, seed=args.seed)

@@ -26,6 +26,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=40)
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="the requests' temperature (> 0: sampled with --top-k / --top-p, seeded per request; "
+                        "vLLM's drafts stay greedy)")
+    p.add_argument("--top-k", type=int, default=64)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--stop-at-eos", action="store_true",
+                   help="answers end at EOS, as the bench's (default: ignore_eos)")
     args = p.parse_args(argv)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -58,10 +65,15 @@ def main(argv: list[str] | None = None) -> int:
     trunk = load_torch(args.family / "verifier")
     cfg, sd = trunk.cfg, trunk.state_dict()
     same, total, diffs = np.zeros(4), 0, []
-    for ids in _prompt_ids(args.family / "verifier", eval_prompts(max(args.prompts, 60))[: args.prompts]):
+    sampled = {} if args.temperature == 0 else {"top_k": args.top_k, "top_p": args.top_p}
+    reached, accepted = np.zeros(4), np.zeros(4)  # vLLM's own chain, per depth, read from the committed tokens
+    per_step: list[list[int]] = []  # (request, the root's offset in the answer, drafts accepted)
+    prompts = _prompt_ids(args.family / "verifier", eval_prompts(max(args.prompts, 60))[: args.prompts])
+    for i, ids in enumerate(prompts):
         steps.clear()
-        out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=args.tokens,
-                           ignore_eos=True), use_tqdm=False)[0].outputs[0]
+        params = SamplingParams(temperature=args.temperature, max_tokens=args.tokens, ignore_eos=not args.stop_at_eos,
+                                seed=i, **sampled)
+        out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs[0]
         seq = list(ids) + list(out.token_ids)
         with torch.no_grad():
             h = trunk.hidden(torch.tensor([seq]))[0].numpy()
@@ -72,11 +84,18 @@ def main(argv: list[str] | None = None) -> int:
             chain = phone.draft(phone.apply_handoff(root, 0, h[:root], seq)).chain
             total += 1
             same += [chain[: d + 1] == drafts[: d + 1] for d in range(4)]
+            if root + len(drafts) < len(seq):  # steps whose drafts all lie inside the answer
+                n = next((d for d, t in enumerate(drafts) if seq[root + 1 + d] != t), len(drafts))
+                reached[: n + 1] += 1
+                accepted[:n] += 1
+                per_step.append([i, root - len(ids), n])
             if chain != drafts and len(diffs) < 10:
                 diffs.append({"root": root, "phone": chain, "vllm": drafts})
     llm.llm_engine.engine_core.shutdown()
     result = {"steps": total, "same_prefix_per_depth": (same / max(total, 1)).round(4).tolist(), "diffs": diffs,
-              "command": " ".join(sys.argv)}
+              "vllm_reached": reached.tolist(),
+              "vllm_accepted_per_depth": (accepted / np.maximum(reached, 1)).round(4).tolist(),
+              "steps_inside": per_step, "command": " ".join(sys.argv)}
     print(json.dumps(result, indent=1))
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")

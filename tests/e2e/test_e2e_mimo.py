@@ -9,12 +9,16 @@ is the checkpoint's own MTP layer, its KV kept on the phone from the hand-off's 
   it is accepted (MAT > 1), and every verdict carried the h rows.
 * A phone bundle of another family (the Gemma-4 fixtures) is refused at the handshake, naming the model
   bundle, and the server keeps serving.
+* With ``HYCO_PHONE_BUILD_MIMO`` set to ``python -m mobile_client.export.build OUT --fixtures FAMILY``'s OUT, a
+  phone whose MTP layer runs the compiled step (``own_mtp_ctx.onnx`` on the x86 HTP emulator) commits plain
+  greedy's tokens too.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -56,8 +60,8 @@ def plain(server):
     return plain_greedy(server, PROMPTS, MAX_TOKENS)
 
 
-def _session(bundle_dir: Path, tok, prompt: str) -> PhoneSession:
-    bundle = load_bundle(bundle_dir)
+def _session(bundle_dir: Path, tok, prompt: str, backend: str = "torch", build: Path | None = None) -> PhoneSession:
+    bundle = load_bundle(bundle_dir, backend, build)
     body = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True}
     session = PhoneSession(bundle.drafter, prompt_tokens=tok(prompt)["input_ids"], request=body,
                            endpoint="completions", spec=bundle.spec, options=SessionOptions(node_budget=32))
@@ -98,3 +102,14 @@ def test_a_bundle_of_another_family_is_refused_at_the_handshake(server, family, 
     session = _session(family, tok, PROMPTS[1])  # the server goes on serving
     asyncio.run(make_client(server).run(session))
     assert session.tokens == plain[PROMPTS[1]][1]
+
+
+@pytest.mark.skipif(not os.environ.get("HYCO_PHONE_BUILD_MIMO"),
+                    reason="set HYCO_PHONE_BUILD_MIMO to the output of python -m mobile_client.export.build OUT "
+                           "--fixtures FAMILY (the trained MiMo family)")
+def test_a_phone_with_the_compiled_mtp_layer_equals_plain_greedy(server, family, tok, plain):
+    """Both steps compiled (the SLM's and the MTP layer's contexts, on the x86 HTP emulator)."""
+    session = _session(family, tok, PROMPTS[0], "compiled", Path(os.environ["HYCO_PHONE_BUILD_MIMO"]))
+    assert session.drafter.mtp.step is not None  # the QNN context (x86: the HTP emulator), not the torch layer
+    result = asyncio.run(make_client(server).run(session))
+    assert session.tokens == plain[PROMPTS[0]][1] and result.mat > 1.0, result.mat

@@ -90,7 +90,19 @@ def test_a_seed_after_server_mode_resends_the_rows_of_earlier_rounds(llm, prompt
     assert seed is not None and seed.start == 0 and seed.end == v.handoff.position + 1
     rows = np.asarray(seed.kv["hidden"].k)[:, 0, :]
     assert all(np.array_equal(rows[p], r) for p, r in seen.items()), "the ring lost a committed row"
+    # the rings are the pool allocated at load (max_sessions x W x hidden): this session holds one slot until
+    # its end reaches the worker
+    st = _runner(llm).hyco
+    pool, held = st.hidden_pool, len(st.hidden_pool.slot_of)
+    hidden = llm.llm_engine.model_config.hf_config.hidden_size
+    assert pool.rows.shape == (st.config.max_sessions, st.window, hidden) and held >= 1 and not pool.apart
     hy.close(s.sid)
+    llm.generate([{"prompt_token_ids": prompt_ids}], use_tqdm=False)  # a step that carries the finished id
+    assert len(pool.slot_of) < held and len(pool.slot_of) + len(pool.free_slots) == st.config.max_sessions
+
+
+def _runner(llm):
+    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
 
 
 def test_exact_sampling_on_trees_is_lossless(llm, prompt_ids):

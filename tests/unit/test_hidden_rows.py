@@ -11,7 +11,7 @@ from vllm_hyco.vllm_adapter.worker.hidden_rows import HiddenRing
 
 
 def test_a_seed_is_the_longest_run_of_computed_positions():
-    ring = HiddenRing(8, torch.zeros(1, 4))
+    ring = HiddenRing.empty(8, torch.zeros(1, 4))
     rows = torch.arange(40, dtype=torch.float32).view(10, 4)
     ring.write(torch.arange(3, 10), rows[3:10])  # positions 0..2 came from the prefix cache: never computed
     start, got = ring.read(2, 10)  # W = 8: [2, 10) wanted, position 2 is missing

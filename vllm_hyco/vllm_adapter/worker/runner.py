@@ -77,6 +77,11 @@ class HycoRunnerMixin:
         self.hyco = runner_state(vllm_config)
 
     # -- load -----------------------------------------------------------------------------------------------
+    def load_model(self, *args: Any, **kwargs: Any) -> Any:
+        result = super().load_model(*args, **kwargs)
+        hidden_rows.allocate(self)  # before vLLM's memory profile, so the KV cache leaves it room
+        return result
+
     def initialize_kv_cache(self, *args: Any, **kwargs: Any) -> Any:
         result = super().initialize_kv_cache(*args, **kwargs)
         if self.device.type == "cuda" and not kwargs.get("is_profiling"):

@@ -23,7 +23,7 @@ class RunnerState:
     handoff_ids: dict[str, int] = field(default_factory=dict)
     # the family's MTP layer owns its KV (``DrafterKV.OWN``): the hand-off carries h rows (``hidden_rows.py``)
     hidden_rows: bool = False
-    hidden_rings: dict[str, Any] = field(default_factory=dict)  # req id -> hidden_rows.HiddenRing (sessions)
+    hidden_pool: Any = None  # hidden_rows.HiddenPool: the sessions' h rings, allocated at model load
     trees: list[Any] | None = None  # this step's tree_plan.TreeRows (None: no tree)
     verdicts: dict[str, TreeVerdict] = field(default_factory=dict)  # req id -> this step's verdict
     hidden: Any = None  # [num_tokens, hidden] this step's post-final-norm hidden states (trees only)

@@ -90,6 +90,10 @@ def exact_tree_distribution(llm, prompt_ids, *, temperature: float = 1.0, n_ref:
     ref_ids = [tuple(o.outputs[0].token_ids) for o in ref]
     top = [t for t, _ in Counter(r[0] for r in ref_ids).most_common(2)]
     second = [t for t, _ in Counter(r[1] for r in ref_ids if r[0] == top[0]).most_common(2)]
+    assert len(top) == 2 and len(second) == 2, (
+        f"the context is too certain for a 2-level tree: {len(top)} distinct first token(s) and {len(second)} "
+        f"distinct second token(s) after {top[0]} in {n_ref} reference samples (pick a less certain context "
+        "or a higher temperature)")
     drawn = {r[0] for r in ref_ids}
     pool = [t for t in range(3, llm.llm_engine.model_config.get_vocab_size()) if t not in drawn] if decoys else []
     lure = random.Random(0).sample(pool, decoys)

@@ -32,6 +32,22 @@ def llm(deepseek_dir):
     factory.close_all()
 
 
+@pytest.fixture
+def masked(monkeypatch):
+    """``{"calls": n}``: how many of vLLM's MLA prefill calls ran with a masked tree (the masked path)."""
+    from vllm_hyco.vllm_adapter.worker import cpu_mla, tree_plan
+
+    counts = {"calls": 0}
+    ours = cpu_mla.HycoSDPAMLAPrefill.run_prefill_new_tokens
+
+    def counted(self, *args, **kwargs):
+        counts["calls"] += bool(tree_plan.masked_trees())
+        return ours(self, *args, **kwargs)
+
+    monkeypatch.setattr(cpu_mla.HycoSDPAMLAPrefill, "run_prefill_new_tokens", counted)
+    return counts
+
+
 def _sessions(llm, refs):
     from vllm_hyco.vllm_adapter.api_server.inprocess import HycoEngine
 
@@ -52,23 +68,15 @@ def _sessions(llm, refs):
     return outs, paths
 
 
-def test_mla_trees_are_masked_compacted_and_commit_plain_greedy(llm, monkeypatch):
+def test_mla_trees_are_masked_compacted_and_commit_plain_greedy(llm, masked, monkeypatch):
     from vllm import SamplingParams
     from vllm.v1.attention.backends.mla.prefill.cpu_sdpa import CPUSDPAMLAPrefillBackend
 
-    from vllm_hyco.vllm_adapter.worker import cpu_mla, tree_plan
+    from vllm_hyco.vllm_adapter.worker import cpu_mla
 
     refs = [list(o.outputs[0].token_ids) for o in llm.generate(
         [{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
                                                                    ignore_eos=True), use_tqdm=False)]
-    masked = {"calls": 0}
-    ours = cpu_mla.HycoSDPAMLAPrefill.run_prefill_new_tokens
-
-    def counted(self, *args, **kwargs):
-        masked["calls"] += bool(tree_plan.masked_trees())
-        return ours(self, *args, **kwargs)
-
-    monkeypatch.setattr(cpu_mla.HycoSDPAMLAPrefill, "run_prefill_new_tokens", counted)
     outs, paths = _sessions(llm, refs)
     assert outs == refs and masked["calls"] > 0
     assert sum(1 for p in paths if len(p) >= 2 and p[0] == 2) >= 4, paths  # compacted paths, at depth
@@ -80,7 +88,7 @@ def test_mla_trees_are_masked_compacted_and_commit_plain_greedy(llm, monkeypatch
 
 
 @pytest.mark.slow
-def test_exact_sampling_on_masked_mla_trees_is_lossless(llm, monkeypatch):
+def test_exact_sampling_on_masked_mla_trees_is_lossless(llm, masked):
     """T = 0.1: the random weights leave the next token nearly uniform over the 4,096 ids at T = 1 (the top
     one holds ~0.08 %), so tree paths would almost never be taken; at 0.1 greedy's first step from
     ``PROMPTS[1]`` has its top token at 0.46 (the context is that prompt, cut 0). Exactness must preserve the
@@ -91,16 +99,6 @@ def test_exact_sampling_on_masked_mla_trees_is_lossless(llm, monkeypatch):
     pair's 59.2 against 26.3 and 20.8; 12.1 and 1.9 with the mask)."""
     from treedist import exact_tree_distribution
 
-    from vllm_hyco.vllm_adapter.worker import cpu_mla, tree_plan
-
-    masked = {"calls": 0}
-    ours = cpu_mla.HycoSDPAMLAPrefill.run_prefill_new_tokens
-
-    def counted(self, *args, **kwargs):
-        masked["calls"] += bool(tree_plan.masked_trees())
-        return ours(self, *args, **kwargs)
-
-    monkeypatch.setattr(cpu_mla.HycoSDPAMLAPrefill, "run_prefill_new_tokens", counted)
     decoys = 16
     dist = exact_tree_distribution(llm, PROMPTS[1], temperature=0.1, n_ref=1200, n_hy=240, decoys=decoys)
     dist.assert_lossless()

@@ -190,6 +190,8 @@ class OwnMtpDrafter:
         self.k_ring, self.v_ring = torch.zeros(kvh, window, hd), torch.zeros(kvh, window, hd)
         self.ring_pos = torch.full((window,), -1, dtype=torch.int64)
         self.t0 = -1  # the next root's position after the last hand-off
+        self.last_logits: np.ndarray | None = None  # the static step's logits of the last row it ran
+        self.root: tuple[np.ndarray | None, np.ndarray | None] = (None, None)  # the last hand-off's x_hat, logits
         self.step = step  # None: the torch layer over many rows at once; else a one-row static step (STEP_INPUTS)
 
     def static_step(self) -> OwnMtpStep:
@@ -198,10 +200,12 @@ class OwnMtpDrafter:
 
     def _rows(self, h: torch.Tensor, nxt: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The layer over rows (h [n, hidden], next tokens [n], positions [n]), their K/V written into the ring:
-        in one torch forward, or row by row through the static step."""
+        in one torch forward, or row by row through the static step (its last row's logits over the keep set
+        kept in ``last_logits``: the head ran in the step, so :meth:`draft` does not run it again)."""
+        self.last_logits = None
         if self.step is None:
             return self.layer(h, self.embed[nxt], positions, self.k_ring, self.v_ring, self.ring_pos)
-        out = []
+        out, logits = [], None
         for i, p in enumerate(int(x) for x in positions):
             e = self.embed[nxt[i: i + 1]] * float(p != 0)
             live = (self.ring_pos >= 0) & (self.ring_pos < p) & (self.ring_pos > p - self.window)
@@ -209,11 +213,12 @@ class OwnMtpDrafter:
             feeds = {"h": h[i: i + 1].numpy(), "e": e.numpy(), "k_ring": self.k_ring.numpy(),
                      "v_ring": self.v_ring.numpy(), "mask": live.float()[None].numpy(), "cos": cos.numpy(),
                      "sin": sin.numpy()}
-            o, _, k_row, v_row = self.step(feeds)
+            o, logits, k_row, v_row = self.step(feeds)
             col = p % self.window
             self.k_ring[:, col], self.v_ring[:, col] = torch.from_numpy(k_row), torch.from_numpy(v_row)
             self.ring_pos[col] = p
             out.append(torch.from_numpy(np.asarray(o)).reshape(1, -1))
+        self.last_logits = np.asarray(logits, np.float32).reshape(-1)
         return torch.cat(out)
 
     @torch.no_grad()
@@ -230,7 +235,8 @@ class OwnMtpDrafter:
         nxt = torch.as_tensor([int(x) for x in tokens[lo + 1: t + 1]], dtype=torch.long)
         o = self._rows(h[lo - a:], nxt, torch.arange(lo, t))
         self.t0 = t
-        return o[-1].numpy()
+        self.root = (o[-1].numpy(), self.last_logits)  # x_hat, and the step's logits of it (None in torch)
+        return self.root[0]
 
     @torch.no_grad()
     def draft(self, x_hat: np.ndarray, sampling: DraftSampling | None = None) -> MtpDraft:
@@ -239,9 +245,11 @@ class OwnMtpDrafter:
         assert self.t0 > 0, "apply a hand-off first"
         sampled = sampling is not None and not sampling.greedy
         o = torch.as_tensor(np.asarray(x_hat, np.float32)).reshape(1, -1)
+        # the compiled step's logits of the row, when it computed this x_hat; else the head on the CPU
+        step_logits = self.root[1] if np.array_equal(np.asarray(x_hat), self.root[0]) else None
         chain, runners, idx, qs = [], [], [], []
         for step in range(1, self.k + 1):
-            logits = (o @ self.lm_head.T).reshape(-1).numpy()
+            logits = step_logits if step_logits is not None else (o @ self.lm_head.T).reshape(-1).numpy()
             i, q, second = chain_token(logits, self.keep_ids, sampling if sampled else None, step <= self.d)
             chain.append(int(self.keep_ids[i]))
             idx.append(i)
@@ -250,6 +258,7 @@ class OwnMtpDrafter:
             if step < self.k:  # the drafted token at position t - 1 + step, h = the last output
                 pos = torch.tensor([self.t0 - 1 + step])
                 o = self._rows(o, torch.tensor([chain[-1]]), pos)
+                step_logits = self.last_logits
         return MtpDraft(chain, runners, idx, qs if sampled else None)
 
 

@@ -3,8 +3,6 @@ rows, whatever way they arrive, and its chain is vLLM's ``mimo_mtp`` chaining.""
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 import torch
@@ -120,18 +118,13 @@ def test_the_static_one_row_step_drafts_what_the_layer_drafts(tmp_path):
 def test_a_mimo_bundle_without_a_compiled_step_runs_the_layer_in_torch(tmp_path):
     """``bundle.chain_drafter`` of a MiMo bundle (a ``hidden`` hand-off layer): ``backend="compiled"`` with no
     ``own_mtp_ctx.onnx`` in the build folder runs the layer in torch and says so; ``torch`` says torch."""
-    from safetensors.torch import save_file
+    from client_shared import write_mimo_verifier
 
     from mobile_client.bundle import chain_drafter
     from vllm_hyco.handoff.sizes import spec_from_hf_config
 
-    cfg = {"model_type": "mimo", "architectures": ["MiMoForCausalLM"], "num_nextn_predict_layers": 1,
-           "vocab_size": VOCAB, **CFG}
-    (tmp_path / "verifier").mkdir()
-    (tmp_path / "verifier" / "config.json").write_text(json.dumps(cfg))
     sd = random_mimo_mtp_state_dict(CFG, VOCAB, seed=3)
-    save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp_path / "verifier" / "model.safetensors"))
-    spec = spec_from_hf_config(cfg)
+    spec = spec_from_hf_config(write_mimo_verifier(tmp_path, CFG, VOCAB, sd))
     for backend, said in (("compiled", "no compiled model at"), ("torch", "h rows), torch")):
         notes: list[str] = []
         drafter = chain_drafter(tmp_path, spec, list(range(VOCAB)), backend, tmp_path / "build", 64, notes)

@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from onnx import numpy_helper
+from client_shared import assert_int4_weights_are_our_encodings
 from tolerances import tol
 
 from mobile_client.drafters.mtp import MTP_INPUTS, EmbedLut, MtpDrafter
@@ -52,18 +52,7 @@ def test_qnn_mtp_compiles_fully_onto_htp_v81(built):
 def test_qnn_mtp_qdq_weights_are_our_encodings(built):
     """The QDQ graph's int4 weight scales are the simulator's per-channel W4 scales, bit for bit."""
     _, _, _, _, art, _ = built
-    model = onnx.load(str(art.qdq_onnx))
-    raw = {i.name: i for i in model.graph.initializer}
-    int4 = 0
-    for node in model.graph.node:
-        name = node.input[0].removesuffix("_quantized") if node.op_type == "DequantizeLinear" else ""
-        if name in art.encodings["weights"]:
-            enc = art.encodings["weights"][name]
-            np.testing.assert_array_equal(
-                numpy_helper.to_array(raw[node.input[1]]), np.asarray(enc["scale"], np.float32)
-            )
-            assert raw[node.input[0]].data_type == onnx.TensorProto.INT4
-            int4 += 1
+    int4 = assert_int4_weights_are_our_encodings(art)
     assert int4 == len(art.encodings["weights"]) == 13  # 5 per layer x 2 + pre, post, lm_head
 
 

@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from onnx import numpy_helper
+from client_shared import assert_int4_weights_are_our_encodings, write_mimo_verifier
 from tolerances import tol
 
 from mobile_client.drafters.own_mtp import STEP_INPUTS, OwnMtpDrafter, random_mimo_mtp_state_dict
@@ -61,16 +61,7 @@ def test_qnn_own_mtp_compiles_fully_onto_htp_v81(built):
 def test_qnn_own_mtp_qdq_weights_are_our_encodings(built):
     """The QDQ graph's int4 weight scales are the simulator's per-channel W4 scales, bit for bit."""
     _, _, _, art, _ = built
-    model = onnx.load(str(art.qdq_onnx))
-    raw = {i.name: i for i in model.graph.initializer}
-    int4 = 0
-    for node in model.graph.node:
-        name = node.input[0].removesuffix("_quantized") if node.op_type == "DequantizeLinear" else ""
-        if name in art.encodings["weights"]:
-            np.testing.assert_array_equal(numpy_helper.to_array(raw[node.input[1]]),
-                                          np.asarray(art.encodings["weights"][name]["scale"], np.float32))
-            assert raw[node.input[0]].data_type == onnx.TensorProto.INT4
-            int4 += 1
+    int4 = assert_int4_weights_are_our_encodings(art)
     assert int4 == len(art.encodings["weights"]) == 9  # input_proj, q/k/v/o, gate/up/down, lm_head
 
 
@@ -120,14 +111,7 @@ def test_qnn_own_mtp_drafter_chains_cpu_qdq_equal_emulator(built):
 
 def _mimo_verifier(root, sd) -> dict:
     """A MiMo verifier folder ``root/verifier`` holding the toy MTP layer (config.json + model.safetensors)."""
-    from safetensors.torch import save_file
-
-    cfg = {"model_type": "mimo", "architectures": ["MiMoForCausalLM"], "num_nextn_predict_layers": 1,
-           "vocab_size": VOCAB, **CFG}
-    (root / "verifier").mkdir()
-    (root / "verifier" / "config.json").write_text(json.dumps(cfg))
-    save_file({k: v.contiguous() for k, v in sd.items()}, str(root / "verifier" / "model.safetensors"))
-    return cfg
+    return write_mimo_verifier(root, CFG, VOCAB, sd)
 
 
 def test_qnn_own_mtp_bundle_runs_the_compiled_step(built, tmp_path):

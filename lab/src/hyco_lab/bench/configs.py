@@ -75,7 +75,7 @@ class BenchConfig:
     label: str  # as the paper's tables name it
     server: str | None = None  # "mtp" or "hyco"; None: no server
     epsilon: float | None = None  # the server's ε (None: exact); the phones ask for the server's mode
-    drafter: str | None = None  # "hybrid", "hybrid-2p", "specedge", "specedge-pd"
+    drafter: str | None = None  # "hybrid", "hybrid-2p", "specedge", "specedge-pd", "chain"
     draft_sample_method: str | None = None  # cloud configurations: vLLM's option (None: its default, greedy)
     draft_sampling: str = "greedy"  # phone configurations: SessionOptions.draft_sampling (the MTP chain)
     values: bool = False  # phone configurations: SessionOptions.values (per-node values on the wire)

@@ -71,6 +71,9 @@ def load_phone(bundle: Path, config: BenchConfig, *, window: int = WINDOW):
             raise ConfigError(f"{config.name} drafts the MTP chain alone; the bundle {bundle} has no "
                               f"handoff_scales.npz (no MTP chain)")
         mtp = chain_drafter(bundle, spec, keep, "torch", bundle / "build", window, notes)
+        if mtp is None:
+            raise ConfigError(f"{config.name} drafts the MTP chain alone; the bundle {bundle}'s family has no "
+                              f"phone MTP drafter")
         inner = ChainOnlyDrafter(HybridDrafter(mtp, rows))
     else:
         inner = SpecEdgeDrafter(rows, passes=4, keep_ids=np.asarray(keep))
@@ -84,8 +87,10 @@ def load_phone(bundle: Path, config: BenchConfig, *, window: int = WINDOW):
 class ChainOnlyDrafter:
     """The MTP chain alone, K nodes, no runner-ups and no SLM children (``hyco-exact-chain``): each round then
     has vLLM's MTP step's shape (the accepted chain prefix, then the bonus), so the two drafters are compared
-    at the same kind of positions (``hyco_lab.bench.chainparity``). A round without a hand-off yet (the first,
-    docs/decisions.md D2) is ``hybrid``'s SLM tree.
+    at the same kind of positions (``hyco_lab.bench.chainparity``). The round without a hand-off yet (the first,
+    docs/decisions.md D2) is ``hybrid``'s SLM tree; after it the SLM never runs, so the committed tokens it
+    has not seen pile up, and a later round without a hand-off (a session that went to server mode) is refused
+    rather than drafted from a stale SLM.
 
     >>> import numpy as np
     >>> from mobile_client.drafters.base import ChainDraft, DraftContext, HybridDrafter
@@ -97,14 +102,18 @@ class ChainOnlyDrafter:
     """
 
     def __init__(self, hybrid):
-        self.hybrid = hybrid
+        self.hybrid, self.chained = hybrid, False
 
     def propose(self, context, node_budget: int):
         from mobile_client.tree import plant_tree
 
         h = self.hybrid
-        if h.chain_drafter is None or context.x_hat is None:
+        if context.x_hat is None:
+            if self.chained:
+                raise ConfigError("hyco-exact-chain: a round without a hand-off after the first (server mode?); "
+                                  "the chain-only phone's SLM has not seen the committed tokens")
             return h.propose(context, node_budget)
+        self.chained = True
         if context.sampling is None:
             d = h.chain_drafter.draft(context.x_hat)
         else:

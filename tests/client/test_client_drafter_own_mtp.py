@@ -130,3 +130,19 @@ def test_a_mimo_bundle_without_a_compiled_step_runs_the_layer_in_torch(tmp_path)
         drafter = chain_drafter(tmp_path, spec, list(range(VOCAB)), backend, tmp_path / "build", 64, notes)
         assert isinstance(drafter, OwnMtpDrafter) and drafter.step is None
         assert any(said in n for n in notes), notes
+
+
+def test_a_context_without_a_ring_is_refused_by_name(tmp_path):
+    """``bundle._ring_columns`` of an ONNX model with no ``k_ring`` input (not an own-MTP context) names the file."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    from mobile_client.bundle import _ring_columns
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])
+    path = tmp_path / "mtp_ctx.onnx"
+    onnx.save(helper.make_model(helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g", [x], [y])),
+              str(path))
+    with pytest.raises(ConfigError, match=r"mtp_ctx\.onnx has no k_ring input: not an own-MTP context"):
+        _ring_columns(path)

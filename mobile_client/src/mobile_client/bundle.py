@@ -182,19 +182,23 @@ def own_mtp_drafter(model_dir: Path, keep: list[int], window: int, notes: list[s
         return OwnMtpDrafter(cfg, sd, keep, window=window)
     notes.append(what)
     ctx = (build_dir if build_dir is not None else model_dir / "build") / "own_mtp_ctx.onnx"
-    if ctx.exists() and _ring_columns(ctx) != window:
-        raise ConfigError(f"{ctx} was built for a {_ring_columns(ctx)}-column ring; this phone's window is "
-                          f"{window} (pass --window {_ring_columns(ctx)}, or rebuild)")
+    if ctx.exists() and (columns := _ring_columns(ctx)) != window:
+        raise ConfigError(f"{ctx} was built for a {columns}-column ring; this phone's window is "
+                          f"{window} (pass --window {columns}, or rebuild)")
     # None (and a note: torch) when not built
     return OwnMtpDrafter(cfg, sd, keep, window=window, step=compiled_step(ctx, notes, "MTP"))
 
 
 def _ring_columns(ctx: Path) -> int:
-    """W of a compiled own-KV MTP step: the column count of its ``k_ring`` input [kvh, W, d]."""
+    """W of a compiled own-KV MTP step: the column count of its ``k_ring`` input [kvh, W, d]. Raises ConfigError
+    when ``ctx`` has no ``k_ring`` input (not an own-MTP context)."""
     import onnx
 
     graph = onnx.load(str(ctx), load_external_data=False).graph
-    k_ring = next(i for i in graph.input if i.name == "k_ring")
+    k_ring = next((i for i in graph.input if i.name == "k_ring"), None)
+    if k_ring is None:
+        raise ConfigError(f"{ctx} has no k_ring input: not an own-MTP context; rebuild it with "
+                          "python -m mobile_client.export.build OUT --target-dir VERIFIER (a MiMo verifier)")
     return int(k_ring.type.tensor_type.shape.dim[1].dim_value)
 
 

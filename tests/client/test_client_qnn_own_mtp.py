@@ -152,7 +152,7 @@ def test_qnn_own_mtp_golden_vectors_and_manifest(built):
 def test_the_build_command_builds_the_own_mtp_step_for_a_mimo_verifier(built, tmp_path):
     """``python -m mobile_client.export.build OUT --target-dir V`` with a MiMo verifier (a ``hidden`` hand-off
     layer) builds ``own_mtp`` (no ``mtp``, no embedding table), here on captured hand-offs (``--calib-streams``),
-    without the compile (the compile is the fixture's)."""
+    without the compile (the compile is the fixture's) and without the SLM step (``--no-slm``)."""
     from mobile_client.export.build import main
 
     _, sd, *_ = built
@@ -165,8 +165,37 @@ def test_the_build_command_builds_the_own_mtp_step_for_a_mimo_verifier(built, tm
     np.savez(tmp_path / "streams.npz", **streams)
     out = tmp_path / "build"
     assert main([str(out), "--target-dir", str(tmp_path / "verifier"), "--no-compile",
-                 "--calib-streams", str(tmp_path / "streams.npz")]) == 0
+                 "--calib-streams", str(tmp_path / "streams.npz"), "--no-slm"]) == 0
     info = json.loads((out / "manifest.json").read_text())
-    assert set(info["steps"]) == {"own_mtp", "slm"} and info["steps"]["own_mtp"]["compile"] is None
+    assert set(info["steps"]) == {"own_mtp"} and info["steps"]["own_mtp"]["compile"] is None
     assert info["own_mtp_calibration"] == "captured hand-offs streams.npz (2 requests)"
     assert info["steps"]["own_mtp"]["ladder"]["feeds"] == 2 and not (out / "mtp_embed_lut.npz").exists()
+
+
+@pytest.mark.parametrize("bad,match", [
+    ({"h_0": np.zeros((5, 32)), "tokens_0": np.zeros(6)}, r"stream 0: h_0 has 5 rows; .* at least k \+ 2 = 6"),
+    ({"h_0": np.zeros((9, 16)), "tokens_0": np.zeros(10)}, r"stream 0: h_0 is \[9, 16\]; expected \[T, 32\]"),
+    ({"h_0": np.zeros((9, 32)), "rows_0": np.zeros(10)}, r".*h_<i> and tokens_<i> .* got \['h_0', 'rows_0'\]"),
+])
+def test_the_build_command_refuses_a_bad_calibration_stream_by_name(tmp_path, bad, match):
+    """``--calib-streams``: a stream too short for a round (k + 2 rows at K = 4), of another width than the layer's
+    hidden size, or a foreign key is a ConfigError naming the file and the stream, before anything is built."""
+    from mobile_client.export.build import main
+    from vllm_hyco.errors import ConfigError
+
+    _mimo_verifier(tmp_path, random_mimo_mtp_state_dict(CFG, VOCAB, seed=2))
+    np.savez(tmp_path / "streams.npz", **bad)
+    with pytest.raises(ConfigError, match=r"streams\.npz: " + match):
+        main([str(tmp_path / "build"), "--target-dir", str(tmp_path / "verifier"), "--no-compile",
+              "--calib-streams", str(tmp_path / "streams.npz"), "--no-slm"])
+    assert not (tmp_path / "build" / "own_mtp.onnx").exists()
+
+
+def test_the_build_command_refuses_an_assistant_folder_for_a_mimo_verifier(tmp_path):
+    """``--mtp-dir`` with a MiMo verifier (whose phone step is its own MTP layer) is refused, not ignored."""
+    from mobile_client.export.build import main
+    from vllm_hyco.errors import ConfigError
+
+    _mimo_verifier(tmp_path, random_mimo_mtp_state_dict(CFG, VOCAB, seed=2))
+    with pytest.raises(ConfigError, match="is a MiMo verifier.*leave --mtp-dir out"):
+        main([str(tmp_path / "build"), "--target-dir", str(tmp_path / "verifier"), "--mtp-dir", str(tmp_path)])

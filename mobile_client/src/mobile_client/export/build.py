@@ -33,7 +33,7 @@ from mobile_client.drafters.mtp import MTP_INPUTS, MTP_OUTPUTS, EmbedLut, MtpHea
 from mobile_client.drafters.own_mtp import STEP_INPUTS, STEP_OUTPUTS, OwnMtpDrafter
 from mobile_client.drafters.spec import MtpSpec, SlmSpec, full_mtp_spec, random_mtp_state_dict, toy_mtp_spec
 from mobile_client.export import qnn
-from mobile_client.export.calib import mtp_feeds, own_mtp_feeds
+from mobile_client.export.calib import load_streams, mtp_feeds, own_mtp_feeds
 from mobile_client.export.pipeline import StepArtifacts, build_step, fake_quant_copy, sha256, write_golden
 
 ROOT = Path(__file__).resolve().parents[4]
@@ -180,13 +180,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--fixtures", type=Path, help="a fixtures root or bundle (assistant/ unless MiMo, verifier/, slm/ inside)"
     )
-    ap.add_argument("--mtp-dir", type=Path, help="HF gemma4_assistant folder (default: random toy twin)")
+    ap.add_argument(
+        "--mtp-dir",
+        type=Path,
+        help="HF gemma4_assistant folder (default: random toy twin; refused with a MiMo verifier)",
+    )
     ap.add_argument(
         "--target-dir",
         type=Path,
         help="HF verifier folder (its embed_tokens feed the 8-bit LUT; a MiMo verifier's own MTP layer is built)",
     )
     ap.add_argument("--slm-dir", type=Path, help="HF Gemma-4 text folder for the SLM Drafter")
+    ap.add_argument("--no-slm", action="store_true", help="build no SLM step (only the MTP step)")
     ap.add_argument("--keep-ids", type=Path, help=".npy/.json list of kept token ids (default: every id)")
     ap.add_argument(
         "--handoff-scales",
@@ -202,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    mtp_dir_given = args.mtp_dir is not None
     if args.fixtures:
         args.mtp_dir = args.mtp_dir or args.fixtures / "assistant"
         args.target_dir = args.target_dir or args.fixtures / "verifier"
@@ -213,10 +219,15 @@ def main(argv: list[str] | None = None) -> int:
     emulate = compile and not args.full
 
     if args.target_dir and own_kv_mtp(args.target_dir):
+        if mtp_dir_given:
+            from vllm_hyco.errors import ConfigError
+
+            raise ConfigError(f"--mtp-dir {args.mtp_dir}: {args.target_dir} is a MiMo verifier, whose phone step is "
+                              "its own MTP layer (built from --target-dir); leave --mtp-dir out")
         steps, keep, extra = _own_mtp_steps(args, out, compile, emulate)
     else:
         steps, keep, extra = _mtp_steps(args, out, compile, emulate)
-    slm = _maybe_slm(args, out, keep, compile, emulate)
+    slm = None if args.no_slm else _maybe_slm(args, out, keep, compile, emulate)
     if slm is not None:
         steps["slm"] = slm
     np.save(out / "keep_ids.npy", np.asarray(keep, dtype=np.int32))
@@ -285,25 +296,26 @@ def _own_mtp_steps(args, out: Path, compile: bool, emulate: bool) -> tuple[dict,
     vocab = int(cfg["vocab_size"])
     keep = _load_keep(args.keep_ids, vocab)
     scales = args.handoff_scales or args.target_dir.parent / "handoff_scales.npz"
+    drafter = OwnMtpDrafter(cfg, sd, keep, window=MTP_WINDOW)
     streams, rows = None, "standard normal h rows (no hand-off scales file)"
     if args.calib_streams:
-        z = np.load(args.calib_streams)
-        streams = [(z[f"h_{i}"].astype(np.float32), z[f"tokens_{i}"].tolist()) for i in range(len(z.files) // 2)]
+        streams = load_streams(args.calib_streams, int(cfg["hidden_size"]), drafter.k)
         rows = f"captured hand-offs {args.calib_streams.name} ({len(streams)} requests)"
     elif scales.exists():
         from vllm_hyco.handoff.quant import load_scales
 
         streams = _scaled_h_streams(load_scales(scales).h, vocab, 14, seed=args.seed)
         rows = f"h rows drawn with the per-channel h scales of {scales.name}, on the int8 grid"
-    drafter = OwnMtpDrafter(cfg, sd, keep, window=MTP_WINDOW)
-    feeds = own_mtp_feeds(drafter, 14, seed=1, streams=streams)
+    feeds = own_mtp_feeds(drafter, 14, seed=args.seed + 1, streams=streams)  # --seed 0: seed 1, as documented
     step = build_own_mtp(out, cfg, sd, keep, compile=compile, emulate=emulate, feeds=feeds)
     return {"own_mtp": step}, keep, {"weights": str(args.target_dir), "vocab_size": vocab, "own_mtp_calibration": rows}
 
 
 def _scaled_h_streams(h_scale: np.ndarray, vocab: int, n: int, seed: int) -> list[tuple[np.ndarray, list[int]]]:
-    """``n`` (h rows, tokens) requests of 2 .. 1.5 W positions: per channel c, h ~ N(0, (127 s_c / 4)^2) (the
-    scales are the 99.99th percentile of |h| / 127) rounded to the hand-off's int8 grid; random tokens."""
+    """``n`` (h rows, tokens) requests of 8 .. 1.5 W + 6 rows (a length drawn in 2 .. 1.5 W, plus 6: every
+    stream then holds more than the k + 2 = 6 rows ``own_mtp_feeds`` needs at K = 4; kept so the documented
+    builds reproduce): per channel c, h ~ N(0, (127 s_c / 4)^2) (the scales are the 99.99th percentile of
+    |h| / 127) rounded to the hand-off's int8 grid; random tokens."""
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(n):

@@ -9,6 +9,8 @@ own KV (MiMo) records its one-row step's inputs from a drafter run over hand-off
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
 from mobile_client.drafters.mtp import EmbedLut, MtpDrafter, MtpHead, torch_step
@@ -48,7 +50,8 @@ def own_mtp_feeds(
     inputs h = the layer's own output), hands off the next round's rows (h = hand-off rows) and drafts again;
     the recorded steps are one-row feeds with the drafter's ring, mask and rotary tables. Feeds alternate
     between chain steps and hand-off rows. ``streams`` ((h [T, hidden], tokens [T + 1]) per request, e.g. a
-    verifier's captured rows) replace the random h rows (standard normal) and random tokens."""
+    verifier's captured rows, :func:`load_streams`; each at least k + 2 rows) replace the random h rows (standard
+    normal) and random tokens."""
     rng = np.random.default_rng(seed)
     recorded: list[tuple[str, dict[str, np.ndarray]]] = []
     inner, phase = torch_own_step(drafter.static_step()), ["chain"]
@@ -81,6 +84,35 @@ def own_mtp_feeds(
         kind = ("chain", "handoff")[i % 2]
         pick = [f for p, f in recorded if p == kind]
         out.append(pick[int(rng.integers(len(pick)))])
+    return out
+
+
+def load_streams(path: Path, hidden: int, k: int) -> list[tuple[np.ndarray, list[int]]]:
+    """Captured hand-offs for :func:`own_mtp_feeds` from an .npz of ``h_<i>`` [T_i, hidden] h rows and
+    ``tokens_<i>`` [T_i + 1] ids, i = 0 .. n - 1. Raises ConfigError naming the file and the stream when a key is
+    missing or foreign, an ``h`` is not ``hidden`` wide, a stream has fewer than k + 2 rows (a hand-off of one
+    position or more, then the next round's up to k rows past the root) or fewer than T + 1 ids."""
+    from vllm_hyco.errors import ConfigError
+
+    z = np.load(path)
+    n = len(z.files) // 2
+    want = {f"{kind}_{i}" for i in range(n) for kind in ("h", "tokens")}
+    if not z.files or set(z.files) != want:
+        raise ConfigError(f"{path}: a streams file holds h_<i> and tokens_<i> for i = 0 .. n - 1 and nothing else; "
+                          f"got {sorted(z.files)}")
+    out = []
+    for i in range(n):
+        h, tokens = z[f"h_{i}"], z[f"tokens_{i}"]
+        if h.ndim != 2 or h.shape[1] != hidden:
+            raise ConfigError(f"{path}: stream {i}: h_{i} is {list(h.shape)}; expected [T, {hidden}] (the MTP "
+                              "layer's hidden size)")
+        if len(h) < k + 2:
+            raise ConfigError(f"{path}: stream {i}: h_{i} has {len(h)} rows; a stream needs at least k + 2 = "
+                              f"{k + 2} (a hand-off, then a round of up to k = {k} rows past the root)")
+        if tokens.ndim != 1 or len(tokens) < len(h) + 1:
+            raise ConfigError(f"{path}: stream {i}: tokens_{i} is {list(tokens.shape)}; expected [T + 1] = "
+                              f"[{len(h) + 1}] ids")
+        out.append((h.astype(np.float32), tokens.tolist()))
     return out
 
 

@@ -88,7 +88,8 @@ def _rounds(drafter, h, tokens, bounds):
 
 def test_the_static_one_row_step_drafts_what_the_layer_drafts(tmp_path):
     """The export path: the one-row static step (the ring in, the row's K/V out), in torch and exported to ONNX
-    (ONNX Runtime, CPU), drafts the same chains as the layer run over each round's rows at once."""
+    (ONNX Runtime, CPU), drafts the same chains as the layer run over each round's rows at once, from the
+    step's own logits."""
     from mobile_client.drafters.own_mtp import STEP_INPUTS, STEP_OUTPUTS, torch_own_step
     from mobile_client.export import qnn
     from mobile_client.export.onnx_export import export_step
@@ -99,6 +100,7 @@ def test_the_static_one_row_step_drafts_what_the_layer_drafts(tmp_path):
     step_drafter = _drafter(window=16)
     module = step_drafter.static_step()
     step_drafter.step = torch_own_step(module)
+    step_drafter.lm_head = torch.full_like(step_drafter.lm_head, float("nan"))  # the step's head is the one read
     chains, x_hat = _rounds(step_drafter, h, tokens, bounds)
     assert chains == ref_chains
     np.testing.assert_allclose(x_hat, ref_x, rtol=1e-4, atol=1e-4)

@@ -47,6 +47,7 @@ SIGNATURES: dict[str, str | None] = {
     "vllm.v1.worker.gpu_model_runner:GPUModelRunner.initialize_kv_cache":
         "self, kv_cache_config, is_profiling=, kv_cache_allocation_context=",
     "vllm.v1.worker.cpu_model_runner:CPUModelRunner.__init__": "self, vllm_config, device",
+    "vllm.v1.worker.cpu_model_runner:CPUModelRunner.load_model": "self, load_dummy_weights=",
     # full CUDA graphs for chain steps (worker/graphs.py, GPU-unverified)
     "vllm.v1.cudagraph_dispatcher:CudagraphDispatcher.__init__": "self, vllm_config",
     "vllm.v1.cudagraph_dispatcher:CudagraphDispatcher.initialize_cudagraph_keys":

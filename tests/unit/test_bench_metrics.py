@@ -238,3 +238,36 @@ def test_gpu_replay_serves_the_sessions_on_one_warm_engine():
     mine = {r["config"]: r["g_ms"] for r in out["rows"]}
     assert mine["hyco-exact adaptive full_graph_chains"] <= mine["hyco-exact adaptive"]
     assert out["adaptive_ratio"]["independent"] == pytest.approx(mine["hyco-exact adaptive"] / best["g_ms"], abs=2e-3)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_a_sweep_level_seeds_every_request_apart_split_or_not(monkeypatch, split):
+    """Request i of a level's run gets seed 1000 * (run id) + i whether the level runs as one pass or split
+    into passes of one request each (a split pass used to restart at seed 1000 * run id: one seed a run)."""
+    import argparse
+    import contextlib
+    from pathlib import Path
+
+    import hyco_lab.bench.__main__ as bench_main
+
+    bench = object.__new__(bench_main.Bench)
+    bench.args = argparse.Namespace(sweep_configs="cloud-mtp", sweep_runs=2, runs=2, sweep_warmup=0,
+                                    sweep_requests={1: 3}, sweep_min_requests=8, sweep_split=split,
+                                    phase_lock=False)
+    bench.fx, bench.records, bench.sweep_units = Path("/nowhere"), [], []
+    bench.prompts = [{"id": f"p{i}"} for i in range(3)]
+    seeds: list[tuple[int, str]] = []
+
+    def one_pass(srv, cfg, run, prompts, ids, concurrency, settle_s=0.5, seed0=None):
+        seed0 = 1000 * run if seed0 is None else seed0
+        seeds.extend((seed0 + i, p["id"]) for i, p in enumerate(prompts))
+        bench.records.append({})
+        return RunRecord(cfg.name, run, [RequestRecord(cfg.name, run, p["id"], tokens=1) for p in prompts])
+
+    monkeypatch.setattr(bench_main, "mtp_drafter_dir", lambda fx: fx)
+    monkeypatch.setattr(bench, "server", lambda spec, max_num_seqs=None: contextlib.nullcontext(), raising=False)
+    monkeypatch.setattr(bench, "one_pass", one_pass, raising=False)
+    bench.sweep([1])
+    assert seeds[0] == (-1000, "p0")  # the warm-up request (run -1)
+    assert seeds[1:] == [(101_000, "p0"), (101_001, "p1"), (101_002, "p2"), (201_000, "p0"), (201_001, "p1"),
+                     (201_002, "p2")]

@@ -38,14 +38,12 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
     import numpy as np
-    import torch
     from vllm import LLM, SamplingParams
     from vllm.v1.spec_decode import llm_base_proposer as lbp
 
-    from hyco_lab.fixtures.check_mimo import load_torch
+    from hyco_lab.fixtures.check_mimo import float_chain, hidden, load_torch
     from hyco_lab.fixtures.kinds import eval_prompts
     from hyco_lab.fixtures.report import _prompt_ids
-    from mobile_client.drafters.own_mtp import OwnMtpDrafter
 
     steps: list[tuple[int, int, list[int]]] = []
     propose = lbp.SpecDecodeBaseProposer.propose
@@ -63,7 +61,6 @@ def main(argv: list[str] | None = None) -> int:
               distributed_executor_backend="uni", seed=0, trust_remote_code=True,
               speculative_config={"method": "mtp", "model": verifier, "num_speculative_tokens": 4})
     trunk = load_torch(args.family / "verifier")
-    cfg, sd = trunk.cfg, trunk.state_dict()
     same, total, diffs = np.zeros(4), 0, []
     sampled = {} if args.temperature == 0 else {"top_k": args.top_k, "top_p": args.top_p}
     reached, accepted = np.zeros(4), np.zeros(4)  # vLLM's own chain, per depth, read from the committed tokens
@@ -75,13 +72,11 @@ def main(argv: list[str] | None = None) -> int:
                                 seed=i, **sampled)
         out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs[0]
         seq = list(ids) + list(out.token_ids)
-        with torch.no_grad():
-            h = trunk.hidden(torch.tensor([seq]))[0].numpy()
+        h = hidden(trunk, seq)
         for root, bonus, drafts in steps:
             if root >= len(seq) or seq[root] != bonus:
                 continue  # the last step's drafts (after max_tokens)
-            phone = OwnMtpDrafter(cfg, sd, list(range(cfg["vocab_size"])))
-            chain = phone.draft(phone.apply_handoff(root, 0, h[:root], seq)).chain
+            chain = float_chain(trunk, h, seq, root)
             total += 1
             same += [chain[: d + 1] == drafts[: d + 1] for d in range(4)]
             if root + len(drafts) < len(seq):  # steps whose drafts all lie inside the answer

@@ -19,7 +19,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import torch
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
 
-    from hyco_lab.fixtures.check_mimo import load_torch
+    from hyco_lab.fixtures.check_mimo import chain_acceptance, greedy_continuation, hidden, load_torch
     from hyco_lab.fixtures.kinds import eval_prompts
     from hyco_lab.fixtures.report import _prompt_ids
     from mobile_client.drafters.own_mtp import OwnMtpDrafter
@@ -43,23 +42,13 @@ def main(argv: list[str] | None = None) -> int:
     reached = {name: np.zeros(4) for name in ("float", "int8")}
     accepted = {name: np.zeros(4) for name in ("float", "int8")}
     for ids in _prompt_ids(args.family / "verifier", eval_prompts(max(args.prompts, 60))[: args.prompts]):
-        seq = list(ids)
-        with torch.no_grad():
-            for _ in range(args.tokens + 4):
-                seq.append(int(model.logits(model.hidden(torch.tensor([seq])))[0, -1].argmax()))
-            h = model.hidden(torch.tensor([seq]))[0].numpy()  # [T, H] before the final norm
+        seq = greedy_continuation(model, ids, args.tokens + 4)
+        h = hidden(model, seq)  # [T, H] before the final norm
         rows = {"float": h, "int8": dequantize(quantize(h, scales.h), scales.h)}
         for name, hr in rows.items():
-            phone = OwnMtpDrafter(cfg, sd, keep)
-            x = phone.apply_handoff(len(ids), 0, hr[: len(ids)], seq)  # the seed: the prompt
-            for root in range(len(ids), len(ids) + args.tokens):
-                chain = phone.draft(x).chain  # drafts the tokens at root + 1 .. root + 4
-                for d in range(4):
-                    reached[name][d] += 1
-                    if chain[d] != seq[root + 1 + d]:
-                        break
-                    accepted[name][d] += 1
-                x = phone.apply_handoff(root + 1, root, hr[root: root + 1], seq)
+            r, a, _ = chain_acceptance(OwnMtpDrafter(cfg, sd, keep), hr, seq, len(ids), args.tokens)
+            reached[name] += r
+            accepted[name] += a
     out = {name: {"reached": reached[name].tolist(), "accepted": accepted[name].tolist(),
                   "conditional": (accepted[name] / np.maximum(reached[name], 1)).round(4).tolist()}
            for name in reached}

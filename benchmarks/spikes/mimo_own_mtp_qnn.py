@@ -21,16 +21,14 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import torch
 
 
 def _wire_h(model, ids: list[int], scale: np.ndarray) -> np.ndarray:
     """The trunk's h rows of ``ids`` (before the final norm) through the hand-off's int8."""
+    from hyco_lab.fixtures.check_mimo import hidden
     from vllm_hyco.handoff.quant import dequantize, quantize
 
-    with torch.no_grad():
-        h = model.hidden(torch.tensor([ids]))[0].numpy()
-    return dequantize(quantize(h, scale), scale).astype(np.float32)
+    return dequantize(quantize(hidden(model, ids), scale), scale).astype(np.float32)
 
 
 def calib(family: Path, out: Path, n: int = 14, seed: int = 0) -> None:
@@ -55,7 +53,7 @@ def calib(family: Path, out: Path, n: int = 14, seed: int = 0) -> None:
 
 
 def evaluate(family: Path, build: Path, prompts: int, tokens: int) -> dict:
-    from hyco_lab.fixtures.check_mimo import load_torch
+    from hyco_lab.fixtures.check_mimo import chain_acceptance, greedy_continuation, load_torch
     from hyco_lab.fixtures.kinds import eval_prompts
     from hyco_lab.fixtures.report import _prompt_ids
     from mobile_client.drafters.own_mtp import OwnMtpDrafter
@@ -73,23 +71,14 @@ def evaluate(family: Path, build: Path, prompts: int, tokens: int) -> dict:
     accepted = {name: np.zeros(4) for name in steps}
     chains: dict[str, list] = {name: [] for name in steps}
     for ids in _prompt_ids(family / "verifier", eval_prompts(max(prompts, 60))[:prompts]):
-        seq = list(ids)
-        with torch.no_grad():
-            for _ in range(tokens + 4):
-                seq.append(int(model.logits(model.hidden(torch.tensor([seq])))[0, -1].argmax()))
+        seq = greedy_continuation(model, ids, tokens + 4)
         hr = _wire_h(model, seq, scale)
         for name, step in steps.items():
             phone = OwnMtpDrafter(cfg, sd, keep, window=MTP_WINDOW, step=step)
-            x = phone.apply_handoff(len(ids), 0, hr[: len(ids)], seq)  # the seed: the prompt
-            for root in range(len(ids), len(ids) + tokens):
-                chain = phone.draft(x).chain  # drafts the tokens at root + 1 .. root + 4
-                chains[name].append(chain)
-                for d in range(4):
-                    reached[name][d] += 1
-                    if chain[d] != seq[root + 1 + d]:
-                        break
-                    accepted[name][d] += 1
-                x = phone.apply_handoff(root + 1, root, hr[root: root + 1], seq)
+            r, a, c = chain_acceptance(phone, hr, seq, len(ids), tokens)
+            reached[name] += r
+            accepted[name] += a
+            chains[name] += c
     out: dict = {name: {"reached": reached[name].tolist(), "accepted": accepted[name].tolist(),
                         "conditional": (accepted[name] / np.maximum(reached[name], 1)).round(4).tolist(),
                         "accepted_per_chain": round(float(accepted[name].sum() / reached[name][0]), 4)}

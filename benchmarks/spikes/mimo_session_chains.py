@@ -28,10 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     import numpy as np
-    import torch
 
     from hyco_lab.bench.__main__ import main as bench
-    from hyco_lab.fixtures.check_mimo import load_torch
+    from hyco_lab.fixtures.check_mimo import float_chain, hidden, load_torch
     from mobile_client.drafters import own_mtp
 
     rounds: list[dict] = []
@@ -54,14 +53,10 @@ def main(argv: list[str] | None = None) -> int:
     own_mtp.OwnMtpDrafter.apply_handoff, own_mtp.OwnMtpDrafter.draft = apply, draft
 
     trunk = load_torch(args.family / "verifier")
-    cfg, sd = trunk.cfg, trunk.state_dict()
     same, diffs = np.zeros(4), []
     for r in rounds:
         seq, root = r["tokens"], r["root"]
-        with torch.no_grad():
-            h = trunk.hidden(torch.tensor([seq]))[0].numpy()
-        fresh = own_mtp.OwnMtpDrafter(cfg, sd, list(range(cfg["vocab_size"])))
-        chain = fresh.draft(fresh.apply_handoff(root, 0, h[:root], seq)).chain
+        chain = float_chain(trunk, hidden(trunk, seq), seq, root)
         same += [chain[: d + 1] == r["chain"][: d + 1] for d in range(4)]
         if chain != r["chain"] and len(diffs) < 10:
             diffs.append({"root": root, "session": r["chain"], "fresh_float_h": chain})

@@ -114,13 +114,8 @@ class ChainOnlyDrafter:
                                   "the chain-only phone's SLM has not seen the committed tokens")
             return h.propose(context, node_budget)
         self.chained = True
-        if context.sampling is None:
-            d = h.chain_drafter.draft(context.x_hat)
-        else:
-            d = h.chain_drafter.draft(context.x_hat, sampling=context.sampling)
-        chain_q = getattr(d, "chain_q", None)
-        return plant_tree(context.root, tuple(d.chain), (), lam=h.lam, node_budget=node_budget,
-                          chain_q=None if chain_q is None else tuple(chain_q))
+        c = h.draft_chain(context)
+        return plant_tree(context.root, c.chain, (), lam=h.lam, node_budget=node_budget, chain_q=c.chain_q)
 
 
 _ACCEPTANCE: dict[tuple[str, int], Any] = {}

@@ -96,21 +96,21 @@ class HybridDrafter:
         self.lam, self.topk, self.two_pass = lam, topk, two_pass
         self.last_chain: ChainDraft | None = None
 
+    def draft_chain(self, context: DraftContext) -> ChainDraft:
+        """The MTP chain and runner-ups of this round (empty without a chain drafter or a hand-off)."""
+        if self.chain_drafter is None or context.x_hat is None:
+            return ChainDraft((), ())
+        if context.sampling is None:
+            d = self.chain_drafter.draft(context.x_hat)
+        else:
+            d = self.chain_drafter.draft(context.x_hat, sampling=context.sampling)
+        chain_q = getattr(d, "chain_q", None)
+        return ChainDraft(tuple(d.chain), tuple(d.runner_ups), None if chain_q is None else tuple(chain_q))
+
     def propose(self, context: DraftContext, node_budget: int) -> DraftTree:
-        chain: Sequence[int] = ()
-        runner_ups: Sequence[int] = ()
-        chain_q = None
-        if self.chain_drafter is not None and context.x_hat is not None:
-            if context.sampling is None:
-                d = self.chain_drafter.draft(context.x_hat)
-            else:
-                d = self.chain_drafter.draft(context.x_hat, sampling=context.sampling)
-            chain, runner_ups = tuple(d.chain), tuple(d.runner_ups)
-            chain_q = getattr(d, "chain_q", None)
-        self.last_chain = ChainDraft(tuple(chain), tuple(runner_ups),
-                                     None if chain_q is None else tuple(chain_q))
-        planted = plant_tree(context.root, chain, runner_ups, lam=self.lam, node_budget=node_budget,
-                             chain_q=chain_q)
+        c = self.last_chain = self.draft_chain(context)
+        planted = plant_tree(context.root, c.chain, c.runner_ups, lam=self.lam, node_budget=node_budget,
+                             chain_q=c.chain_q)
         plan = frontier_plan(planted, catch_up=context.catch_up)
         out = self.row_drafter.forward_rows(plan)
         second = self.row_drafter.forward_rows if self.two_pass else None

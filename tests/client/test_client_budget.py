@@ -146,6 +146,23 @@ def test_the_learned_order_puts_a_chain_the_server_keeps_accepting_before_the_ru
         SessionOptions(order="random")
 
 
+def test_the_chain_order_sends_the_whole_chain_first_whatever_was_learned():
+    s = PhoneSession(ChainAndRunnerUp(), prompt_tokens=[5, 6, 7], request={"prompt": [5, 6, 7]},
+                     endpoint="completions", spec=SPEC, options=SessionOptions(node_budget=16, order="chain"))
+    s.apply_session(SessionFrame("hyco." + "0" * 32, -1, 16, SPEC))
+    root = 7
+    frame = s.next_tree()
+    for rnd in range(12):  # every round the runner-up is accepted and the chain is not: learned would put it first
+        new_root = 100 + rnd
+        s.apply_verdict(_verdict(rnd, [frame.tokens.index(root + 50)], [root + 50, new_root], 5,
+                                 root=2 + 2 * (rnd + 1)))
+        root = new_root
+        frame = s.next_tree()
+        # every prefix of at most 4 nodes is a chain: the server verifies it with vLLM's own attention
+        assert frame.tokens == (root, root + 1, root + 2, root + 3, root + 4, root + 50)
+        assert frame.parents == (-1, 0, 1, 2, 3, 0)
+
+
 def test_rows_past_the_granted_budget_are_not_counted_as_failures():
     """A cut tree: the verdict's budget (the nodes the server kept) bounds the rows the phone counts as
     tried; the untried rest does not lower its estimates. Round 0 (granted the cap whatever was verified)

@@ -61,9 +61,9 @@ class Grafted:
         return DraftTree.make_dummy(tokens, parents, node_budget=node_budget)
 
 
-def hyco_session(drafter, max_tokens):
+def hyco_session(drafter, max_tokens, options=SessionOptions()):
     return PhoneSession(drafter, prompt_tokens=PROMPT, request={"prompt": PROMPT, "max_tokens": max_tokens},
-                        endpoint="completions", spec=SPEC)
+                        endpoint="completions", spec=SPEC, options=options)
 
 
 def _invariants(session, mtp, slm, seen):
@@ -95,11 +95,37 @@ def test_hyco_drafters_exact_session(chunk_bytes):
 
 def test_hyco_first_round_is_slm_only_from_prefilled_prompt():
     phone, mtp, slm = hyco_phone()
-    session = hyco_session(phone, max_tokens=4)
+    session = hyco_session(phone, max_tokens=4, options=SessionOptions(opening="slm"))
     session.apply_session(SessionFrame("r1." + "0" * 32, -1, 32, SPEC))  # the server's answer to `start`
     frame = session.next_tree()
     assert frame.tokens[0] == PROMPT[-1] and slm.committed == len(PROMPT) - 1
     assert phone.drafter.last_chain.chain == () and set(frame.labels[1:]) == {3}  # SLM nodes only
+
+
+def test_hyco_opens_with_the_root_alone_and_prefills_the_slm_during_the_wait():
+    phone, mtp, slm = hyco_phone()
+    session = hyco_session(phone, max_tokens=4)  # opening "auto": the drafter has an MTP head
+    session.apply_session(SessionFrame("r1." + "0" * 32, -1, 32, SPEC))
+    frame = session.next_tree()
+    assert list(frame.tokens) == [PROMPT[-1]] and list(frame.parents) == [-1] and slm.committed == 0
+    assert session.wait_work
+    session.prepare_proactive()  # what the client runs while the root is verified
+    assert slm.committed == len(PROMPT) - 1 and not session.wait_work
+    assert session.next_tree() is not None  # the tree in flight, resent unchanged
+    assert session.tree_in_flight and slm.committed == len(PROMPT) - 1
+
+
+def test_hyco_root_opening_drafts_round_one_from_the_seed_and_stays_exact():
+    phone, mtp, slm = hyco_phone()
+    session = hyco_session(phone, max_tokens=24)
+    seen = []
+    result, _ = _run_checked(session, {}, _invariants(session, mtp, slm, seen))
+    assert result.token_ids == greedy(PROMPT, 24)
+    first, second = result.rounds[:2]
+    assert (first.nodes, first.accepted, first.committed) == (0, 0, 1)  # the first token alone
+    # round 1: the MTP chain drafted from the seed, as vLLM's first MTP step drafts from its prefill
+    assert second.nodes > 0 and len(seen) == len(result.rounds) - 1
+    assert phone.drafter.last_chain.chain
 
 
 def test_corrupt_chunk_resumes_with_need_seed():

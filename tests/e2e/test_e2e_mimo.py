@@ -85,7 +85,8 @@ def test_phone_sessions_with_the_own_kv_mtp_layer_equal_plain_greedy(server, fam
         hybrid.propose = spy
         result = asyncio.run(make_client(server).run(session))
         assert session.tokens == plain[prompt][1] and "".join(session.text_parts) == plain[prompt][0]
-        assert drafted[0] == 0 and all(n == 4 for n in drafted[1:]), drafted  # round 0: SLM only, then K = 4
+        # round 0 the root alone (opening "auto": the phone has an MTP layer), then K = 4 from the seed on
+        assert result.rounds[0].nodes == 0 and drafted and all(n == 4 for n in drafted), drafted
         chains.append(drafted)
         mats.append(result.mat)
     assert max(mats) > 1.0, mats

@@ -237,8 +237,7 @@ class HycoClient:
                     await self._ping(ws)
                 await self._simulate(self.sim_rtt_ms / 2)
                 await self._send(ws, encode_frame(frame))
-                prep = asyncio.create_task(self._call(session.prepare_proactive)) \
-                    if session.options.proactive is not None else None
+                prep = asyncio.create_task(self._call(session.prepare_proactive)) if session.wait_work else None
                 try:
                     await self._take_verdict(ws, session, t0, on_round, prep)
                 finally:

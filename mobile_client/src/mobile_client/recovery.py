@@ -47,6 +47,7 @@ class PendingTree:
     proactive_ms: float = 0.0
     nbytes: int = 0  # the encoded frame's size
     schema_epoch: int = -1  # the `session` frame whose schema hash this tree carried (-1: none)
+    forward: bool = True  # the drafter ran a forward for it (False: the root-only opening, no SLM row kept)
 
 
 class SessionRecovery:

@@ -18,8 +18,12 @@ ring keeps the rows of the root and of the path; the rest become the next forwar
 applies the hand-off (the MTP ring and the MTP head's first input ``x_hat``). A verdict is applied whole
 or not at all, so a connection lost mid-verdict loses nothing: the client resumes and the server replays.
 
-Round 0 follows docs/decisions.md D2: the root is the prompt's last token, the drafter's SLM is prefilled with
-the tokens before it, and the tree is the SLM's alone (no ``x_hat`` yet); verdict 0 carries the seed.
+Round 0 follows docs/decisions.md D2: the root is the prompt's last token, and verdict 0 carries the seed.
+With ``SessionOptions.opening`` ``"slm"`` the drafter's SLM is prefilled with the tokens before the root and
+the tree is the SLM's alone (no ``x_hat`` yet). With ``"root"`` (``"auto"``'s choice for a drafter with an MTP
+head) the tree is the root alone: verdict 0 is the first token and the seed, and round 1's tree has the MTP
+chain drafted from the prompt's last position, as vLLM's first MTP step after its prefill; the SLM is
+prefilled at round 1, the root being its first catch-up row.
 
 Positions: the prompt holds positions 0..L-1, so round 0's root sits at L-1. After a round that accepts
 ``m`` nodes, the next root (the bonus) sits ``m + 1`` positions later; every hand-off's ``root`` must
@@ -55,8 +59,6 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -66,10 +68,10 @@ from mobile_client.phone_drafter import HycoPhoneDrafter, takes_keyword
 from mobile_client.recovery import PendingTree, SessionRecovery
 from mobile_client.results import RoundStats, SessionResult, fmt_round
 from mobile_client.server_mode import ServerModeSession
-from mobile_client.tree import DraftTree, trim, value_order
-from vllm_hyco.errors import ConfigError, FrameError, HandoffSchemaError, SessionError
+from mobile_client.session_options import DRAFT_SAMPLING, SessionOptions
+from mobile_client.tree import DraftTree, chain_first, trim, value_order
+from vllm_hyco.errors import FrameError, HandoffSchemaError, SessionError
 from vllm_hyco.handoff.client_frames import (
-    MIN_CLIENT_MESSAGE_BYTES,
     ClientCapabilities,
     HycoOptions,
     ResumeRequest,
@@ -77,60 +79,10 @@ from vllm_hyco.handoff.client_frames import (
     TreeFrame,
 )
 from vllm_hyco.handoff.frames import encode_frame
-from vllm_hyco.handoff.limits import AIOHTTP_DEFAULT_MAX_MSG
 from vllm_hyco.handoff.schema import SUPPORTED_HANDOFF_SCHEMAS, HandoffPayload, HandoffSpec
 from vllm_hyco.handoff.server_frames import SessionFrame
-from vllm_hyco.handoff.tree_contract import DEFAULT_NODE_BUDGET, grant_node_budget
+from vllm_hyco.handoff.tree_contract import grant_node_budget
 from vllm_hyco.spec_decode.budget import SESSION_HALF_LIFE, AcceptanceModel
-
-DRAFT_SAMPLING = ("greedy", "probabilistic")  # SessionOptions.draft_sampling
-TREE_ORDERS = ("learned", "score")  # SessionOptions.order
-# tree [, catch_up=tokens] -> mobile_client.baselines.ProactiveDraft; ``catch_up`` (when the function takes
-# it): committed tokens before the tree's root that the drafter has not seen yet
-ProactiveFn = Callable[..., Any]
-
-
-@dataclass(frozen=True)
-class SessionOptions:
-    """What the phone asks for in ``start`` and how it drafts."""
-
-    mode: str = "exact"  # "exact" (lossless, the default) or "epsilon" (only if the operator enabled it)
-    epsilon: float | None = None  # with "epsilon": a stricter ε than the operator's; None = the operator's
-    node_budget: int = DEFAULT_NODE_BUDGET  # the largest tree this phone builds (capabilities.node_budget)
-    labels: bool = True  # send per-node source labels (statistics only)
-    values: bool = False  # send per-node values: round(255 * exp(the node's Algorithm-3 log-score))
-    max_message_bytes: int = AIOHTTP_DEFAULT_MAX_MSG  # the client's WebSocket receive limit
-    keep_set_hash: bytes | None = None
-    fingerprint: bytes | None = None  # the model bundle's fingerprint; None: take it from ``spec``
-    # proactive drafting (mobile_client.baselines.proactive_draft): called with the tree in flight; its
-    # prepared tree is used when the verdict matches the bet. Needs a drafter whose SLM calls are pure.
-    proactive: ProactiveFn | None = None
-    # "probabilistic": with a sampled request (temperature > 0) the MTP chain is drawn from the head's
-    # distribution, sent as the tree's draft_q (lossless, accepted more often). "greedy": the argmax
-    draft_sampling: str = "greedy"
-    # the order of the tree's rows (every prefix is a tree; the server's adaptive budget may verify only a
-    # prefix): "learned", by the acceptance this session's verdicts showed per depth and source (a chain
-    # of sampled drafts that is accepted 9 times in 10 goes before the runner-ups), or "score", by the
-    # Algorithm-3 score alone. The node set is Algorithm 3's either way.
-    order: str = "learned"
-
-    def __post_init__(self):
-        if self.order not in TREE_ORDERS:
-            raise ConfigError(f"SessionOptions.order must be one of {', '.join(map(repr, TREE_ORDERS))}, got "
-                              f"{self.order!r}")
-        if self.draft_sampling not in DRAFT_SAMPLING:
-            allowed = ", ".join(map(repr, DRAFT_SAMPLING))
-            raise ConfigError(f"SessionOptions.draft_sampling must be one of {allowed}, got "
-                              f"{self.draft_sampling!r}")
-        if self.mode not in ("exact", "epsilon"):
-            raise ConfigError(f"SessionOptions.mode must be 'exact' or 'epsilon', got {self.mode!r}")
-        if self.epsilon is not None and (self.mode != "epsilon" or not 0.0 < self.epsilon < 1.0):
-            raise ConfigError(f"SessionOptions.epsilon={self.epsilon!r}: only with mode 'epsilon', strictly "
-                              f"between 0 and 1 (and no laxer than the operator's)")
-        if not 1 <= self.node_budget <= 254 or self.max_message_bytes < MIN_CLIENT_MESSAGE_BYTES:
-            raise ConfigError(f"SessionOptions: node_budget must be 1..254 (got {self.node_budget}), "
-                              f"max_message_bytes >= {MIN_CLIENT_MESSAGE_BYTES} "
-                              f"(got {self.max_message_bytes})")
 
 
 def _bad_verdict(msg: str) -> FrameError:
@@ -251,10 +203,13 @@ class PhoneSession(SessionRecovery, ServerModeSession):
         if self.node_budget is None:
             raise SessionError("no node budget yet: the server's `session` frame grants it; apply the answer to "
                                "`start` (apply_session) before drafting a tree", code="no_session_frame")
-        if not self._prefilled:
-            self._prefilled = True
-            if hasattr(self.drafter, "prefill"):
-                self.drafter.prefill(self._prefill_context)
+        if self._opens_with_root():
+            tree = DraftTree.make_dummy([self.root], [-1])  # nothing drafted: no forward, no SLM row
+            frame = TreeFrame.from_lists(self.round, **tree.wire_dict(labels=self.options.labels),
+                                         values=node_values(tree) if self.options.values else None)
+            self._pending = PendingTree(self.round, tree, frame, 0.0, forward=False)
+            return self._outgoing(self._pending)
+        self._prefill()
         t0 = time.perf_counter()
         tree, hit = self._reuse_proactive()
         if tree is None:
@@ -266,8 +221,10 @@ class PhoneSession(SessionRecovery, ServerModeSession):
         # the head of the granted size: with the learned order, the most valuable part of Algorithm 3's
         # tree at the phone's own budget (its drafting costs the same: one SLM pass over the planted rows)
         learned = None
-        if self.options.order == "learned":
+        if self.options.order != "score":
             learned = self.acceptance.node_values(tree.parents, tree.sources)
+            if self.options.order == "chain":
+                learned = chain_first(tree, learned)
         tree = value_order(tree, learned).head(self.node_budget)
         draft_ms = (time.perf_counter() - t0) * 1e3
         if not hit:
@@ -279,6 +236,15 @@ class PhoneSession(SessionRecovery, ServerModeSession):
                                      draft_q=tree.draft_q_dict())
         self._pending = PendingTree(self.round, tree, frame, draft_ms, hit)
         return self._outgoing(self._pending)
+
+    def _opens_with_root(self) -> bool:
+        """Round 0 of a new session is the root alone (``SessionOptions.opening``): with ``"auto"``, when the
+        drafter has an MTP head (a hand-off gives it its first input). Not after a failover (``reopen``):
+        the MTP head already holds a state there, and round 0 drafts from it."""
+        if self.round != 0 or self.x_hat is not None or self.failovers:
+            return False
+        o = self.options.opening
+        return o == "root" or (o == "auto" and getattr(self.drafter, "mtp", None) is not None)
 
     def draft_sampling(self) -> DraftSampling | None:
         """This round's sampled-draft settings: with ``draft_sampling="probabilistic"`` and a request
@@ -318,7 +284,7 @@ class PhoneSession(SessionRecovery, ServerModeSession):
         """The nodes the drafter builds: the granted budget with the score order (whose head of ``k`` nodes is
         Algorithm 3's tree of ``k``); the phone's own budget with the learned order, whose head is chosen
         from the whole tree."""
-        return self.options.node_budget if self.options.order == "learned" else self.node_budget
+        return self.node_budget if self.options.order == "score" else self.options.node_budget
 
     def _check_tree(self, tree: DraftTree) -> None:
         if not tree.tokens or tree.tokens[0] != self.root:
@@ -328,9 +294,28 @@ class PhoneSession(SessionRecovery, ServerModeSession):
             raise SessionError(f"the drafter built {tree.num_nodes} nodes, over the budget it was given "
                                f"{self._draft_node_budget()}", code="bad_draft")
 
-    def prepare_proactive(self) -> None:
-        """Run the proactive drafter on the tree in flight (the client calls it while waiting)."""
+    def _prefill(self) -> None:
+        """The SLM's cache of the committed tokens before the first root (once)."""
+        if not self._prefilled:
+            self._prefilled = True
+            if hasattr(self.drafter, "prefill"):
+                self.drafter.prefill(self._prefill_context)
+
+    @property
+    def wait_work(self) -> bool:
+        """Whether ``prepare_proactive`` has work while the tree in flight waits for its verdict: the SLM's
+        prefill behind a root-only opening, or a proactive draft."""
         p = self._pending
+        return p is not None and (self.options.proactive is not None or (not p.forward and not self._prefilled))
+
+    def prepare_proactive(self) -> None:
+        """The work of the wait for a verdict (the client calls it then, and applies the verdict after it):
+        behind a root-only opening the SLM's prefill of the prompt; else the proactive drafter on the tree in
+        flight."""
+        p = self._pending
+        if p is not None and not p.forward:
+            self._prefill()  # round 1 then drafts at once, the root being the SLM's first catch-up row
+            return
         if self.options.proactive is None or p is None or p.prepared is not None:
             return
         t0 = time.perf_counter()
@@ -390,7 +375,7 @@ class PhoneSession(SessionRecovery, ServerModeSession):
             self.finish_reason = v.finish_reason
             return stats
         kept = 0
-        if hasattr(self.drafter, "accept"):  # a reused proactive tree: the drafter holds none of its rows
+        if p.forward and hasattr(self.drafter, "accept"):  # a reused proactive tree: the drafter holds none
             rows, toks = ([], []) if p.proactive_hit else ([0, *v.path], [self.root, *path_tokens])
             # with their tokens when the drafter takes them: the tree sent was trimmed after the SLM's
             # forward, so its row indices need not be the forward's

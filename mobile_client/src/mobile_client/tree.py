@@ -43,7 +43,7 @@ import numpy as np
 from mobile_client.candidates import candidate_rows, expand, logprob_rows
 from vllm_hyco.errors import TreeBuildError, TreeValidationError
 from vllm_hyco.handoff import tree_contract
-from vllm_hyco.handoff.tree_contract import DEFAULT_NODE_BUDGET, NodeLabel, PaddedTree
+from vllm_hyco.handoff.tree_contract import DEFAULT_NODE_BUDGET, MAX_TREE_ROWS, NodeLabel, PaddedTree
 
 LAMBDA = 0.66  # per-edge acceptance factor (paper §3.1)
 TOPK = 32  # SLM candidates per frontier row
@@ -324,6 +324,25 @@ def value_order(tree: DraftTree, values: Sequence[float] | None = None) -> Draft
     return tree._rows(order, parents)
 
 
+
+
+def chain_first(tree: DraftTree, values: Sequence[float]) -> list[float]:
+    """``values`` raised so that the MTP chain (the run of CHAIN rows from the root, each the CHAIN child of the
+    one before) sorts first in depth order under :func:`value_order`; every other row keeps its value (at
+    most 1, an acceptance estimate). Every prefix of at most the chain's length is then a chain.
+
+    >>> t = DraftTree.make_dummy([7, 8, 9, 5], [-1, 0, 1, 0])  # rows 1, 2: the chain; row 3 a sibling
+    >>> value_order(t, chain_first(t, [1.0, 0.5, 0.1, 0.3])).to_wire()
+    ([7, 8, 9, 5], [-1, 0, 1, 0])
+    """
+    out, node = [float(v) for v in values], 0
+    for depth in range(1, len(tree.tokens)):
+        child = next((i for i in range(1, len(tree.tokens))
+                      if tree.parents[i] == node and tree.sources[i] == NodeLabel.CHAIN), None)
+        if child is None:
+            break
+        out[child], node = 2.0 - depth / MAX_TREE_ROWS, child
+    return out
 
 
 def _grow(planted: DraftTree, plan: FrontierPlan, lp: Any, ids: Any, *, node_budget: int | None, topk: int,

@@ -271,3 +271,17 @@ def test_a_sweep_level_seeds_every_request_apart_split_or_not(monkeypatch, split
     assert seeds[0] == (-1000, "p0")  # the warm-up request (run -1)
     assert seeds[1:] == [(101_000, "p0"), (101_001, "p1"), (101_002, "p2"), (201_000, "p0"), (201_001, "p1"),
                      (201_002, "p2")]
+
+
+def test_mat_and_depths_leave_out_a_root_only_opening_round():
+    from hyco_lab.bench.metrics import RequestRecord, RoundRecord, RunRecord, run_metrics
+
+    rounds = [RoundRecord(0, nodes=0, accepted=0, committed=1),  # the first token alone (opening "root")
+              RoundRecord(1, nodes=4, accepted=3, committed=4), RoundRecord(2, nodes=4, accepted=1, committed=2)]
+    m = run_metrics(RunRecord("hyco-exact", 0, [RequestRecord("hyco-exact", 0, "p0", tokens=7, rounds=rounds)],
+                              engine={"busy_s": 0.07}))
+    assert m["mat"] == 3.0 and m["opening_rounds"] == 1 and m["accept_depth"] == [1.0, 0.5, 0.5]
+    rounds[2] = RoundRecord(2, nodes=4, accepted=3, committed=2)  # finished 2 tokens into a 3-node path
+    m = run_metrics(RunRecord("hyco-exact", 0, [RequestRecord("hyco-exact", 0, "p0", tokens=7, rounds=rounds)],
+                              engine={"busy_s": 0.07}))
+    assert m["mat"] == 4.0 and m["committed_round"] == 3.0  # vLLM's formula counts the whole path

@@ -83,7 +83,7 @@ def test_multi_pass_trees_build(drafter):
 def test_bench_client_models_device_time():
     class S:
         class P:
-            round, proactive_hit = 0, None
+            round, proactive_hit, forward = 0, None, True
 
         _pending = P()
         bench_device_ms: typing.ClassVar[dict] = {}
@@ -94,6 +94,8 @@ def test_bench_client_models_device_time():
     assert client.sim_draft_ms == configs.HYCO_ROUND_MS
     S.P.proactive_hit = True
     assert client.sim_draft_ms == 0.0 and S.bench_device_ms == {0: configs.SLM_PASS_MS, 3: 0.0}
+    S.P.round, S.P.proactive_hit, S.P.forward = 0, None, False  # the root-only opening: nothing drafted
+    assert client.sim_draft_ms == 0.0
 
 
 def test_round_gate_holds_each_tree_until_every_active_phone_has_one():

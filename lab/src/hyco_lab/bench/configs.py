@@ -23,9 +23,13 @@ The configurations, each as ``name``: server; phone tree; acceptance.
 * ``hyco-exact-s4`` .. ``-s32``: hyco, ``budget_policy`` static, ``node_budget`` 4, 8, 16, 32; same as hyco,
   that many nodes; exact
 * ``hyco-exact-prob-s4`` .. ``-s32``: same; same as hyco-exact-prob, that many nodes; exact
+* ``hyco-exact-chainfirst``: hyco; same as hyco-exact, rows ordered the MTP chain first
+  (``SessionOptions.order`` ``"chain"``); exact
+* ``hyco-exact-slm0``: hyco; same as hyco-exact, round 0 the SLM's tree (``SessionOptions.opening``
+  ``"slm"``, the default before issue 35) instead of the root alone; exact
 * ``hyco-exact-chain``: hyco, ``budget_policy`` static, ``node_budget`` K = 4; the MTP chain alone (no
-  runner-ups, no SLM children; round 0 the SLM's, D2): vLLM's MTP step shape, for chain parity
-  (``hyco_lab.bench.chainparity``); exact
+  runner-ups, no SLM children; round 0 the root alone, round 1 the chain from the prompt's last position):
+  vLLM's MTP step shape, for chain parity (``hyco_lab.bench.chainparity``); exact
 * ``server-head``: dropped (``DROPPED``): the engine runs no MTP head for phone sessions
 * ``slm-only``: none: modelled from the paper's device numbers (no server)
 
@@ -35,7 +39,8 @@ the server cuts each tree to the prefix that pays and grants each phone its next
 Phone compute is **modelled** (docs/decisions.md D8) from the paper's device numbers unless a phone measured
 it: one SLM pass over 32 rows 15.7 ms; a HyCo round 52.9 ms of device time (MTP head K steps, one SLM
 pass, the tree); the on-device head is about 20 ms of that. So: SpecEdge-style 4 x 15.7 ms, HyCo-2P
-52.9 + 15.7 ms, the first round (SLM only, D2) 15.7 ms for every configuration.
+52.9 + 15.7 ms, the first round (SLM only, D2) 15.7 ms, or nothing when it is the root alone (a phone with an
+MTP head opens so by default: ``SessionOptions.opening``).
 
     >>> [c.name for c in select("hyco,cloud-mtp")]
     ['hyco', 'cloud-mtp']
@@ -82,6 +87,8 @@ class BenchConfig:
     device_ms: float = 0.0  # modelled device ms per round after the first
     node_budget: int | None = None  # hyco servers: a static budget (budget_policy static); None: adaptive
     first_round_ms: float = SLM_PASS_MS  # round 0 is the SLM's alone (D2)
+    opening: str = "auto"  # phone configurations: SessionOptions.opening (round 0: "slm" tree or "root" alone)
+    order: str | None = None  # phone configurations: SessionOptions.order (None: its default)
     k: int = MTP_K  # cloud configurations: num_speculative_tokens (the most, with a schedule)
     k_schedule: tuple[tuple[int, int, int], ...] | None = None  # cloud: vLLM's per-batch-size K
 
@@ -135,6 +142,10 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
     BenchConfig("hyco-2p", "phone", "HyCo-2P", server="hyco", epsilon=EPSILON, drafter="hybrid-2p",
                 device_ms=round(HYCO_ROUND_MS + SLM_PASS_MS, 3)),
     BenchConfig("hyco-exact", "phone", "HyCo exact", server="hyco", drafter="hybrid", device_ms=HYCO_ROUND_MS),
+    BenchConfig("hyco-exact-chainfirst", "phone", "HyCo exact, the chain first", server="hyco", drafter="hybrid",
+                device_ms=HYCO_ROUND_MS, order="chain"),
+    BenchConfig("hyco-exact-slm0", "phone", "HyCo exact, round 0 the SLM's", server="hyco", drafter="hybrid",
+                device_ms=HYCO_ROUND_MS, opening="slm"),
     BenchConfig("hyco-exact-prob", "phone", "HyCo exact, sampled drafts", server="hyco", drafter="hybrid",
                 device_ms=HYCO_ROUND_MS, draft_sampling="probabilistic"),
     BenchConfig("hyco-exact-values", "phone", "HyCo exact, phone values", server="hyco", drafter="hybrid",

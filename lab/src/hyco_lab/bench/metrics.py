@@ -12,7 +12,10 @@ paper's Appendix G does):
 * ``g_core_ms``: all engine-core work / output tokens: every step (schedule, model calls, update, vLLM's
   draft hand-over) and HyCo's utility calls (CPU time; wall on a GPU), ``step_timing``'s ``core_*``;
 * ``nodes_round``: mean tree nodes per round the phone drafted (after its budget; the root excluded);
-* ``mat``: committed tokens per round (path + bonus); Cloud+MTP: 1 + accepted / drafts from vLLM's counters;
+* ``mat``: 1 + accepted / drafts, vLLM's formula on both sides: Cloud+MTP from vLLM's counters, a phone over
+  its rounds that verified a draft (a root-only opening round is left out, as vLLM leaves out its prefill
+  step; a finishing round's path counts whole, as vLLM counts it before its stop check). Runs before issue 35's
+  opening change counted committed tokens per round, every round: ``committed_round`` now, over drafted rounds;
 * ``tok_s``: output tokens / the requests' wall seconds from start to last token (delivery speed);
 * ``draft_ms_per_token``: modelled device ms / output tokens (``measured_draft_ms_per_token``: CPU-measured);
 * ``bytes_up_round`` / ``bytes_down_round``: whole frames per round after the first; ``seed_bytes_down``:
@@ -187,16 +190,22 @@ def _phone_metrics(reqs: Sequence[RequestRecord], tokens: int) -> dict[str, Any]
     rounds = [x for r in reqs for x in r.rounds]
     later = [x for x in rounds if x.round > 0]
     first = [x for x in rounds if x.round == 0]
+    drafted = [x for x in rounds if x.nodes > 0]
     return {
         "rounds": len(rounds),
-        "mat": _div(sum(x.committed for x in rounds), len(rounds), 3),
+        # vLLM's formula (1 + accepted / drafts) over the rounds that verified a draft, as its counters count
+        # steps: a root-only round (the session's opening, SessionOptions.opening) is the first token, as
+        # vLLM's prefill step is; a finishing round's path counts whole, as vLLM counts before its stop check
+        "mat": _div(len(drafted) + sum(x.accepted for x in drafted), len(drafted), 3),
+        "committed_round": _div(sum(x.committed for x in drafted), len(drafted), 3),
+        "opening_rounds": len(rounds) - len(drafted),
         "draft_ms_per_token": _div(sum(x.device_ms for x in rounds), tokens, 3),
         "measured_draft_ms_per_token": _div(sum(x.draft_ms for x in rounds), tokens, 3),
         "bytes_up_round": _div(sum(x.bytes_up for x in later), len(later), 1),
         "bytes_down_round": _div(sum(x.bytes_down for x in later), len(later), 1),
         "bytes_down_per_position": _div(sum(x.bytes_down for x in later), sum(x.committed for x in later), 1),
         "seed_bytes_down": _div(sum(x.bytes_down for x in first), len(first), 1),
-        "accept_depth": accept_depth(rounds),
+        "accept_depth": accept_depth(drafted),
         "accept_source": accept_source(rounds),
         "proactive_hits": _div(sum(bool(x.proactive_hit) for x in rounds),
                                sum(x.proactive_hit is not None for x in rounds), 3),

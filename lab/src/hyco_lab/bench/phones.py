@@ -55,6 +55,10 @@ def load_phone(bundle: Path, config: BenchConfig, *, window: int = WINDOW):
         options["draft_sampling"] = config.draft_sampling
     if config.values:  # per-node values on the wire (the server's ValueTrust decides how far to use them)
         options["values"] = True
+    if config.opening != "auto":
+        options["opening"] = config.opening
+    if config.order is not None:
+        options["order"] = config.order
     # a static server budget needs nothing here: the session frame and every verdict grant the phone its
     # budget, and the phone sends the head of that size of its tree (the same phone for every budget)
     spec, mtp, scales = None, None, None
@@ -87,10 +91,12 @@ def load_phone(bundle: Path, config: BenchConfig, *, window: int = WINDOW):
 class ChainOnlyDrafter:
     """The MTP chain alone, K nodes, no runner-ups and no SLM children (``hyco-exact-chain``): each round then
     has vLLM's MTP step's shape (the accepted chain prefix, then the bonus), so the two drafters are compared
-    at the same kind of positions (``hyco_lab.bench.chainparity``). The round without a hand-off yet (the first,
-    docs/decisions.md D2) is ``hybrid``'s SLM tree; after it the SLM never runs, so the committed tokens it
-    has not seen pile up, and a later round without a hand-off (a session that went to server mode) is refused
-    rather than drafted from a stale SLM.
+    at the same kind of positions (``hyco_lab.bench.chainparity``). Round 0 is the root alone (the session's
+    default ``opening`` for a drafter with an MTP head), so round 1 drafts from the prompt's last position, as
+    vLLM's first step does. A round without a hand-off before any chain (an ``opening`` ``"slm"``) is
+    ``hybrid``'s SLM tree; after the first chain the SLM never runs, so the committed tokens it has not seen
+    pile up, and a later round without a hand-off (a session that went to server mode) is refused rather than
+    drafted from a stale SLM.
 
     >>> import numpy as np
     >>> from mobile_client.drafters.base import ChainDraft, DraftContext, HybridDrafter
@@ -259,7 +265,9 @@ def bench_client_class():
             if p is None:
                 return 0.0
             ms = SLM_PASS_MS if p.round == 0 else self.config.device_ms
-            if p.proactive_hit:
+            if not p.forward:
+                ms = 0.0  # the root alone (SessionOptions.opening): nothing drafted
+            elif p.proactive_hit:
                 ms = 0.0  # prepared during the last wait (its device time overlapped the link)
             s.bench_device_ms[p.round] = ms
             return ms

@@ -119,7 +119,7 @@ class ChainAndRunnerUp:
 
 def test_the_learned_order_puts_a_chain_the_server_keeps_accepting_before_the_runner_up():
     s = PhoneSession(ChainAndRunnerUp(), prompt_tokens=[5, 6, 7], request={"prompt": [5, 6, 7]},
-                     endpoint="completions", spec=SPEC, options=SessionOptions(node_budget=16))
+                     endpoint="completions", spec=SPEC, options=SessionOptions(node_budget=16, order="learned"))
     s.apply_session(SessionFrame("hyco." + "0" * 32, -1, 16, SPEC))
     root = 7
     frame = s.next_tree()
@@ -144,6 +144,9 @@ def test_the_learned_order_puts_a_chain_the_server_keeps_accepting_before_the_ru
     assert score.next_tree().tokens == (7, 8, 9, 57, 10, 11)  # Algorithm-3 order: the runner-up third
     with pytest.raises(ConfigError, match="order"):
         SessionOptions(order="random")
+    # "auto": the chain first in exact mode, the learned order in epsilon mode
+    assert SessionOptions().tree_order == "chain"
+    assert SessionOptions(mode="epsilon").tree_order == "learned"
 
 
 def test_the_chain_order_sends_the_whole_chain_first_whatever_was_learned():

@@ -221,9 +221,10 @@ class PhoneSession(SessionRecovery, ServerModeSession):
         # the head of the granted size: with the learned order, the most valuable part of Algorithm 3's
         # tree at the phone's own budget (its drafting costs the same: one SLM pass over the planted rows)
         learned = None
-        if self.options.order != "score":
+        order = self.options.tree_order
+        if order != "score":
             learned = self.acceptance.node_values(tree.parents, tree.sources)
-            if self.options.order == "chain":
+            if order == "chain":
                 learned = chain_first(tree, learned)
         tree = value_order(tree, learned).head(self.node_budget)
         draft_ms = (time.perf_counter() - t0) * 1e3
@@ -284,7 +285,7 @@ class PhoneSession(SessionRecovery, ServerModeSession):
         """The nodes the drafter builds: the granted budget with the score order (whose head of ``k`` nodes is
         Algorithm 3's tree of ``k``); the phone's own budget with the learned order, whose head is chosen
         from the whole tree."""
-        return self.node_budget if self.options.order == "score" else self.options.node_budget
+        return self.node_budget if self.options.tree_order == "score" else self.options.node_budget
 
     def _check_tree(self, tree: DraftTree) -> None:
         if not tree.tokens or tree.tokens[0] != self.root:

@@ -13,7 +13,7 @@ from vllm_hyco.handoff.limits import AIOHTTP_DEFAULT_MAX_MSG
 from vllm_hyco.handoff.tree_contract import DEFAULT_NODE_BUDGET
 
 DRAFT_SAMPLING = ("greedy", "probabilistic")  # SessionOptions.draft_sampling
-TREE_ORDERS = ("learned", "chain", "score")  # SessionOptions.order
+TREE_ORDERS = ("auto", "learned", "chain", "score")  # SessionOptions.order
 OPENINGS = ("auto", "slm", "root")  # SessionOptions.opening
 # tree [, catch_up=tokens] -> mobile_client.baselines.ProactiveDraft; ``catch_up`` (when the function takes
 # it): committed tokens before the tree's root that the drafter has not seen yet
@@ -44,13 +44,22 @@ class SessionOptions:
     # Algorithm-3 score alone. The node set is Algorithm 3's either way.
     # "chain": the MTP chain's rows first (in depth order), then the rest as "learned": every prefix of at
     # most K nodes is then a chain, which the server verifies with vLLM's own attention (a cut tree that
-    # branches pays the tree attention: the engine's step-cost model charges it, docs/engine.md)
-    order: str = "learned"
+    # branches pays the tree attention: the engine's step-cost model charges it, docs/engine.md). "auto":
+    # "chain" in exact mode (measured on two families: the adaptive cut keeps the chain, MAT up 0.2-0.4 at the
+    # same server time, docs/benchmarks.md), "learned" in epsilon mode (not measured with the chain first)
+    order: str = "auto"
     # round 0 (docs/decisions.md D2): "slm", the SLM's tree alone, rooted at the prompt's last token; "root",
     # the root alone: its verdict is the first token (the verifier's sample at the prompt's last position)
     # and the seed, so round 1 drafts the MTP chain from the prompt's last h, as vLLM's first MTP step does
     # after its prefill; "auto": "root" when the drafter has an MTP head (a ``chain_drafter``), else "slm"
     opening: str = "auto"
+
+    @property
+    def tree_order(self) -> str:
+        """The order the session uses: ``order``, with "auto" resolved by the mode."""
+        if self.order != "auto":
+            return self.order
+        return "chain" if self.mode == "exact" else "learned"
 
     def __post_init__(self):
         if self.opening not in OPENINGS:

@@ -24,7 +24,9 @@ The configurations, each as ``name``: server; phone tree; acceptance.
   that many nodes; exact
 * ``hyco-exact-prob-s4`` .. ``-s32``: same; same as hyco-exact-prob, that many nodes; exact
 * ``hyco-exact-chainfirst``: hyco; same as hyco-exact, rows ordered the MTP chain first
-  (``SessionOptions.order`` ``"chain"``); exact
+  (``SessionOptions.order`` ``"chain"``, exact mode's default since issue 35); exact
+* ``hyco-exact-learned``: hyco; same as hyco-exact, rows ordered by the learned acceptance alone
+  (``SessionOptions.order`` ``"learned"``, exact mode's default before issue 35); exact
 * ``hyco-exact-slm0``: hyco; same as hyco-exact, round 0 the SLM's tree (``SessionOptions.opening``
   ``"slm"``, the default before issue 35) instead of the root alone; exact
 * ``hyco-exact-chain``: hyco, ``budget_policy`` static, ``node_budget`` K = 4; the MTP chain alone (no
@@ -144,6 +146,8 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
     BenchConfig("hyco-exact", "phone", "HyCo exact", server="hyco", drafter="hybrid", device_ms=HYCO_ROUND_MS),
     BenchConfig("hyco-exact-chainfirst", "phone", "HyCo exact, the chain first", server="hyco", drafter="hybrid",
                 device_ms=HYCO_ROUND_MS, order="chain"),
+    BenchConfig("hyco-exact-learned", "phone", "HyCo exact, the learned order", server="hyco", drafter="hybrid",
+                device_ms=HYCO_ROUND_MS, order="learned"),
     BenchConfig("hyco-exact-slm0", "phone", "HyCo exact, round 0 the SLM's", server="hyco", drafter="hybrid",
                 device_ms=HYCO_ROUND_MS, opening="slm"),
     BenchConfig("hyco-exact-prob", "phone", "HyCo exact, sampled drafts", server="hyco", drafter="hybrid",

@@ -95,7 +95,7 @@ def test_hyco_drafters_exact_session(chunk_bytes):
 
 def test_hyco_first_round_is_slm_only_from_prefilled_prompt():
     phone, mtp, slm = hyco_phone()
-    session = hyco_session(phone, max_tokens=4, options=SessionOptions(opening="slm"))
+    session = hyco_session(phone, max_tokens=4)  # opening "slm", the default
     session.apply_session(SessionFrame("r1." + "0" * 32, -1, 32, SPEC))  # the server's answer to `start`
     frame = session.next_tree()
     assert frame.tokens[0] == PROMPT[-1] and slm.committed == len(PROMPT) - 1
@@ -104,7 +104,7 @@ def test_hyco_first_round_is_slm_only_from_prefilled_prompt():
 
 def test_hyco_opens_with_the_root_alone_and_prefills_the_slm_during_the_wait():
     phone, mtp, slm = hyco_phone()
-    session = hyco_session(phone, max_tokens=4)  # opening "auto": the drafter has an MTP head
+    session = hyco_session(phone, max_tokens=4, options=SessionOptions(opening="root"))
     session.apply_session(SessionFrame("r1." + "0" * 32, -1, 32, SPEC))
     frame = session.next_tree()
     assert list(frame.tokens) == [PROMPT[-1]] and list(frame.parents) == [-1] and slm.committed == 0
@@ -117,7 +117,7 @@ def test_hyco_opens_with_the_root_alone_and_prefills_the_slm_during_the_wait():
 
 def test_hyco_root_opening_drafts_round_one_from_the_seed_and_stays_exact():
     phone, mtp, slm = hyco_phone()
-    session = hyco_session(phone, max_tokens=24)
+    session = hyco_session(phone, max_tokens=24, options=SessionOptions(opening="root"))
     seen = []
     result, _ = _run_checked(session, {}, _invariants(session, mtp, slm, seen))
     assert result.token_ids == greedy(PROMPT, 24)

@@ -60,18 +60,21 @@ def plain(server):
     return plain_greedy(server, PROMPTS, MAX_TOKENS)
 
 
-def _session(bundle_dir: Path, tok, prompt: str, backend: str = "torch", build: Path | None = None) -> PhoneSession:
+def _session(bundle_dir: Path, tok, prompt: str, backend: str = "torch", build: Path | None = None,
+             opening: str = "slm") -> PhoneSession:
     bundle = load_bundle(bundle_dir, backend, build)
     body = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True}
     session = PhoneSession(bundle.drafter, prompt_tokens=tok(prompt)["input_ids"], request=body,
-                           endpoint="completions", spec=bundle.spec, options=SessionOptions(node_budget=32))
+                           endpoint="completions", spec=bundle.spec,
+                           options=SessionOptions(node_budget=32, opening=opening))
     return session
 
 
 def test_phone_sessions_with_the_own_kv_mtp_layer_equal_plain_greedy(server, family, tok, plain):
     chains, mats = [], []
-    for prompt in PROMPTS:
-        session = _session(family, tok, prompt)
+    for i, prompt in enumerate(PROMPTS):
+        opening = ("slm", "root")[i % 2]  # both round-0 openings (SessionOptions.opening)
+        session = _session(family, tok, prompt, opening=opening)
         assert session.spec is not None and session.spec.version == 3  # h rows: hand-off schema 3
         hybrid = session.drafter.drafter
         drafted = []
@@ -85,8 +88,10 @@ def test_phone_sessions_with_the_own_kv_mtp_layer_equal_plain_greedy(server, fam
         hybrid.propose = spy
         result = asyncio.run(make_client(server).run(session))
         assert session.tokens == plain[prompt][1] and "".join(session.text_parts) == plain[prompt][0]
-        # round 0 the root alone (opening "auto": the phone has an MTP layer), then K = 4 from the seed on
-        assert result.rounds[0].nodes == 0 and drafted and all(n == 4 for n in drafted), drafted
+        if opening == "root":  # round 0 the root alone, then K = 4 from the seed on
+            assert result.rounds[0].nodes == 0 and drafted and all(n == 4 for n in drafted), drafted
+        else:  # round 0 the SLM's alone, then K = 4
+            assert drafted[0] == 0 and all(n == 4 for n in drafted[1:]), drafted
         chains.append(drafted)
         mats.append(result.mat)
     assert max(mats) > 1.0, mats

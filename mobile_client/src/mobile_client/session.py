@@ -20,10 +20,10 @@ or not at all, so a connection lost mid-verdict loses nothing: the client resume
 
 Round 0 follows docs/decisions.md D2: the root is the prompt's last token, and verdict 0 carries the seed.
 With ``SessionOptions.opening`` ``"slm"`` the drafter's SLM is prefilled with the tokens before the root and
-the tree is the SLM's alone (no ``x_hat`` yet). With ``"root"`` (``"auto"``'s choice for a drafter with an MTP
-head) the tree is the root alone: verdict 0 is the first token and the seed, and round 1's tree has the MTP
-chain drafted from the prompt's last position, as vLLM's first MTP step after its prefill; the SLM is
-prefilled at round 1, the root being its first catch-up row.
+the tree is the SLM's alone (no ``x_hat`` yet; the default). With ``"root"`` the tree is the root alone:
+verdict 0 is the first token and the seed, and round 1's tree has the MTP chain drafted from the prompt's
+last position, as vLLM's first MTP step after its prefill; the SLM is prefilled while the root is verified
+(``prepare_proactive``), the root being its first catch-up row.
 
 Positions: the prompt holds positions 0..L-1, so round 0's root sits at L-1. After a round that accepts
 ``m`` nodes, the next root (the bonus) sits ``m + 1`` positions later; every hand-off's ``root`` must
@@ -239,13 +239,9 @@ class PhoneSession(SessionRecovery, ServerModeSession):
         return self._outgoing(self._pending)
 
     def _opens_with_root(self) -> bool:
-        """Round 0 of a new session is the root alone (``SessionOptions.opening``): with ``"auto"``, when the
-        drafter has an MTP head (a hand-off gives it its first input). Not after a failover (``reopen``):
-        the MTP head already holds a state there, and round 0 drafts from it."""
-        if self.round != 0 or self.x_hat is not None or self.failovers:
-            return False
-        o = self.options.opening
-        return o == "root" or (o == "auto" and getattr(self.drafter, "mtp", None) is not None)
+        """Round 0 of a new session is the root alone (``SessionOptions.opening`` ``"root"``). Not after a
+        failover (``reopen``): the MTP head already holds a state there, and round 0 drafts from it."""
+        return self.options.opening == "root" and self.round == 0 and self.x_hat is None and not self.failovers
 
     def draft_sampling(self) -> DraftSampling | None:
         """This round's sampled-draft settings: with ``draft_sampling="probabilistic"`` and a request

@@ -14,7 +14,7 @@ from vllm_hyco.handoff.tree_contract import DEFAULT_NODE_BUDGET
 
 DRAFT_SAMPLING = ("greedy", "probabilistic")  # SessionOptions.draft_sampling
 TREE_ORDERS = ("auto", "learned", "chain", "score")  # SessionOptions.order
-OPENINGS = ("auto", "slm", "root")  # SessionOptions.opening
+OPENINGS = ("slm", "root")  # SessionOptions.opening
 # tree [, catch_up=tokens] -> mobile_client.baselines.ProactiveDraft; ``catch_up`` (when the function takes
 # it): committed tokens before the tree's root that the drafter has not seen yet
 ProactiveFn = Callable[..., Any]
@@ -51,8 +51,10 @@ class SessionOptions:
     # round 0 (docs/decisions.md D2): "slm", the SLM's tree alone, rooted at the prompt's last token; "root",
     # the root alone: its verdict is the first token (the verifier's sample at the prompt's last position)
     # and the seed, so round 1 drafts the MTP chain from the prompt's last h, as vLLM's first MTP step does
-    # after its prefill; "auto": "root" when the drafter has an MTP head (a ``chain_drafter``), else "slm"
-    opening: str = "auto"
+    # after its prefill (the SLM is prefilled while the root is verified). "slm" is the default: on the shipped
+    # family at 32-token answers "root" cost 10-12 % more server time in two runs (one more round per
+    # session), for 35-50 ms less time to the first token (docs/benchmarks.md, "The root-only opening")
+    opening: str = "slm"
 
     @property
     def tree_order(self) -> str:

@@ -27,8 +27,11 @@ The configurations, each as ``name``: server; phone tree; acceptance.
   (``SessionOptions.order`` ``"chain"``, exact mode's default since issue 35); exact
 * ``hyco-exact-learned``: hyco; same as hyco-exact, rows ordered by the learned acceptance alone
   (``SessionOptions.order`` ``"learned"``, exact mode's default before issue 35); exact
-* ``hyco-exact-slm0``: hyco; same as hyco-exact, round 0 the SLM's tree (``SessionOptions.opening``
-  ``"slm"``, the default before issue 35) instead of the root alone; exact
+* ``hyco-exact-slm0``: hyco; same as hyco-exact, round 0 pinned to the SLM's tree (``SessionOptions.opening``
+  ``"slm"``, the default); exact
+* ``hyco-exact-root0``: hyco; same as hyco-exact, round 0 the root alone (``SessionOptions.opening``
+  ``"root"``; ``hyco-exact`` ran so in issue 35's runs ``mimo-open-35``, ``mimo-table-35``,
+  ``gemma-table-35`` and ``gemma-open-35``); exact
 * ``hyco-exact-chain``: hyco, ``budget_policy`` static, ``node_budget`` K = 4; the MTP chain alone (no
   runner-ups, no SLM children; round 0 the root alone, round 1 the chain from the prompt's last position):
   vLLM's MTP step shape, for chain parity (``hyco_lab.bench.chainparity``); exact
@@ -41,8 +44,8 @@ the server cuts each tree to the prefix that pays and grants each phone its next
 Phone compute is **modelled** (docs/decisions.md D8) from the paper's device numbers unless a phone measured
 it: one SLM pass over 32 rows 15.7 ms; a HyCo round 52.9 ms of device time (MTP head K steps, one SLM
 pass, the tree); the on-device head is about 20 ms of that. So: SpecEdge-style 4 x 15.7 ms, HyCo-2P
-52.9 + 15.7 ms, the first round (SLM only, D2) 15.7 ms, or nothing when it is the root alone (a phone with an
-MTP head opens so by default: ``SessionOptions.opening``).
+52.9 + 15.7 ms, the first round (SLM only, D2) 15.7 ms, or nothing when it is the root alone
+(``SessionOptions.opening`` ``"root"``).
 
     >>> [c.name for c in select("hyco,cloud-mtp")]
     ['hyco', 'cloud-mtp']
@@ -89,7 +92,7 @@ class BenchConfig:
     device_ms: float = 0.0  # modelled device ms per round after the first
     node_budget: int | None = None  # hyco servers: a static budget (budget_policy static); None: adaptive
     first_round_ms: float = SLM_PASS_MS  # round 0 is the SLM's alone (D2)
-    opening: str = "auto"  # phone configurations: SessionOptions.opening (round 0: "slm" tree or "root" alone)
+    opening: str | None = None  # phone configurations: SessionOptions.opening ("slm" tree or "root" alone)
     order: str | None = None  # phone configurations: SessionOptions.order (None: its default)
     k: int = MTP_K  # cloud configurations: num_speculative_tokens (the most, with a schedule)
     k_schedule: tuple[tuple[int, int, int], ...] | None = None  # cloud: vLLM's per-batch-size K
@@ -150,6 +153,8 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
                 device_ms=HYCO_ROUND_MS, order="learned"),
     BenchConfig("hyco-exact-slm0", "phone", "HyCo exact, round 0 the SLM's", server="hyco", drafter="hybrid",
                 device_ms=HYCO_ROUND_MS, opening="slm"),
+    BenchConfig("hyco-exact-root0", "phone", "HyCo exact, round 0 the root alone", server="hyco", drafter="hybrid",
+                device_ms=HYCO_ROUND_MS, opening="root"),
     BenchConfig("hyco-exact-prob", "phone", "HyCo exact, sampled drafts", server="hyco", drafter="hybrid",
                 device_ms=HYCO_ROUND_MS, draft_sampling="probabilistic"),
     BenchConfig("hyco-exact-values", "phone", "HyCo exact, phone values", server="hyco", drafter="hybrid",
@@ -160,7 +165,7 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
                   drafter="hybrid", device_ms=HYCO_ROUND_MS, draft_sampling="probabilistic", node_budget=b)
       for b in STATIC_BUDGETS),
     BenchConfig("hyco-exact-chain", "phone", "HyCo exact, MTP chain alone (static K)", server="hyco",
-                drafter="chain", device_ms=HEAD_ON_DEVICE_MS, node_budget=MTP_K),
+                drafter="chain", device_ms=HEAD_ON_DEVICE_MS, node_budget=MTP_K, opening="root"),
     BenchConfig("slm-only", "modelled", "SLM alone (modelled)"),
 )}
 

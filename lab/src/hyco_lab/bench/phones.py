@@ -55,7 +55,7 @@ def load_phone(bundle: Path, config: BenchConfig, *, window: int = WINDOW):
         options["draft_sampling"] = config.draft_sampling
     if config.values:  # per-node values on the wire (the server's ValueTrust decides how far to use them)
         options["values"] = True
-    if config.opening != "auto":
+    if config.opening is not None:
         options["opening"] = config.opening
     if config.order is not None:
         options["order"] = config.order
@@ -91,9 +91,9 @@ def load_phone(bundle: Path, config: BenchConfig, *, window: int = WINDOW):
 class ChainOnlyDrafter:
     """The MTP chain alone, K nodes, no runner-ups and no SLM children (``hyco-exact-chain``): each round then
     has vLLM's MTP step's shape (the accepted chain prefix, then the bonus), so the two drafters are compared
-    at the same kind of positions (``hyco_lab.bench.chainparity``). Round 0 is the root alone (the session's
-    default ``opening`` for a drafter with an MTP head), so round 1 drafts from the prompt's last position, as
-    vLLM's first step does. A round without a hand-off before any chain (an ``opening`` ``"slm"``) is
+    at the same kind of positions (``hyco_lab.bench.chainparity``). Its configuration opens with the root alone
+    (``SessionOptions.opening`` ``"root"``), so round 1 drafts from the prompt's last position, as vLLM's first
+    step does. A round without a hand-off before any chain (an ``opening`` ``"slm"``) is
     ``hybrid``'s SLM tree; after the first chain the SLM never runs, so the committed tokens it has not seen
     pile up, and a later round without a hand-off (a session that went to server mode) is refused rather than
     drafted from a stale SLM.

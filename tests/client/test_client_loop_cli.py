@@ -63,7 +63,8 @@ def bundle(tmp_path_factory):
     return root, HandoffSpec.from_scales(VERIFIER, layers, scales)
 
 
-def test_hyco_phone_cli_streams_the_greedy_answer(bundle, capsys, tmp_path):
+@pytest.mark.parametrize("opening", ["slm", "root"])
+def test_hyco_phone_cli_streams_the_greedy_answer(bundle, capsys, tmp_path, opening):
     root, spec = bundle
     prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
 
@@ -71,7 +72,8 @@ def test_hyco_phone_cli_streams_the_greedy_answer(bundle, capsys, tmp_path):
         async with FakeHycoServer(spec=spec, chunk_bytes=900, drops={(2, "after_verdict")}) as server:
             args = cli.parse_args(["--server", server.url, "--model-dir", str(root), "--window", str(W),
                                    "--prompt-ids", ",".join(map(str, prompt)), "--max-tokens", "20",
-                                   "--temperature", "0", "--json-out", str(tmp_path / "rounds.json")])
+                                   "--temperature", "0", "--json-out", str(tmp_path / "rounds.json"),
+                                   "--opening", opening])
             return await cli._main(args), server
     rc, server = asyncio.run(go())
     out, err = capsys.readouterr()
@@ -83,6 +85,7 @@ def test_hyco_phone_cli_streams_the_greedy_answer(bundle, capsys, tmp_path):
     written = json.loads((tmp_path / "rounds.json").read_text())
     assert sum(r["committed"] for r in written["rounds"]) == 20
     assert written["token_ids"] == greedy(prompt, 20)  # the committed ids, for an app that wants them
+    assert (written["rounds"][0]["nodes"] == 0) == (opening == "root")  # the root alone, or the SLM's tree
 
 
 def test_hyco_phone_cli_reports_typed_errors(bundle, capsys):

@@ -37,7 +37,8 @@ from pathlib import Path
 from mobile_client.bundle import MTP_WINDOW, load_bundle
 from mobile_client.client import HycoClient, Timeouts
 from mobile_client.mode_rule import DEFAULT_FLOOR_TPS, ModeRule, ModeRuleConfig, PhoneOnly, ServerOnly
-from mobile_client.session import DRAFT_SAMPLING, PhoneSession, SessionOptions, fmt_round
+from mobile_client.session import PhoneSession, SessionOptions, fmt_round
+from mobile_client.session_options import DRAFT_SAMPLING, OPENINGS, TREE_ORDERS
 from vllm_hyco.errors import ConfigError, HycoError
 from vllm_hyco.handoff.tree_contract import DEFAULT_NODE_BUDGET
 
@@ -92,6 +93,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="probabilistic: with --temperature > 0, draw the MTP chain from the head's "
                          "distribution and send it with the tree (lossless); greedy: its argmax")
     ap.add_argument("--mode", choices=("exact", "epsilon"), default="exact")
+    ap.add_argument("--opening", choices=OPENINGS, default="slm",
+                    help="round 0: the SLM's tree, or the root alone (round 1 then drafts the MTP chain from the "
+                         "prompt, as vLLM's first MTP step; docs/phone-loop.md)")
+    ap.add_argument("--order", choices=TREE_ORDERS, default="auto",
+                    help="the tree's row order (auto: the MTP chain first in exact mode, learned in epsilon mode)")
     ap.add_argument("--epsilon", type=float, help="with --mode epsilon: a stricter ε than the operator's")
     ap.add_argument("--node-budget", "--max-nodes", type=int, default=DEFAULT_NODE_BUDGET, dest="node_budget",
                     help="the largest tree this phone builds (drafted nodes, root excluded; the server grants "
@@ -134,7 +140,8 @@ async def _main(args) -> int:
                     if (d / "tokenizer.json").exists()), None)
     endpoint, request, ids = build_request(args, tok_dir)
     opts = SessionOptions(mode=args.mode, epsilon=args.epsilon, node_budget=args.node_budget,
-                          keep_set_hash=bundle.keep_set_hash, draft_sampling=args.draft_sampling)
+                          keep_set_hash=bundle.keep_set_hash, draft_sampling=args.draft_sampling,
+                          opening=args.opening, order=args.order)
 
     def on_text(text: str) -> None:
         sys.stdout.write(text)

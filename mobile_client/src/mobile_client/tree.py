@@ -326,22 +326,34 @@ def value_order(tree: DraftTree, values: Sequence[float] | None = None) -> Draft
 
 
 
+def chain_rows(parents: Sequence[int], sources: Sequence[int]) -> list[int]:
+    """The MTP chain's rows in depth order: from the root, each node's first CHAIN-labelled child.
+
+    >>> chain_rows([-1, 0, 1, 0, 2], [0, 1, 1, 2, 3])  # row 3 a runner-up, row 4 an SLM child
+    [1, 2]
+    """
+    rows, node = [], 0
+    while True:
+        child = next((i for i in range(1, len(parents)) if parents[i] == node and sources[i] == NodeLabel.CHAIN),
+                     None)
+        if child is None:
+            return rows
+        rows.append(child)
+        node = child
+
+
 def chain_first(tree: DraftTree, values: Sequence[float]) -> list[float]:
-    """``values`` raised so that the MTP chain (the run of CHAIN rows from the root, each the CHAIN child of the
-    one before) sorts first in depth order under :func:`value_order`; every other row keeps its value (at
-    most 1, an acceptance estimate). Every prefix of at most the chain's length is then a chain.
+    """``values`` raised so that the MTP chain (:func:`chain_rows`) sorts first in depth order under
+    :func:`value_order`; every other row keeps its value (at most 1, an acceptance estimate). Every prefix of
+    at most the chain's length is then a chain.
 
     >>> t = DraftTree.make_dummy([7, 8, 9, 5], [-1, 0, 1, 0])  # rows 1, 2: the chain; row 3 a sibling
     >>> value_order(t, chain_first(t, [1.0, 0.5, 0.1, 0.3])).to_wire()
     ([7, 8, 9, 5], [-1, 0, 1, 0])
     """
-    out, node = [float(v) for v in values], 0
-    for depth in range(1, len(tree.tokens)):
-        child = next((i for i in range(1, len(tree.tokens))
-                      if tree.parents[i] == node and tree.sources[i] == NodeLabel.CHAIN), None)
-        if child is None:
-            break
-        out[child], node = 2.0 - depth / MAX_TREE_ROWS, child
+    out = [float(v) for v in values]
+    for depth, row in enumerate(chain_rows(tree.parents, tree.sources), start=1):
+        out[row] = 2.0 - depth / MAX_TREE_ROWS
     return out
 
 

@@ -36,7 +36,8 @@ from typing import Any
 
 import numpy as np
 
-CHAIN = 1  # vllm_hyco.handoff.tree_contract.NodeLabel: the MTP chain
+from mobile_client.tree import chain_rows
+
 #: (phone configuration, vLLM configuration) pairs compared by default. ``hyco-exact-chain`` sends the chain
 #: alone at a static budget of K, so its rounds have vLLM's step shape (the accepted chain prefix, then the
 #: bonus): the drafters compared at the same kind of positions. The static-32 runs (``hyco-exact-s32``,
@@ -67,17 +68,13 @@ def chain_counts(rounds: Sequence[dict], depth: int) -> tuple[np.ndarray, np.nda
         # under the adaptive budget that can only lower the phone's rate
         sent = int(rd.get("nodes", len(parents) - 1))
         verified = (sent if not rd.get("budget") else min(sent, int(rd["budget"]))) + 1
-        node = 0
-        for d in range(depth):
-            child = next((i for i in range(1, min(verified, len(parents)))
-                          if parents[i] == node and sources[i] == CHAIN), None)
-            if child is None:
+        for d, child in enumerate(chain_rows(parents, sources)[:depth]):
+            if child >= verified:
                 break
             reached[d] += 1
             if child not in path:
                 break
             accepted[d] += 1
-            node = child
     return reached, accepted
 
 

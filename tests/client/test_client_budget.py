@@ -117,10 +117,16 @@ class ChainAndRunnerUp:
         return DraftTree(tokens, parents, scores, (0, 1, 1, 1, 1, 2), 5)
 
 
-def test_the_learned_order_puts_a_chain_the_server_keeps_accepting_before_the_runner_up():
+def _chain_and_runner_up_session(**options) -> PhoneSession:
+    """A started session (prompt [5, 6, 7], 16 nodes granted) drafting ``ChainAndRunnerUp``'s tree."""
     s = PhoneSession(ChainAndRunnerUp(), prompt_tokens=[5, 6, 7], request={"prompt": [5, 6, 7]},
-                     endpoint="completions", spec=SPEC, options=SessionOptions(node_budget=16, order="learned"))
+                     endpoint="completions", spec=SPEC, options=SessionOptions(**options))
     s.apply_session(SessionFrame("hyco." + "0" * 32, -1, 16, SPEC))
+    return s
+
+
+def test_the_learned_order_puts_a_chain_the_server_keeps_accepting_before_the_runner_up():
+    s = _chain_and_runner_up_session(node_budget=16, order="learned")
     root = 7
     frame = s.next_tree()
     assert frame.tokens[:4] == (root, root + 1, root + 2, root + 3)  # the prior: chain first up to depth 3
@@ -138,9 +144,7 @@ def test_the_learned_order_puts_a_chain_the_server_keeps_accepting_before_the_ru
     # have kept the runner-up and dropped the chain's last node)
     s.apply_verdict(_verdict(12, [1, 2, 3, 4], [root + 1, root + 2, root + 3, root + 4, 200], 4, root=2 + 5 * 13))
     assert s.next_tree().tokens == (200, 201, 202, 203, 204)
-    score = PhoneSession(ChainAndRunnerUp(), prompt_tokens=[5, 6, 7], request={"prompt": [5, 6, 7]},
-                         endpoint="completions", spec=SPEC, options=SessionOptions(order="score"))
-    score.apply_session(SessionFrame("hyco." + "0" * 32, -1, 16, SPEC))
+    score = _chain_and_runner_up_session(order="score")
     assert score.next_tree().tokens == (7, 8, 9, 57, 10, 11)  # Algorithm-3 order: the runner-up third
     with pytest.raises(ConfigError, match="order"):
         SessionOptions(order="random")
@@ -150,9 +154,7 @@ def test_the_learned_order_puts_a_chain_the_server_keeps_accepting_before_the_ru
 
 
 def test_the_chain_order_sends_the_whole_chain_first_whatever_was_learned():
-    s = PhoneSession(ChainAndRunnerUp(), prompt_tokens=[5, 6, 7], request={"prompt": [5, 6, 7]},
-                     endpoint="completions", spec=SPEC, options=SessionOptions(node_budget=16, order="chain"))
-    s.apply_session(SessionFrame("hyco." + "0" * 32, -1, 16, SPEC))
+    s = _chain_and_runner_up_session(node_budget=16, order="chain")
     root = 7
     frame = s.next_tree()
     for rnd in range(12):  # every round the runner-up is accepted and the chain is not: learned would put it first

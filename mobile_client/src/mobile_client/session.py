@@ -241,7 +241,7 @@ class PhoneSession(SessionRecovery, ServerModeSession):
     def _opens_with_root(self) -> bool:
         """Round 0 of a new session is the root alone (``SessionOptions.opening`` ``"root"``). Not after a
         failover (``reopen``): the MTP head already holds a state there, and round 0 drafts from it."""
-        return self.options.opening == "root" and self.round == 0 and self.x_hat is None and not self.failovers
+        return self.options.opening == "root" and self.round == 0 and not self.failovers
 
     def draft_sampling(self) -> DraftSampling | None:
         """This round's sampled-draft settings: with ``draft_sampling="probabilistic"`` and a request

@@ -372,7 +372,9 @@ class PhoneSession(SessionRecovery, ServerModeSession):
             self.finish_reason = v.finish_reason
             return stats
         kept = 0
-        if p.forward and hasattr(self.drafter, "accept"):  # a reused proactive tree: the drafter holds none
+        # a root-only opening ran no forward: the drafter keeps nothing; for a reused proactive tree it holds
+        # none of the tree's rows
+        if p.forward and hasattr(self.drafter, "accept"):
             rows, toks = ([], []) if p.proactive_hit else ([0, *v.path], [self.root, *path_tokens])
             # with their tokens when the drafter takes them: the tree sent was trimmed after the SLM's
             # forward, so its row indices need not be the forward's

@@ -26,7 +26,7 @@ Example::
     >>> HycoConfig.parse({"method": "hyco", "node_budgt": 8})  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    vllm_hyco.errors.ConfigError: unknown hyco option 'node_budgt'; valid options: budget_policy, ..., window
+    vllm_hyco.errors.ConfigError: unknown hyco option 'node_budgt'; valid options: budget_floor, ..., window
 
 Exact verification is the default (``epsilon`` None, docs/decisions.md D4); a lossy ε in (0, 1) is an operator
 option and is logged at startup.
@@ -81,6 +81,10 @@ class HycoConfig:
             its online step-cost model and grants each phone the nodes worth drafting next round
             (``vllm_hyco.spec_decode.budget``, docs/engine.md); ``static``: every tree verified whole,
             ``node_budget`` granted every round.
+        budget_floor: the fewest nodes of a phone's tree the adaptive budget verifies and grants (1..
+            ``node_budget``; default 1: every row must pay for itself). Set it to Cloud+MTP's K and the server
+            never verifies fewer rows than vLLM's MTP would draft (with exact mode's chain-first order, the
+            MTP chain to depth K): the adaptive cut then only adds rows that pay. Ignored by ``static``.
         step_gather: ``auto`` (default: on with ``budget_policy`` adaptive, off with static), ``on``, ``off``:
             hold a step that would run only phone trees for at most one predicted step time while sessions
             expected by then can join it (``vllm_hyco.spec_decode.gather``, docs/engine.md).
@@ -121,6 +125,7 @@ class HycoConfig:
     epsilon: float | None = None
     node_budget: int = DEFAULT_NODE_BUDGET
     budget_policy: str = "adaptive"
+    budget_floor: int = 1
     step_gather: str = "auto"
     window: int | None = None
     max_sessions: int = 16
@@ -144,6 +149,10 @@ class HycoConfig:
         _check_choice("budget_policy", self.budget_policy, BUDGET_POLICIES,
                       "adaptive: verify the prefix of each tree that pays (default); static: the paper's fixed "
                       "node_budget")
+        _check_int("budget_floor", self.budget_floor, 1, DEFAULT_NODE_BUDGET)
+        if self.budget_floor > self.node_budget:
+            raise ConfigError(f"hyco option budget_floor={self.budget_floor} is above node_budget={self.node_budget}: "
+                              f"the floor is the fewest nodes verified of a tree, the budget the most")
         _check_choice("step_gather", self.step_gather, STEP_GATHER,
                       "auto: on with budget_policy adaptive (default); on; off")
         _check_int("window", self.window, 1, 1 << 20, optional=True)
@@ -295,7 +304,8 @@ class HycoConfig:
     def describe(self) -> str:
         mode = "exact (lossless)" if self.exact else f"LOSSY epsilon={self.epsilon}"
         window = self.window if self.window is not None else "verifier sliding_window"
-        return (f"HyCo: verification {mode}, node_budget {self.node_budget} ({self.budget_policy}), "
+        floor = f", floor {self.budget_floor}" if self.budget_floor > 1 and self.budget_policy == "adaptive" else ""
+        return (f"HyCo: verification {mode}, node_budget {self.node_budget} ({self.budget_policy}{floor}), "
                 f"window {window}, "
                 f"max_sessions {self.max_sessions}, session_idle_timeout_s {self.session_idle_timeout_s}, "
                 f"max_parked_blocks {'none' if self.max_parked_blocks is None else self.max_parked_blocks}"

@@ -105,6 +105,29 @@ def test_next_budget_follows_the_cut_and_grows_back_to_the_cap():
     assert pol.next_budget(cut, first_round=True) == 32  # round 0 is the SLM's tree alone: no evidence yet
 
 
+def test_the_floor_keeps_at_least_its_nodes_and_grants_them():
+    """``budget_floor``: a steep cost that keeps one node alone keeps the floor's (the best prefix of at least
+    that many), grants at least the floor, and leaves a tree smaller than the floor whole."""
+    vals = [1.0, 0.9, 0.1, 0.05, 0.01, 0.005]
+    assert choose_nodes(vals, fixed=0.001, per_row=1.0) == 1
+    assert choose_nodes(vals, fixed=0.001, per_row=1.0, least=4) == 4
+    assert choose_nodes(vals, fixed=100.0, per_row=1e-6, least=2) == 5  # the floor never lowers a cut
+    assert choose_nodes(vals[:3], fixed=0.001, per_row=1.0, least=4) == 2  # fewer nodes than the floor: all
+    pol = BudgetPolicy(32, floor=4)
+    pol.cost = fitted(0.0001, 0.002)
+    cut = pol.plan("s", CHAIN8)
+    assert (cut.nodes, cut.sent) == (4, 8) and pol.next_budget(cut) == 4  # the phone learns: 4 were verified
+    small = pol.plan("s", CHAIN8[:3])
+    assert (small.nodes, small.sent) == (2, 2) and pol.next_budget(small) == 4
+    unfloored = BudgetPolicy(32)
+    unfloored.cost = pol.cost
+    assert unfloored.plan("s", CHAIN8).nodes < 4
+    probing = BudgetPolicy(32, floor=3)  # the cost model is not ready: probes never go below the floor
+    assert min(probing.plan("s", CHAIN8).nodes for _ in range(5)) == 3
+    with pytest.raises(ValueError, match="budget_floor"):
+        BudgetPolicy(8, floor=9)
+
+
 def test_inflated_phone_values_never_raise_a_sessions_rows():
     pol = BudgetPolicy(32)
     pol.cost = fitted(0.002, 0.0004)

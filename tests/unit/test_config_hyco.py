@@ -45,7 +45,7 @@ def test_unknown_option_named_with_valid_list():
     ("node_budget", 0, "[1, 32]"), ("node_budget", 33, "[1, 32]"), ("node_budget", 2.0, "[1, 32]"),
     ("window", 0, "[1,"), ("max_sessions", 0, "[1,"), ("session_idle_timeout_s", 0, "(0.0,"),
     ("max_session_tokens", 1, "[2,"), ("budget_policy", "dynamic", "'adaptive', 'static'"),
-    ("budget_policy", None, "'adaptive', 'static'"),
+    ("budget_policy", None, "'adaptive', 'static'"), ("budget_floor", 0, "[1, 32]"), ("budget_floor", "K", "[1, 32]"),
 ])
 def test_bad_values_name_field_and_range(field, value, needle):
     with pytest.raises(ConfigError) as err:
@@ -130,3 +130,15 @@ def test_budget_policy_defaults_to_adaptive_and_round_trips():
     cfg = HycoConfig.parse('{"method": "hyco", "budget_policy": "static", "node_budget": 8}')
     assert (cfg.budget_policy, cfg.node_budget) == ("static", 8)
     assert HycoConfig.from_dict(cfg.to_dict()) == cfg and "node_budget 8 (static)" in cfg.describe()
+
+
+def test_budget_floor_reaches_the_policy_and_stays_under_the_budget():
+    from vllm_hyco.vllm_adapter.engine_core.state import SchedulerState
+
+    cfg = HycoConfig.parse('{"method": "hyco", "budget_floor": 4}')
+    assert HycoConfig().budget_floor == 1 and HycoConfig.from_dict(cfg.to_dict()) == cfg
+    assert "(adaptive, floor 4)" in cfg.describe()
+    st = SchedulerState.create(cfg, num_kv_blocks=64, max_num_running_reqs=4, on_cpu=True)
+    assert (st.budget_policy.floor, st.budget_policy.cap) == (4, 32)
+    with pytest.raises(ConfigError, match="budget_floor=8 is above node_budget=4"):
+        HycoConfig.from_dict({"budget_floor": 8, "node_budget": 4})

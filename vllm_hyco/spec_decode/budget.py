@@ -271,27 +271,35 @@ def recomputed(parents: Sequence[int]) -> bool:
 
 
 def choose_nodes(values: Sequence[float] | np.ndarray, *, fixed: float, per_row: float, branch: float = 0.0,
-                 chain: int | None = None) -> int:
-    """Nodes to keep (``1 <= k <= n``; 0 for a root-only tree): the prefix minimising the expected cost per
-    committed token ``(fixed + per_row * (k + 1) + branch * [k > chain]) / (1 + values[1] + ... +
-    values[k])``, first minimum. ``branch``: what a tree that is not a chain adds (its tree attention);
-    ``chain``: how many leading nodes form a chain (:func:`chain_prefix`; None: every prefix is charged
-    alike).
+                 chain: int | None = None, least: int = 1) -> int:
+    """Nodes to keep (``min(least, n) <= k <= n``; 0 for a root-only tree): the prefix minimising the
+    expected cost per committed token ``(fixed + per_row * (k + 1) + branch * [k > chain]) / (1 + values[1]
+    + ... + values[k])``, first minimum. ``branch``: what a tree that is not a chain adds (its tree
+    attention); ``chain``: how many leading nodes form a chain (:func:`chain_prefix`; None: every prefix is
+    charged alike); ``least``: the fewest nodes kept (the operator's ``budget_floor``), the best prefix of
+    at least that many is chosen.
 
-    ``values``: [n + 1] expected acceptance per row in tree order (row 0 the root, ignored)."""
+    ``values``: [n + 1] expected acceptance per row in tree order (row 0 the root, ignored).
+
+    >>> choose_nodes([1.0, 0.9, 0.1, 0.05, 0.01], fixed=0.5, per_row=1.0)
+    1
+    >>> choose_nodes([1.0, 0.9, 0.1, 0.05, 0.01], fixed=0.5, per_row=1.0, least=3)
+    3
+    """
     v = values.tolist() if isinstance(values, np.ndarray) else list(values)
     n = len(v) - 1
     if n <= 0:
         return 0
     fixed, per_row, branch = max(fixed, 0.0), max(per_row, 0.0), max(branch, 0.0)
+    least = min(max(int(least), 1), n)
     if fixed == 0.0 and per_row == 0.0 and (chain is None or branch == 0.0 or chain >= n):
         return n  # nothing costs anything: verify it all
     # a plain loop: trees have at most MAX_NODE_BUDGET nodes, and numpy's per-call cost is most of it there
-    best, best_k, tokens = math.inf, 1, 1.0
+    best, best_k, tokens = math.inf, least, 1.0
     for k in range(1, n + 1):
         tokens += max(float(v[k]), 0.0)
         cost = fixed + per_row * (k + 1) + (branch if chain is not None and k > chain else 0.0)
-        if cost / tokens < best:
+        if k >= least and cost / tokens < best:
             best, best_k = cost / tokens, k
     return best_k
 
@@ -310,15 +318,19 @@ class Plan:
 class BudgetPolicy:
     """The engine's node-budget policy: ``adaptive`` (cut trees, adapt the granted budget) or ``static``.
 
-    ``cap``: the operator's ``node_budget`` (never exceeded). ``log_size``: (predicted, observed) node
-    pairs kept for :meth:`reliability`.
+    ``cap``: the operator's ``node_budget`` (never exceeded). ``floor``: the operator's ``budget_floor``,
+    the fewest nodes of a tree verified and granted (1..cap; a tree of fewer nodes is verified whole): set to
+    Cloud+MTP's K, the server never verifies fewer rows of a phone's tree than vLLM's MTP would draft.
+    ``log_size``: (predicted, observed) node pairs kept for :meth:`reliability`.
     """
 
-    def __init__(self, cap: int, policy: str = "adaptive", *, max_rows: int | None = None,
+    def __init__(self, cap: int, policy: str = "adaptive", *, floor: int = 1, max_rows: int | None = None,
                  min_steps: int = 16, log_size: int = 20_000):
         if policy not in POLICIES:
             raise ValueError(f"budget_policy {policy!r}: choose from {', '.join(POLICIES)}")
-        self.cap, self.policy = int(cap), policy
+        if not 1 <= int(floor) <= int(cap):
+            raise ValueError(f"budget_floor {floor}: between 1 and the node budget ({cap})")
+        self.cap, self.policy, self.floor = int(cap), policy, int(floor)
         self.acceptance = AcceptanceModel()
         self.trust = ValueTrust()
         self.cost = StepCostModel(max_rows=max_rows, min_steps=min_steps)
@@ -341,14 +353,15 @@ class BudgetPolicy:
         if self.adaptive and self.cost.ready and sent > 1:
             c0, _, _ = self.cost.coef
             nodes = choose_nodes(vals, fixed=c0 / max(sharing, 1) + self.cost.per_tree,
-                                 per_row=self.cost.marginal(ctx), branch=self.cost.per_branching, chain=chain)
+                                 per_row=self.cost.marginal(ctx), branch=self.cost.per_branching, chain=chain,
+                                 least=self.floor)
         elif self.adaptive and sent > 1:
             # until the model is ready, probe: a lone phone sends full trees, so every step would have the
             # same rows and the fit could not tell a row's cost from the step's, nor a branching tree's
             # from a chain's; cut each tree in turn to all of it, its chain, a quarter, its chain and one
             # node more (a branching tree of nearly the chain's rows), a half
             sizes = (sent, chain, sent // 4, chain + 1, sent // 2)
-            nodes = min(sent, max(1, sizes[self.probes % len(sizes)]))
+            nodes = min(sent, max(self.floor, sizes[self.probes % len(sizes)]))
             self.probes += 1
         self.last_nodes = nodes
         phone = None if phone_values is None else np.asarray(phone_values, dtype=np.float64)[: nodes + 1]
@@ -379,14 +392,15 @@ class BudgetPolicy:
         hybrid trees that follow); else the nodes kept when the server cut the tree (a probe included); the
         cap while the cost model is not ready; else twice the nodes (up to the cap) when it kept every node
         sent, so a session whose trees pay grows back to the cap. So after any round but the first, the
-        phone knows how many of its nodes were verified: ``min(sent, budget)``."""
+        phone knows how many of its nodes were verified: ``min(sent, budget)``. Never below the floor (a
+        cut keeps at least the floor's nodes, so a cut session is still granted what it kept)."""
         if not self.adaptive or plan is None or first_round:
             return self.cap
         if plan.nodes < plan.sent:
-            return max(1, min(plan.nodes, self.cap))
+            return max(self.floor, min(plan.nodes, self.cap))
         if not self.cost.ready:
             return self.cap
-        return max(1, min(2 * max(plan.nodes, 1), self.cap))
+        return max(self.floor, min(2 * max(plan.nodes, 1), self.cap))
 
     def forget(self, sid: str) -> None:
         self.acceptance.forget(sid)
@@ -399,4 +413,5 @@ class BudgetPolicy:
         return reliability_table(p, o, bins)
 
     def snapshot(self) -> dict:
-        return {"policy": self.policy, "cap": self.cap, "last_nodes": self.last_nodes, **self.cost.snapshot()}
+        return {"policy": self.policy, "cap": self.cap, "floor": self.floor, "last_nodes": self.last_nodes,
+                **self.cost.snapshot()}

@@ -129,7 +129,8 @@ class SchedulerState:
         cap = cfg.node_budget if cfg is not None else HycoConfig().node_budget
         policy = cfg.budget_policy if cfg is not None else "adaptive"
         # steps with more rows than the largest verification step (long prefill chunks) are not fitted
-        budget = BudgetPolicy(cap, policy, max_rows=max_num_running_reqs * (cap + 1))
+        floor = cfg.budget_floor if cfg is not None else 1
+        budget = BudgetPolicy(cap, policy, floor=floor, max_rows=max_num_running_reqs * (cap + 1))
         return cls(config=cfg, sessions=SessionRegistry(**registry_options(cfg, num_kv_blocks)),
                    budget_policy=budget,
                    gather=StepGather(), clock=StepClock(on_cpu=on_cpu))

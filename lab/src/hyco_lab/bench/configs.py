@@ -27,6 +27,8 @@ The configurations, each as ``name``: server; phone tree; acceptance.
   (``SessionOptions.order`` ``"chain"``, exact mode's default since issue 35); exact
 * ``hyco-exact-learned``: hyco; same as hyco-exact, rows ordered by the learned acceptance alone
   (``SessionOptions.order`` ``"learned"``, exact mode's default before issue 35); exact
+* ``hyco-exact-floor4``: hyco, ``budget_floor`` K = 4 (the adaptive cut keeps at least Cloud+MTP's K nodes
+  of each tree: with the chain first, the MTP chain to depth 4); same as hyco-exact; exact
 * ``hyco-exact-slm0``: hyco; same as hyco-exact, round 0 pinned to the SLM's tree (``SessionOptions.opening``
   ``"slm"``, the default); exact
 * ``hyco-exact-root0``: hyco; same as hyco-exact, round 0 the root alone (``SessionOptions.opening``
@@ -91,6 +93,7 @@ class BenchConfig:
     values: bool = False  # phone configurations: SessionOptions.values (per-node values on the wire)
     device_ms: float = 0.0  # modelled device ms per round after the first
     node_budget: int | None = None  # hyco servers: a static budget (budget_policy static); None: adaptive
+    budget_floor: int | None = None  # hyco servers, adaptive: the fewest nodes verified (None: the default, 1)
     first_round_ms: float = SLM_PASS_MS  # round 0 is the SLM's alone (D2)
     opening: str | None = None  # phone configurations: SessionOptions.opening ("slm" tree or "root" alone)
     order: str | None = None  # phone configurations: SessionOptions.order (None: its default)
@@ -116,13 +119,16 @@ class BenchConfig:
             spec["epsilon"] = self.epsilon
         if self.node_budget is not None:
             spec.update(node_budget=self.node_budget, budget_policy="static")
+        if self.budget_floor is not None:
+            spec["budget_floor"] = self.budget_floor
         if step_gather is not None:
             spec["step_gather"] = step_gather
         return json.dumps(spec)
 
     def server_key(self) -> tuple:
         """Configurations with equal keys can share one server (same engine arguments)."""
-        return (self.server, self.epsilon, self.draft_sample_method, self.node_budget, self.k, self.k_schedule)
+        return (self.server, self.epsilon, self.draft_sample_method, self.node_budget, self.budget_floor, self.k,
+                self.k_schedule)
 
 
 CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
@@ -151,6 +157,8 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
                 device_ms=HYCO_ROUND_MS, order="chain"),
     BenchConfig("hyco-exact-learned", "phone", "HyCo exact, the learned order", server="hyco", drafter="hybrid",
                 device_ms=HYCO_ROUND_MS, order="learned"),
+    BenchConfig("hyco-exact-floor4", "phone", f"HyCo exact, at least K = {MTP_K} nodes", server="hyco",
+                drafter="hybrid", device_ms=HYCO_ROUND_MS, budget_floor=MTP_K),
     BenchConfig("hyco-exact-slm0", "phone", "HyCo exact, round 0 the SLM's", server="hyco", drafter="hybrid",
                 device_ms=HYCO_ROUND_MS, opening="slm"),
     BenchConfig("hyco-exact-root0", "phone", "HyCo exact, round 0 the root alone", server="hyco", drafter="hybrid",

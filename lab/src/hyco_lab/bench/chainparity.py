@@ -42,8 +42,11 @@ from mobile_client.tree import chain_rows
 #: alone at a static budget of K, so its rounds have vLLM's step shape (the accepted chain prefix, then the
 #: bonus): the drafters compared at the same kind of positions. The static-32 runs (``hyco-exact-s32``,
 #: ``hyco-exact-prob-s32``) verify every chain node, so no budget cut selects which sessions reach a depth;
-#: but a runner-up or SLM child on the path moves where the next round starts
+#: but a runner-up or SLM child on the path moves where the next round starts. ``hyco-exact-floor4`` and
+#: ``-floor4-slm0`` (``budget_floor`` K) verify the chain to depth K in every round after round 0, whatever
+#: else the cut keeps
 PAIRS = (("hyco-exact-chain", "cloud-mtp"), ("hyco-exact", "cloud-mtp"), ("hyco-exact-prob", "cloud-mtp-prob"),
+         ("hyco-exact-floor4", "cloud-mtp"), ("hyco-exact-floor4-slm0", "cloud-mtp"),
          ("hyco-exact-s32", "cloud-mtp"),
          ("hyco-exact-prob-s32", "cloud-mtp-prob"))
 RESAMPLES = 2000

@@ -28,7 +28,9 @@ The configurations, each as ``name``: server; phone tree; acceptance.
 * ``hyco-exact-learned``: hyco; same as hyco-exact, rows ordered by the learned acceptance alone
   (``SessionOptions.order`` ``"learned"``, exact mode's default before issue 35); exact
 * ``hyco-exact-floor4``: hyco, ``budget_floor`` K = 4 (the adaptive cut keeps at least Cloud+MTP's K nodes
-  of each tree: with the chain first, the MTP chain to depth 4); same as hyco-exact; exact
+  of each tree: with the chain first, the MTP chain to depth 4); same as hyco-exact, round 0 the root alone
+  (so every later round drafts from where vLLM's MTP step would: Cloud+MTP's setting, plus what pays); exact
+* ``hyco-exact-floor4-slm0``: the same server; same as hyco-exact-floor4, round 0 the SLM's tree; exact
 * ``hyco-exact-slm0``: hyco; same as hyco-exact, round 0 pinned to the SLM's tree (``SessionOptions.opening``
   ``"slm"``, the default); exact
 * ``hyco-exact-root0``: hyco; same as hyco-exact, round 0 the root alone (``SessionOptions.opening``
@@ -157,8 +159,10 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
                 device_ms=HYCO_ROUND_MS, order="chain"),
     BenchConfig("hyco-exact-learned", "phone", "HyCo exact, the learned order", server="hyco", drafter="hybrid",
                 device_ms=HYCO_ROUND_MS, order="learned"),
-    BenchConfig("hyco-exact-floor4", "phone", f"HyCo exact, at least K = {MTP_K} nodes", server="hyco",
-                drafter="hybrid", device_ms=HYCO_ROUND_MS, budget_floor=MTP_K),
+    BenchConfig("hyco-exact-floor4", "phone", f"HyCo exact, at least K = {MTP_K} nodes, root opening", server="hyco",
+                drafter="hybrid", device_ms=HYCO_ROUND_MS, budget_floor=MTP_K, opening="root"),
+    BenchConfig("hyco-exact-floor4-slm0", "phone", f"HyCo exact, at least K = {MTP_K} nodes, SLM opening",
+                server="hyco", drafter="hybrid", device_ms=HYCO_ROUND_MS, budget_floor=MTP_K, opening="slm"),
     BenchConfig("hyco-exact-slm0", "phone", "HyCo exact, round 0 the SLM's", server="hyco", drafter="hybrid",
                 device_ms=HYCO_ROUND_MS, opening="slm"),
     BenchConfig("hyco-exact-root0", "phone", "HyCo exact, round 0 the root alone", server="hyco", drafter="hybrid",

@@ -113,3 +113,20 @@ def test_static_policy_verifies_whole_trees_and_grants_the_cap(llm, hy):
         pol.cost, pol.policy = saved
     assert all(v.stats["num_rows"] == 33 for v in verdicts if not v.finished)
     assert all(v.node_budget == 32 for v in verdicts if not v.finished)
+
+
+def test_the_floor_keeps_its_nodes_of_every_cut_tree_and_stays_greedy(llm, hy):
+    """``budget_floor``: the cost that cuts trees short above keeps at least the floor's nodes of each tree
+    (and grants them), and the committed stream is still plain greedy."""
+    pol = _scheduler(llm).hyco.budget_policy
+    saved = pol.cost, pol.floor
+    pol.cost, pol.floor = _frozen(0.002, 0.001), 5
+    try:
+        prompts = S._prompts(3, seed=24)
+        refs = S._reference(llm, prompts)
+        verdicts = _run(hy, prompts, refs, ["chain", "sibling", "deep"], seed=4)
+    finally:
+        pol.cost, pol.floor = saved
+    live = [v for v in verdicts if not v.finished and v.round > 0]
+    assert live and all(6 <= v.stats["num_rows"] < 33 for v in live)  # cut, never below the floor
+    assert all(v.node_budget == v.stats["num_rows"] - 1 for v in live)

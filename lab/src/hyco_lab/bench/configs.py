@@ -13,6 +13,8 @@ The configurations, each as ``name``: server; phone tree; acceptance.
 * ``specedge-pd``: same; + proactive drafting during the wait; exact
 * ``specedge-eps``: hyco, ε = 0.005; 32 nodes from 4 SLM passes; ε = 0.005
 * ``hyco``: hyco, ε = 0.005; MTP chain K = 4 + runner-ups + 1 SLM pass; ε = 0.005
+* ``hyco-chainfirst``: hyco, ε = 0.005; same as hyco, rows ordered the MTP chain first (``SessionOptions.order``
+  ``"chain"``; ε mode's default is ``"learned"``); ε = 0.005
 * ``hyco-s32``: hyco, ``budget_policy`` static, ``node_budget`` 32 (the paper's HyCo); same as hyco; ε = 0.005
 * ``hyco-2p``: hyco, ε = 0.005; same, 2 SLM passes; ε = 0.005
 * ``hyco-exact``: hyco; same as hyco; exact
@@ -150,6 +152,8 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
                 device_ms=4 * SLM_PASS_MS),
     BenchConfig("hyco", "phone", "HyCo", server="hyco", epsilon=EPSILON, drafter="hybrid",
                 device_ms=HYCO_ROUND_MS),
+    BenchConfig("hyco-chainfirst", "phone", "HyCo, the chain first", server="hyco", epsilon=EPSILON, drafter="hybrid",
+                device_ms=HYCO_ROUND_MS, order="chain"),
     BenchConfig("hyco-s32", "phone", "HyCo, static 32 (the paper's)", server="hyco", epsilon=EPSILON,
                 drafter="hybrid", device_ms=HYCO_ROUND_MS, node_budget=32),
     BenchConfig("hyco-2p", "phone", "HyCo-2P", server="hyco", epsilon=EPSILON, drafter="hybrid-2p",

@@ -216,9 +216,21 @@ def test_a_phone_without_verdict_0_does_not_hold_its_session_until_the_idle_time
             async with RawPhone(http, server) as phone:
                 assert isinstance(await _resumed(phone, ack.session_id, 0), SessionFrame)
                 assert await phone.recv() == v0
+                await _finish(phone, v0, plain[1])  # rather than hold it until the idle timeout
 
     asyncio.run(resumable())
     wait_drained(server)
+
+
+async def _finish(phone: RawPhone, v, reference: list[int]) -> None:
+    """Drive a session to its end with chains planted from plain greedy (a few rounds) and check its text."""
+    done, rnd = len(v.tokens), v.round + 1
+    while v.finish_reason is None:
+        await phone.send(tree_frame(rnd, v.bonus, reference[done:done + v.node_budget]))
+        v = await phone.recv()
+        assert list(v.tokens) == reference[done:done + len(v.tokens)], (rnd, v.tokens)
+        done, rnd = done + len(v.tokens), rnd + 1
+    assert done == len(reference) and isinstance(await phone.recv(), FinalFrame)
 
 
 def _rounds(server: str) -> float:

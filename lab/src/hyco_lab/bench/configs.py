@@ -233,16 +233,19 @@ def sweep_configs(epsilons=EPS_SWEEP) -> list[BenchConfig]:
 def with_static_budget(config: BenchConfig, budget: int) -> BenchConfig:
     """``config`` verified at ``budget_policy`` static with ``node_budget`` ``budget`` when it is a HyCo
     configuration without a static budget of its own (same name: the report compares like with like; the
-    results record the budget); any other configuration unchanged.
+    results record the budget); any other configuration unchanged. A static budget verifies whole trees, so a
+    ``budget_floor`` is dropped (the server would refuse one above a smaller budget).
 
     >>> with_static_budget(CONFIGS["hyco"], 32).node_budget, with_static_budget(CONFIGS["cloud-mtp"], 32).node_budget
     (32, None)
+    >>> with_static_budget(CONFIGS["hyco-exact-floor4"], 2).budget_floor is None
+    True
     """
     if config.server != "hyco" or config.node_budget is not None:
         return config
     if budget < 1:
         raise ConfigError(f"--node-budget must be a positive number of nodes, got {budget}")
-    return replace(config, node_budget=budget)
+    return replace(config, node_budget=budget, budget_floor=None)
 
 
 def select(names: str | list[str] | None) -> list[BenchConfig]:
